@@ -1,0 +1,35 @@
+"""lightning-spot: train models too large for one GPU on preemptible GPUs with PyTorch Lightning.
+
+    import lightning as L
+    import lightning_spot  # registers strategy="spot_pipeline"
+
+    trainer = L.Trainer(accelerator="gpu", devices=8, strategy="spot_pipeline")
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_spot.data import EpochShuffleSampler
+from lightning_spot.layout import Layout, LayoutError
+from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
+from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
+from lightning_spot.schedules import SCHEDULE_NAMES, resolve_schedule
+from lightning_spot.strategy import SpotPipelineStrategy
+
+__version__ = "0.1.0"
+
+SpotPipelineStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "EpochShuffleSampler",
+    "Layout",
+    "LayoutError",
+    "ModelContractError",
+    "ModelSplit",
+    "SpotPipelineStrategy",
+    "StagePlan",
+    "discover",
+    "even_cuts",
+    "plan_stages",
+    "resolve_schedule",
+]

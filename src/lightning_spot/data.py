@@ -1,0 +1,141 @@
+"""Global batches that survive layout changes: each data-parallel replica loads its share.
+
+    loader = shard_dataloader(loader, dp_rank=1, dp_size=2, divisor=8, seed=0)
+
+The user's DataLoader ``batch_size`` is the *global* batch. Every replica iterates the same
+sequence of global batches (the order depends only on the seed and the epoch, never on the
+layout) and takes its contiguous ``1/D`` slice of each; all pipeline stages of a replica load the
+same slice. ``shuffle=True`` is replaced by a sampler seeded with ``seed + epoch`` (the same rule
+as ``DistributedSampler``), because a ``RandomSampler`` draws from each process's global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
+
+from lightning_spot.layout import LayoutError
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation of ``range(len(data_source))`` that depends only on ``seed + epoch``."""
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        self.num_samples = len(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def valid_global_batches(divisor: int, near: int, count: int = 4) -> list[int]:
+    """Multiples of ``divisor`` close to ``near``, for error messages."""
+    base = max(1, near // divisor)
+    return sorted({divisor * k for k in range(max(1, base - 1), base + count)})[:count]
+
+
+def replica_slice(size: int, dp_rank: int, dp_size: int) -> slice:
+    """The contiguous part of a global batch of ``size`` samples that replica ``dp_rank`` owns."""
+    base, extra = divmod(size, dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return slice(start, start + base + (1 if dp_rank < extra else 0))
+
+
+class ReplicaBatchSampler(Sampler[list[int]]):
+    """Yields this replica's share of every global batch of ``batch_sampler``.
+
+    With ``divisor`` set (training), every global batch must be a multiple of it
+    (``data_parallel x microbatches``) so that all replicas and micro-batches are equal.
+    """
+
+    def __init__(self, batch_sampler: Any, dp_rank: int, dp_size: int, divisor: int | None) -> None:
+        self.batch_sampler = batch_sampler
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.divisor = divisor
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    def set_epoch(self, epoch: int) -> None:
+        for target in (self.batch_sampler, self.sampler):
+            if callable(getattr(target, "set_epoch", None)):
+                target.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            if self.divisor is not None and len(batch) % self.divisor:
+                raise LayoutError(
+                    f"A global batch of {len(batch)} samples cannot be split evenly into {self.dp_size} data-parallel "
+                    f"replicas x {self.divisor // self.dp_size} micro-batches. Use a DataLoader batch_size that is a "
+                    f"multiple of {self.divisor} (e.g. {valid_global_batches(self.divisor, len(batch))}), set "
+                    f"drop_last=True if only the last batch is short, or change `microbatches`."
+                )
+            if len(batch) < self.dp_size:
+                raise LayoutError(
+                    f"A batch of {len(batch)} samples is smaller than the {self.dp_size} data-parallel replicas; "
+                    f"use a larger batch_size or drop_last=True."
+                )
+            yield batch[replica_slice(len(batch), self.dp_rank, self.dp_size)]
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def _layout_free_sampler(sampler: Any, seed: int) -> Any:
+    if isinstance(sampler, RandomSampler) and sampler.generator is None and not sampler.replacement:
+        if sampler._num_samples is None:
+            return EpochShuffleSampler(sampler.data_source, seed)
+    return sampler
+
+
+def shard_dataloader(loader: DataLoader, *, dp_rank: int, dp_size: int, divisor: int | None, seed: int) -> DataLoader:
+    """A copy of ``loader`` that yields this replica's share of each global batch."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(loader.dataset, IterableDataset):
+        raise LayoutError(
+            "spot_pipeline shards map-style datasets by index so that the global batch order does not depend on "
+            "the layout; an IterableDataset cannot be sharded that way. Use a map-style Dataset, or shard the stream "
+            "yourself and wrap it in one."
+        )
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None:
+        raise LayoutError(
+            "spot_pipeline needs a DataLoader with a batch size (batch_size=None is not supported): "
+            "its batch_size is the global batch that the layout splits into replicas and micro-batches."
+        )
+    if type(batch_sampler) is BatchSampler:
+        batch_sampler = BatchSampler(
+            _layout_free_sampler(batch_sampler.sampler, seed), batch_sampler.batch_size, batch_sampler.drop_last
+        )
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(
+        loader.dataset, batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor), **kwargs
+    )

@@ -1,0 +1,98 @@
+"""Gradient bookkeeping around a pipeline step: stash, data-parallel all-reduce, global-norm clipping.
+
+Lightning's automatic optimisation runs ``training_step`` (where the whole pipeline schedule,
+forward *and* backward, runs), then ``zero_grad``, then ``backward``. The schedule's gradients are
+therefore taken aside after the step and added back in ``backward``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+Grads = list[Tensor | None]
+
+
+def take_grads(params: Sequence[Tensor]) -> Grads:
+    """Detach the current ``.grad`` of every parameter, leaving ``None`` behind."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def put_grads(params: Sequence[Tensor], grads: Grads) -> None:
+    """Set ``.grad`` back to what :func:`take_grads` returned."""
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def add_grads(params: Sequence[Tensor], grads: Grads, scale: float = 1.0) -> None:
+    """``p.grad += scale * g`` (or ``p.grad = scale * g`` where there is no gradient yet)."""
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if scale != 1.0:
+            g = g * scale
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
+
+def all_reduce_mean(params: Sequence[Tensor], group: dist.ProcessGroup, bucket_bytes: int = 25 * 2**20) -> None:
+    """Average ``.grad`` over ``group`` in flattened buckets (for schedules whose backward bypasses DDP)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    buckets: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
+    for g in grads:
+        key = (g.dtype, g.device)
+        lists = buckets.setdefault(key, [[]])
+        if lists[-1] and sum(t.numel() * t.element_size() for t in lists[-1]) >= bucket_bytes:
+            lists.append([])
+        lists[-1].append(g)
+    for lists in buckets.values():
+        for bucket in lists:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(synced)
+
+
+def clip_grad_norm_global(
+    params: Sequence[Tensor], max_norm: float, group: dist.ProcessGroup | None, norm_type: float = 2.0
+) -> Tensor:
+    """Clip by the norm over *all* pipeline stages: the local norms are combined over ``group``.
+
+    Data-parallel replicas hold identical (already averaged) gradients, so ``group`` is the
+    pipeline group of this rank; every rank gets the same total norm and clip coefficient.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    if math.isinf(norm_type):
+        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        total = local.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        local = (
+            torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum()
+            if grads
+            else torch.zeros((), device=device)
+        )
+        total = local.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total

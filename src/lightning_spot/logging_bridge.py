@@ -1,0 +1,142 @@
+"""Make ``self.log`` in a pipelined step log the true value on every rank, once per step.
+
+The user's step function runs once per micro-batch and reaches its ``self.log`` calls only on the
+last stage. :class:`LogCapture` records those calls instead of forwarding them; after the schedule,
+:func:`reduce_records` combines them over micro-batches and over the last stage's data-parallel
+replicas, :func:`share_from_last_stage` sends the result to every stage, and :func:`replay` logs it
+on each rank through the real ``LightningModule.log`` (already synchronised, so ``sync_dist`` off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_SYNC_KEYS = ("sync_dist", "sync_dist_group")
+_REDUCE = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+@dataclass
+class LogRecord:
+    name: str
+    value: Tensor
+    weight: float
+    options: dict[str, Any]
+
+
+@dataclass
+class LogCapture:
+    """Collects ``self.log`` calls made while a pipeline step runs."""
+
+    records: list[LogRecord] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def capturing(self, module: torch.nn.Module, weight: float, keep: bool) -> Iterator[None]:
+        """Route ``module.log`` here; keep the records only when ``keep`` (the last stage)."""
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:
+                raise TypeError("spot_pipeline: pass self.log options as keyword arguments")
+            if not keep:
+                return
+            from torchmetrics import Metric
+
+            if isinstance(value, Metric):
+                raise NotImplementedError(
+                    f"self.log({name!r}, <torchmetrics.Metric>) inside a pipelined step is not supported yet: the metric "
+                    f"lives on the last stage only. Log its value instead: `self.log({name!r}, metric(preds, target))`, "
+                    f"or compute it with torchmetrics.functional."
+                )
+            tensor = value.detach() if isinstance(value, Tensor) else torch.tensor(float(value))
+            if tensor.numel() != 1:
+                raise ValueError(f"self.log({name!r}, ...) needs a scalar, got shape {tuple(tensor.shape)}")
+            options = {k: v for k, v in kwargs.items() if k not in _SYNC_KEYS}
+            self.records.append(LogRecord(name, tensor.reshape(()).float(), weight, options))
+
+        had = "log" in module.__dict__
+        saved = module.__dict__.get("log")
+        module.log = log  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if had:
+                module.log = saved  # type: ignore[method-assign]
+            else:
+                del module.log
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+def _reduce_fx(options: dict[str, Any]) -> str:
+    fx = options.get("reduce_fx", "mean")
+    name = fx if isinstance(fx, str) else getattr(fx, "__name__", "mean")
+    return _REDUCE.get(name.lower(), "mean")
+
+
+def reduce_records(
+    records: list[LogRecord], dp_group: dist.ProcessGroup | None, device: torch.device
+) -> dict[str, tuple[float, dict[str, Any]]]:
+    """Combine records over micro-batches (weighted by sample count) and over ``dp_group``.
+
+    Every replica must have logged the same names (they run the same code).
+    """
+    by_name: dict[str, list[LogRecord]] = {}
+    for r in records:
+        by_name.setdefault(r.name, []).append(r)
+    names = sorted(by_name)
+    if not names:
+        return {}
+    sums, weights, maxes, mins = [], [], [], []
+    for n in names:
+        rs = by_name[n]
+        values = torch.stack([r.value for r in rs]).to(device)
+        w = torch.tensor([r.weight for r in rs], device=device, dtype=torch.float32)
+        fx = _reduce_fx(rs[0].options)
+        sums.append((values * w).sum() if fx == "mean" else values.sum())
+        weights.append(w.sum())
+        maxes.append(values.max())
+        mins.append(values.min())
+    packed = torch.stack([torch.stack(sums), torch.stack(weights)])
+    hi, lo = torch.stack(maxes), torch.stack(mins)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(packed, group=dp_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dp_group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dp_group)
+    out: dict[str, tuple[float, dict[str, Any]]] = {}
+    for i, n in enumerate(names):
+        options = by_name[n][0].options
+        fx = _reduce_fx(options)
+        if fx == "mean":
+            value = packed[0, i] / packed[1, i]
+        elif fx == "sum":
+            value = packed[0, i]
+        elif fx == "max":
+            value = hi[i]
+        else:
+            value = lo[i]
+        out[n] = (float(value), options)
+    return out
+
+
+def share_from_last_stage(payload: Any, pp_group: dist.ProcessGroup | None, src_group_rank: int) -> Any:
+    """Broadcast a small Python object from the rank holding the last stage to its pipeline group."""
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return payload
+    box = [payload]
+    dist.broadcast_object_list(box, group=pp_group, group_src=src_group_rank)
+    return box[0]
+
+
+def replay(module: Any, logged: dict[str, tuple[float, dict[str, Any]]], batch_size: int, device: torch.device) -> None:
+    """Log the combined values through the real ``LightningModule.log`` on this rank."""
+    for name, (value, options) in logged.items():
+        opts = dict(options)
+        opts.setdefault("batch_size", batch_size)
+        module.log(name, torch.tensor(value, device=device), sync_dist=False, **opts)

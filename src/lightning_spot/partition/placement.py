@@ -1,0 +1,156 @@
+"""Keep only this rank's stages of a LightningModule, materialised on its device.
+
+    stages = place_stages(module, split, plan, pp_rank=1, device=torch.device("cuda:1"))
+    module.state_dict().keys()      # only the parameters of stages on pp rank 1, original names
+
+Everything else is swapped for placeholders that own no tensors: layers of other stages pass their
+input through, modules of other stages compute on the meta device. Modules built on the meta device
+(``configure_model`` / ``init_module(empty_init=True)``) are materialised here with
+``reset_parameters()`` under a seed derived from the module's name, so the initial weights do not
+depend on the layout.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_spot.partition.cuts import StagePlan
+from lightning_spot.partition.discovery import ModelContractError, ModelSplit
+from lightning_spot.stage_run import RemoteModule, SkippedLayer, instrument_layer
+
+
+@dataclass
+class PlacedStage:
+    """The modules and loose parameters one pipeline stage owns on this rank."""
+
+    stage: int
+    modules: list[nn.Module] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+def _resolve(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    *parents, leaf = fqn.split(".")
+    parent = root
+    for part in parents:
+        parent = parent._modules[part]  # type: ignore[assignment]
+    return parent, leaf
+
+
+def stage_of_parameter(name: str, split: ModelSplit, plan: StagePlan) -> int | None:
+    """The stage that owns parameter ``name`` (a fully qualified name), or None if replicated."""
+    prefix = split.layers_path + "."
+    if name.startswith(prefix):
+        layer = name[len(prefix) :].split(".", 1)[0]
+        return plan.stage_of_layer(split.layer_names.index(layer))
+    if name in split.first_direct_params or any(name.startswith(m + ".") for m in split.first_modules):
+        return 0
+    if any(name.startswith(m + ".") for m in split.last_modules):
+        return plan.num_stages - 1
+    return None
+
+
+def check_shared_parameters(module: nn.Module, split: ModelSplit, plan: StagePlan) -> None:
+    """Raise if one parameter object is used by modules on two different stages (e.g. tied embeddings)."""
+    owners: dict[int, tuple[str, int]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        stage = stage_of_parameter(name, split, plan)
+        if stage is None:
+            continue
+        seen = owners.setdefault(id(param), (name, stage))
+        if seen[1] != stage:
+            raise ModelContractError(
+                f"Parameter `{seen[0]}` (stage {seen[1]}) is the same tensor as `{name}` (stage {stage}), "
+                f"e.g. tied input/output embeddings. Pipeline stages live on different devices and cannot share "
+                f"a tensor. Untie them (give the head its own weight), move both modules to one stage with "
+                f"`cuts=` / `first_stage_modules=` / `last_stage_modules=`, or train with pipeline_stages=1."
+            )
+
+
+def _stable_seed(base: int, fqn: str) -> int:
+    return zlib.crc32(f"{base}:{fqn}".encode()) & 0x7FFFFFFF
+
+
+def _materialize(module: nn.Module, fqn: str, device: torch.device, seed: int) -> None:
+    """Allocate meta tensors of ``module`` on ``device`` and initialise them with ``reset_parameters``."""
+    for sub_name, sub in module.named_modules(prefix=fqn):
+        direct = [*sub._parameters.values(), *sub._buffers.values()]
+        if not any(t is not None and t.is_meta for t in direct):
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if not callable(reset):
+            raise ModelContractError(
+                f"Module `{sub_name or type(sub).__name__}` ({type(sub).__name__}) was created on the meta device "
+                f"but defines no `reset_parameters()`, so its tensors cannot be initialised on the stage that owns "
+                f"it. Add a `reset_parameters()` method, or create this module outside `configure_model`."
+            )
+        sub.to_empty(device=device, recurse=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_stable_seed(seed, sub_name))
+            reset()
+
+
+def place_stages(
+    module: nn.Module,
+    split: ModelSplit,
+    plan: StagePlan,
+    *,
+    pp_rank: int,
+    device: torch.device,
+    seed: int = 0,
+) -> dict[int, PlacedStage]:
+    """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns."""
+    check_shared_parameters(module, split, plan)
+    local = plan.stages_of_rank(pp_rank)
+    last = plan.num_stages - 1
+    placed = {s: PlacedStage(s) for s in local}
+    seq = module.get_submodule(split.layers_path)
+
+    for index, name in enumerate(split.layer_names):
+        stage = plan.stage_of_layer(index)
+        fqn = split.layer_fqn(index)
+        if stage in placed:
+            placed[stage].modules.append(seq._modules[name])  # type: ignore[arg-type]
+        else:
+            seq._modules[name] = SkippedLayer(fqn)
+
+    for fqns, stage, owner in ((split.first_modules, 0, "first"), (split.last_modules, last, "last")):
+        for fqn in fqns:
+            parent, leaf = _resolve(module, fqn)
+            if stage in placed:
+                placed[stage].modules.append(parent._modules[leaf])  # type: ignore[arg-type]
+            else:
+                parent._modules[leaf] = RemoteModule(fqn, parent._modules[leaf], owner)  # type: ignore[arg-type]
+
+    for fqn in split.first_direct_params:
+        parent, leaf = _resolve(module, fqn)
+        param = parent._parameters[leaf]
+        assert param is not None
+        if 0 in placed:
+            placed[0].params.append(param)
+        else:
+            del parent._parameters[leaf]
+            object.__setattr__(parent, leaf, torch.empty_like(param, device="meta"))
+
+    _materialize(module, "", device, seed)
+    module.to(device)
+    # materialisation replaced parameter objects: collect the live ones again
+    for stage in placed.values():
+        if stage.params:
+            live = dict(module.named_parameters())
+            stage.params = [live[f] for f in split.first_direct_params]
+
+    for stage in local:
+        rng = plan.layers_of(stage)
+        for index in rng:
+            instrument_layer(
+                seq._modules[split.layer_names[index]],  # type: ignore[arg-type]
+                split.layer_fqn(index),
+                stage,
+                first=index == rng.start,
+                last=index == rng.stop - 1,
+            )
+    return placed

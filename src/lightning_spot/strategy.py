@@ -1,0 +1,406 @@
+"""``SpotPipelineStrategy``: pipeline x data-parallel training for unchanged LightningModules.
+
+    trainer = L.Trainer(accelerator="gpu", devices=8, strategy="spot_pipeline")
+    trainer = L.Trainer(strategy=SpotPipelineStrategy(pipeline_stages=4, microbatches=8, schedule="1F1B"))
+
+This class is Lightning glue only; the work happens in ``layout`` (P x D groups),
+``partition`` (layer discovery, cuts, placement), ``pipeline`` (stages, schedules, steps),
+``data`` (global-batch sharding), ``grads`` and ``logging_bridge``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_spot.data import shard_dataloader
+from lightning_spot.grads import clip_grad_norm_global
+from lightning_spot.layout import Layout, LayoutError, StagesArg
+from lightning_spot.partition.cuts import plan_stages
+from lightning_spot.partition.discovery import ModelContractError, discover
+from lightning_spot.pipeline import ParallelContext, PipelineEngine
+from lightning_spot.schedules import resolve_schedule
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.accelerators import Accelerator
+    from torch.distributed.device_mesh import DeviceMesh
+
+_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
+
+
+class SpotPipelineStrategy(ParallelStrategy):
+    """Split a LightningModule's layer sequence into pipeline stages and replicate the pipeline.
+
+    Args:
+        pipeline_stages: pipeline depth P; ``"auto"`` picks the deepest pipeline that fits the world
+            size and the number of layers. The data-parallel width is D = world size / P.
+        microbatches: micro-batches per replica and step; ``"auto"`` uses at least 2 x P. The
+            DataLoader's ``batch_size`` is the global batch: it must be divisible by D x microbatches.
+        schedule: a ``torch.distributed.pipelining`` schedule name, any case: ``GPipe``, ``1F1B``,
+            ``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``.
+        stages_per_rank: stages per rank for the looped schedules (default 2).
+        cuts: explicit stage boundaries (index of the first layer of each stage but the first);
+            default: an even split.
+        layers: dotted attribute path of the layer sequence (``nn.Sequential`` / ``nn.ModuleList``).
+        first_stage_modules / last_stage_modules: override where modules beside the sequence go.
+        find_unused_parameters: passed to DDP for the data-parallel gradient sync.
+        process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
+        timeout: collective timeout; a crashed peer makes the others fail after this long.
+    """
+
+    strategy_name = "spot_pipeline"
+
+    def __init__(
+        self,
+        pipeline_stages: StagesArg = "auto",
+        microbatches: Union[int, Literal["auto"]] = "auto",
+        schedule: str = "1F1B",
+        stages_per_rank: Optional[int] = None,
+        cuts: Optional[Sequence[int]] = None,
+        layers: str = "layers",
+        first_stage_modules: Sequence[str] = (),
+        last_stage_modules: Sequence[str] = (),
+        find_unused_parameters: bool = False,
+        accelerator: Optional["Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
+            raise LayoutError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
+        self.schedule_spec = resolve_schedule(schedule, stages_per_rank)
+        self._pipeline_stages = pipeline_stages
+        self._microbatches = microbatches
+        self._cuts = list(cuts) if cuts is not None else None
+        self._layers = layers
+        self._first_stage_modules = tuple(first_stage_modules)
+        self._last_stage_modules = tuple(last_stage_modules)
+        self._ddp_kwargs = {"find_unused_parameters": find_unused_parameters}
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._layout: Optional[Layout] = None
+        self.engine: Optional[PipelineEngine] = None
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Pipeline x data parallelism for preemptible GPUs (lightning-spot)"
+            )
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("The pipeline layout is known once the strategy has been set up.")
+        return self._layout
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once processes have initialised.")
+        return self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.layout.data_parallel, "rank": self.layout.dp_rank(self.global_rank)}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    # -------------------------------------------------------------- environment
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        init = torch.device("meta") if empty_init else nullcontext()
+        with init, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device; each rank materialises only its stages."""
+        with torch.device("meta"):
+            yield
+
+    # -------------------------------------------------------------------- setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        self._check_supported(trainer, module)
+        if self.engine is None:
+            self.engine = self._build_engine(module)
+        # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
+        trainer._accelerator_connector.use_distributed_sampler = False
+        self.model = module
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._route_gradient_clipping()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_supported(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
+        if not module.automatic_optimization:
+            raise ModelContractError(
+                "spot_pipeline runs forward and backward of all micro-batches inside one pipeline schedule, so it "
+                "needs automatic optimization; remove `self.automatic_optimization = False` / manual_backward."
+            )
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if precision not in _SUPPORTED_PRECISION:
+            raise LayoutError(
+                f"precision={precision!r} is not supported by spot_pipeline (fp16 needs a loss scaler across "
+                f"stages). Use one of {list(_SUPPORTED_PRECISION)}, e.g. 'bf16-mixed'."
+            )
+
+    def _build_engine(self, module: "pl.LightningModule") -> PipelineEngine:
+        split = discover(
+            module,
+            self._layers,
+            first_stage_modules=self._first_stage_modules,
+            last_stage_modules=self._last_stage_modules,
+        )
+        spec = self.schedule_spec
+        layout = Layout.for_world(
+            self.world_size, self._pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank
+        )
+        plan = plan_stages(
+            split.num_layers,
+            layout.pipeline_stages,
+            stages_per_rank=spec.stages_per_rank,
+            style=spec.style,
+            cuts=self._cuts,
+        )
+        self._layout = layout
+        if _distributed_is_initialized():
+            self._device_mesh = layout.device_mesh(self.root_device.type)
+            pp_group, dp_group = self._device_mesh.get_group("pp"), self._device_mesh.get_group("dp")
+        else:
+            pp_group = dp_group = None
+        ctx = ParallelContext(
+            layout=layout,
+            pp_rank=layout.pp_rank(self.global_rank),
+            dp_rank=layout.dp_rank(self.global_rank),
+            pp_group=pp_group,
+            dp_group=dp_group,
+            device=self.root_device,
+        )
+        engine = PipelineEngine(
+            module,
+            split,
+            plan,
+            spec,
+            ctx,
+            microbatches=self._microbatches,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            ddp_kwargs=self._ddp_kwargs,
+        )
+        rank_zero_info(
+            f"spot_pipeline: layout {layout} ({layout.pipeline_stages} pipeline stages x {layout.data_parallel} "
+            f"data-parallel replicas), schedule {spec.name}, {plan.num_stages} stages, layer cuts {plan.cuts}"
+        )
+        return engine
+
+    def _route_gradient_clipping(self) -> None:
+        """Clip by the global norm over all stages instead of each rank's local norm."""
+        engine = self.engine
+        assert engine is not None
+        pp_group = engine.ctx.pp_group
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm_global(params, float(clip_val), pp_group)
+
+        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -------------------------------------------------------------------- steps
+    def _engine(self) -> PipelineEngine:
+        if self.engine is None:
+            raise RuntimeError("spot_pipeline has not been set up yet")
+        return self.engine
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        with self.precision_plugin.train_step_context():
+            return self._engine().train_step(args[0], args[1:], kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Put the gradients computed by the schedule in place (Lightning cleared them after the step)."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
+        self._engine().restore_grads(scale=1.0 / accumulate)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._engine().eval_step("validation_step", "eval", args[0], args[1:], kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._engine().eval_step("test_step", "eval", args[0], args[1:], kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._engine().eval_step("predict_step", "predict", args[0], args[1:], kwargs)
+
+    # --------------------------------------------------------------------- data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        engine = self._engine()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        training = trainer is not None and trainer.training
+        divisor = None
+        if training:
+            m = engine.microbatches
+            divisor = self.layout.data_parallel * (m if isinstance(m, int) else 1)
+        return shard_dataloader(
+            dataloader,
+            dp_rank=engine.ctx.dp_rank,
+            dp_size=self.layout.data_parallel,
+            divisor=divisor,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+        )
+
+    # -------------------------------------------------------------- collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

@@ -1,0 +1,79 @@
+"""Tiny LightningModules and data shared by the tests and their worker processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+IN, HIDDEN, OUT = 6, 16, 3
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class TinyPipelineModel(L.LightningModule):
+    """embed -> layers (a Sequential of residual blocks) -> head; MSE loss. An ordinary LightningModule."""
+
+    def __init__(self, num_layers: int = 4, optimizer: str = "adam", lr: float = 0.05, scheduler: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.layers = nn.Sequential(*[Block(HIDDEN) for _ in range(num_layers)])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(torch.relu(self.embed(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self(x)
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        else:
+            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        if self.hparams.scheduler:
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+        return opt
+
+
+def make_dataset(n: int = 64, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    w = torch.randn(IN, OUT, generator=g)
+    return TensorDataset(x, torch.tanh(x @ w))
+
+
+def make_loader(batch_size: int = 16, n: int = 64, shuffle: bool = False, **kwargs: Any) -> DataLoader:
+    return DataLoader(make_dataset(n), batch_size=batch_size, shuffle=shuffle, **kwargs)
+
+
+def make_model(seed: int = 7, **kwargs: Any) -> TinyPipelineModel:
+    torch.manual_seed(seed)
+    return TinyPipelineModel(**kwargs)
