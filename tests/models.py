@@ -77,3 +77,66 @@ def make_loader(batch_size: int = 16, n: int = 64, shuffle: bool = False, **kwar
 def make_model(seed: int = 7, **kwargs: Any) -> TinyPipelineModel:
     torch.manual_seed(seed)
     return TinyPipelineModel(**kwargs)
+
+
+class MetaInitPipelineModel(TinyPipelineModel):
+    """The same network, but built in ``configure_model`` (on the meta device under spot_pipeline)."""
+
+    def __init__(self, num_layers: int = 4, optimizer: str = "adam", lr: float = 0.05, scheduler: bool = False) -> None:
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters(
+            {"num_layers": num_layers, "optimizer": optimizer, "lr": lr, "scheduler": scheduler}
+        )
+        self.num_layers = num_layers
+
+    def configure_model(self) -> None:
+        if hasattr(self, "layers"):
+            return
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.layers = nn.Sequential(*[Block(HIDDEN) for _ in range(self.num_layers)])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+
+class TiedEmbeddingModel(TinyPipelineModel):
+    """Input projection and output projection share one weight: cannot be split across stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, HIDDEN, bias=False))
+        self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN, bias=False), nn.Linear(HIDDEN, OUT))
+        self.head[0].weight = self.embed[1].weight
+
+
+class NoLayersModel(L.LightningModule):
+    """A model whose blocks are not in a layer sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class HeadBeforeLayersModel(TinyPipelineModel):
+    """Registers its head before the layer sequence, so it lands on the wrong stage."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters({"num_layers": 4, "optimizer": "adam", "lr": 0.05, "scheduler": False})
+        self.head = nn.Linear(HIDDEN, OUT)
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.layers = nn.Sequential(*[Block(HIDDEN) for _ in range(4)])
+
+
+class ManualOptimModel(TinyPipelineModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False

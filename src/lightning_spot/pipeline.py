@@ -214,6 +214,14 @@ class _SpotStage(PipelineStage):
             return super()._prepare_backward_infra(*args, **kwargs)
 
 
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    """Replicas keep their own buffers between steps (no broadcast before every micro-batch)."""
+    import inspect
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -255,7 +263,7 @@ class PipelineEngine:
                     m,
                     process_group=ctx.dp_group,
                     device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                    broadcast_buffers=False,
+                    **_no_forward_buffer_sync(),
                     **(ddp_kwargs or {}),
                 )
             else:

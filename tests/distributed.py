@@ -1,0 +1,106 @@
+"""Launch real multi-process jobs (CPU, gloo) from tests, with a hard timeout and cleanup by process id."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerFailure(AssertionError):
+    """A launched worker failed or the job timed out; carries every rank's output."""
+
+    def __init__(self, message: str, logs: list[str]) -> None:
+        super().__init__(message + "\n" + "\n".join(f"----- rank {r} -----\n{log[-6000:]}" for r, log in enumerate(logs)))
+        self.logs = logs
+
+
+def _kill(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def launch(
+    world_size: int,
+    argv: Sequence[str],
+    *,
+    log_dir: Path,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+) -> list[str]:
+    """Run ``python *argv`` as ``world_size`` ranks (Lightning's LOCAL_RANK/WORLD_SIZE protocol).
+
+    Returns each rank's combined output. If any rank fails, the others are killed at once and
+    :class:`WorkerFailure` is raised; the same after ``timeout`` seconds.
+    """
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    files = []
+    try:
+        for rank in range(world_size):
+            rank_env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world_size),
+                "NODE_RANK": "0",
+                "LOCAL_RANK": str(rank),
+                "RANK": str(rank),
+                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+                **(env or {}),
+            }
+            out = open(log_dir / f"rank{rank}.log", "w")
+            files.append(out)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv], env=rank_env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        failed = None
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c == 0 for c in codes):
+                break
+            time.sleep(0.2)
+        timed_out = any(p.poll() is None for p in procs) and failed is None
+        _kill(procs)
+        for f in files:
+            f.close()
+        logs = [(log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)]
+        if failed is not None:
+            raise WorkerFailure(f"rank {failed} exited with code {procs[failed].returncode}", logs)
+        if timed_out:
+            raise WorkerFailure(f"job did not finish within {timeout:.0f}s (hang?)", logs)
+        return logs
+    finally:
+        _kill(procs)
+        for f in files:
+            f.close()

@@ -1,0 +1,94 @@
+"""Compare spot_pipeline runs with a plain single-process Lightning run of the same model and data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.distributed import launch
+from tests.models import MetaInitPipelineModel, make_dataset, make_loader, make_model
+
+WORKER = "tests/workers/run_scenarios.py"
+
+
+def run_scenarios(world_size: int, scenarios: list[dict[str, Any]], tmp: Path, timeout: float = 400) -> dict[str, list[dict]]:
+    """Launch all ``scenarios`` in one ``world_size``-process job; return each scenario's per-rank results."""
+    spec = tmp / "scenarios.json"
+    spec.write_text(json.dumps(scenarios))
+    launch(world_size, [WORKER, str(spec), str(tmp / "out")], log_dir=tmp / "logs", timeout=timeout)
+    results = {}
+    for s in scenarios:
+        results[s["name"]] = [torch.load(tmp / "out" / s["name"] / f"rank{r}.pt") for r in range(world_size)]
+    return results
+
+
+def merged_state(ranks: list[dict], key: str = "state_dict") -> dict[str, torch.Tensor]:
+    """Union of the per-rank state dicts; replicas of a stage must agree exactly."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        for k, v in r[key].items():
+            if k in merged:
+                assert torch.equal(merged[k], v), f"data-parallel replicas disagree on {k}"
+            merged[k] = v
+    return merged
+
+
+def _loader(scenario: dict[str, Any], key: str = "loader") -> DataLoader:
+    kwargs = dict(scenario.get(key, {}))
+    if kwargs.pop("shuffle", False):
+        ds = make_dataset(kwargs.pop("n", 64))
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return DataLoader(ds, sampler=sampler, **kwargs)
+    return make_loader(**kwargs)
+
+
+def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The same scenario as plain single-process Lightning training (strategy='auto', 1 CPU)."""
+    model_kwargs = dict(scenario.get("model", {}))
+    if model_kwargs.pop("meta_init", False):
+        model = MetaInitPipelineModel(**model_kwargs)
+        model.configure_model()
+    else:
+        model = make_model(**model_kwargs)
+    if initial is not None:
+        model.load_state_dict(initial)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"limit_val_batches": 0, **scenario.get("trainer", {})},
+    )
+    val = _loader(scenario, "val_loader") if "val_loader" in scenario else None
+    trainer.fit(model, _loader(scenario), val)
+    out: dict[str, Any] = {
+        "state_dict": model.state_dict(),
+        "initial": start,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+    for stage in scenario.get("after", []):
+        eval_loader = make_loader(**scenario.get("eval_loader", {}))
+        if stage == "validate":
+            out["validate"] = trainer.validate(model, eval_loader, verbose=False)[0]
+        elif stage == "test":
+            out["test"] = trainer.test(model, eval_loader, verbose=False)[0]
+        elif stage == "predict":
+            out["predict"] = trainer.predict(model, eval_loader)
+    return out
+
+
+def assert_same_params(got: dict[str, torch.Tensor], ref: dict[str, Any], atol: float = 1e-5) -> None:
+    want = ref["state_dict"]
+    assert sorted(got) == sorted(want), "the stages together must hold exactly the model's parameters"
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= atol, f"parameters differ from the single-process run by {worst:.3g} (> {atol})"
+    moved = max((want[k] - ref["initial"][k]).abs().max().item() for k in want)
+    assert moved > max(1e-3, 3 * atol), "training did not change the parameters; the comparison would be vacuous"

@@ -1,0 +1,150 @@
+"""Bad input gets an error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, SequentialSampler
+
+from lightning_spot import Layout, LayoutError, ModelContractError, SpotPipelineStrategy, discover, plan_stages
+from lightning_spot.data import ReplicaBatchSampler
+from lightning_spot.partition.placement import check_shared_parameters
+from lightning_spot.schedules import resolve_schedule
+from tests.distributed import WorkerFailure, launch
+from tests.models import NoLayersModel, TiedEmbeddingModel, make_model
+
+
+def test_pipeline_stages_must_divide_world_size() -> None:
+    with pytest.raises(LayoutError, match=r"does not divide the world size 4.*\[1, 2, 4\]"):
+        Layout.for_world(4, 3)
+
+
+def test_auto_layout_uses_the_deepest_pipeline_that_fits() -> None:
+    assert Layout.for_world(8, "auto", num_layers=16) == Layout(8, 1)
+    assert Layout.for_world(8, "auto", num_layers=3) == Layout(2, 4)
+    assert Layout.for_world(6, 3) == Layout(3, 2)
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(LayoutError, match="need at least 4 layers.*has 3"):
+        plan_stages(3, 4)
+    with pytest.raises(LayoutError, match="at least 4 layers"):
+        plan_stages(3, 2, stages_per_rank=2)
+
+
+@pytest.mark.parametrize("cuts", [[2], [3, 2], [0, 2], [2, 6]])
+def test_bad_cuts(cuts: list[int]) -> None:
+    with pytest.raises(LayoutError, match="cuts="):
+        plan_stages(6, 3, cuts=cuts)
+
+
+def test_even_and_explicit_cuts() -> None:
+    assert plan_stages(5, 3).cuts == [2, 4]
+    assert plan_stages(8, 2, stages_per_rank=2).cuts == [2, 4, 6]
+    plan = plan_stages(8, 2, stages_per_rank=2, style="v")
+    assert [plan.stages_of_rank(r) for r in range(2)] == [[0, 3], [1, 2]]
+    assert plan_stages(6, 3, cuts=[1, 5]).bounds == (0, 1, 5, 6)
+
+
+def test_unknown_schedule_lists_the_valid_ones() -> None:
+    with pytest.raises(LayoutError, match="Unknown pipeline schedule 'zigzag'.*GPipe, 1F1B, Interleaved1F1B"):
+        SpotPipelineStrategy(schedule="zigzag")
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical", "per_rank"),
+    [("gpipe", "GPipe", 1), ("1f1b", "1F1B", 1), ("interleaved_1f1b", "Interleaved1F1B", 2), ("ZBV", "ZBVZeroBubble", 2)],
+)
+def test_schedule_names_are_case_insensitive(name: str, canonical: str, per_rank: int) -> None:
+    spec = resolve_schedule(name)
+    assert (spec.name, spec.stages_per_rank) == (canonical, per_rank)
+
+
+def test_bad_microbatches_value() -> None:
+    with pytest.raises(LayoutError, match="microbatches must be"):
+        SpotPipelineStrategy(microbatches=0)
+
+
+def test_missing_layer_sequence_names_the_fix() -> None:
+    with pytest.raises(ModelContractError, match="no submodule 'layers'.*layers='path.to.blocks'"):
+        discover(NoLayersModel())
+    with pytest.raises(ModelContractError, match="is a Linear"):
+        discover(make_model(), "head")
+
+
+def test_discovery_classifies_surrounding_modules() -> None:
+    split = discover(make_model())
+    assert split.first_modules == ("embed",) and split.last_modules == ("head",)
+    assert split.num_layers == 4
+    split = discover(make_model(), last_stage_modules=["embed"])
+    assert split.last_modules == ("head", "embed") and split.first_modules == ()
+
+
+def test_shared_parameter_across_stages() -> None:
+    model = TiedEmbeddingModel()
+    split = discover(model)
+    with pytest.raises(ModelContractError, match=r"embed\.1\.weight.*head\.0\.weight.*Untie"):
+        check_shared_parameters(model, split, plan_stages(split.num_layers, 2))
+    check_shared_parameters(model, split, plan_stages(split.num_layers, 1))  # one stage: fine
+
+
+def test_global_batch_not_divisible_lists_valid_sizes() -> None:
+    batches = BatchSampler(SequentialSampler(range(20)), batch_size=10, drop_last=False)
+    sampler = ReplicaBatchSampler(batches, dp_rank=0, dp_size=2, divisor=4)
+    with pytest.raises(LayoutError, match=r"multiple of 4 \(e\.g\. \[4, 8, 12, 16\]\)"):
+        next(iter(sampler))
+
+
+def test_fp16_mixed_precision_is_refused() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.warns(UserWarning):  # no CUDA here: the scaler warns but is created
+        plugin = MixedPrecision("16-mixed", "cuda")
+    strategy = SpotPipelineStrategy(precision_plugin=plugin)
+    with pytest.raises(LayoutError, match="precision='16-mixed' is not supported.*bf16-mixed"):
+        strategy._check_supported(None, make_model())  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def errors_on_every_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("errors")
+    launch(2, ["tests/workers/expect_errors.py", str(tmp / "out")], log_dir=tmp / "logs", timeout=300)
+    return [json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize(
+    ("name", "pattern"),
+    [
+        ("stages-do-not-divide-world", r"LayoutError: pipeline_stages=3 does not divide the world size 2"),
+        ("more-stages-than-layers", r"LayoutError: 2 pipeline stages .* need at least 2 layers"),
+        ("shared-parameter-across-stages", r"ModelContractError: Parameter `embed.1.weight`"),
+        ("no-layer-sequence", r"ModelContractError: .*no submodule 'layers'"),
+        ("global-batch-not-divisible", r"LayoutError: A global batch of 12 samples .* multiple of 8"),
+        ("manual-optimization", r"ModelContractError: .*needs automatic optimization"),
+    ],
+)
+def test_trainer_reports_bad_input_on_every_rank(errors_on_every_rank: list[dict[str, str]], name: str, pattern: str) -> None:
+    for rank_errors in errors_on_every_rank:
+        assert rank_errors[name] != "no error"
+        assert re.search(pattern, rank_errors[name], flags=re.S), rank_errors[name]
+
+
+def test_module_on_the_wrong_side_of_the_sequence_fails_loudly(tmp_path: Path) -> None:
+    """A head registered before `layers` lands on the first stage; the last stage names the module and the fix."""
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps([{"name": "x", "model": {}, "strategy": {"pipeline_stages": 2}}]))
+    with pytest.raises(WorkerFailure) as info:
+        launch(
+            2,
+            ["tests/workers/run_scenarios.py", str(spec), str(tmp_path / "out")],
+            log_dir=tmp_path / "logs",
+            timeout=120,
+            env={"SPOT_TEST_MODEL": "HeadBeforeLayersModel"},
+        )
+    assert "Module `head` was placed on the first stage but runs on stage 1" in str(info.value)
+    assert "last_stage_modules" in str(info.value)

@@ -1,0 +1,86 @@
+"""Worker: run a list of training scenarios under spot_pipeline and save every rank's results.
+
+    python tests/workers/run_scenarios.py SCENARIOS.json OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_spot import SpotPipelineStrategy
+from tests.models import MetaInitPipelineModel, make_loader, make_model
+
+
+class RecordInitial(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+WORLD = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
+
+
+def run(scenario: dict[str, Any], out: Path) -> None:
+    world = WORLD
+    model_kwargs = dict(scenario.get("model", {}))
+    if os.environ.get("SPOT_TEST_MODEL"):
+        import tests.models
+
+        model = getattr(tests.models, os.environ["SPOT_TEST_MODEL"])(**model_kwargs)
+    elif model_kwargs.pop("meta_init", False):
+        torch.manual_seed(7)
+        model = MetaInitPipelineModel(**model_kwargs)
+    else:
+        model = make_model(**model_kwargs)
+    strategy = SpotPipelineStrategy(timeout=timedelta(seconds=90), **scenario.get("strategy", {}))
+    record = RecordInitial()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[record],
+        **{"limit_val_batches": 0, **scenario.get("trainer", {})},
+    )
+    loader = make_loader(**scenario.get("loader", {}))
+    val = make_loader(**scenario["val_loader"]) if "val_loader" in scenario else None
+    trainer.fit(model, loader, val)
+    result: dict[str, Any] = {
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "initial": record.state,
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "layout": str(strategy.layout),
+        "cuts": strategy.engine.plan.cuts,
+    }
+    for stage in scenario.get("after", []):
+        eval_loader = make_loader(**scenario.get("eval_loader", {}))
+        if stage == "validate":
+            result["validate"] = trainer.validate(model, eval_loader, verbose=False)[0]
+        elif stage == "test":
+            result["test"] = trainer.test(model, eval_loader, verbose=False)[0]
+        elif stage == "predict":
+            result["predict"] = trainer.predict(model, eval_loader)
+    target = out / scenario["name"]
+    target.mkdir(parents=True, exist_ok=True)
+    torch.save(result, target / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    scenarios = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    for scenario in scenarios:
+        run(scenario, out)
+
+
+if __name__ == "__main__":
+    main()
