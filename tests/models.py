@@ -140,3 +140,31 @@ class ManualOptimModel(TinyPipelineModel):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+
+
+class TinyDataModule(L.LightningDataModule):
+    """The tests' regression data as a DataModule (for LightningCLI configs)."""
+
+    def __init__(self, batch_size: int = 16, n: int = 64) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.n = n
+
+    def train_dataloader(self) -> DataLoader:
+        return make_loader(batch_size=self.batch_size, n=self.n)
+
+
+class SaveFinalState(L.Callback):
+    """Saves every rank's parameters at the end of fit (used to check CLI runs)."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import os
+
+        os.makedirs(self.dirpath, exist_ok=True)
+        torch.save(
+            {"state_dict": pl_module.state_dict(), "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+            os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
+        )

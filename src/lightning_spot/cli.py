@@ -1,0 +1,50 @@
+"""The ``lightning-spot`` command.
+
+    lightning-spot fit --config config.yaml      # LightningCLI, with strategy: spot_pipeline available
+    lightning-spot validate|test|predict ...
+
+The LightningCLI subcommands import ``lightning_spot`` first, so that ``strategy: spot_pipeline``
+works in YAML without any import in the user's code. The model and data are given by
+``class_path`` in the config (``model: {class_path: my_pkg.MyModule, init_args: {...}}``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.yaml] [LightningCLI options]
+
+Train with PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a SpotPipelineStrategy class_path)
+works in the YAML. Run `lightning-spot fit --help` for every option.
+"""
+
+
+def lightning_cli(argv: Sequence[str]) -> None:
+    """Run LightningCLI with ``argv`` after registering the spot_pipeline strategy."""
+    try:
+        from lightning.pytorch.cli import LightningCLI
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise SystemExit(f"{err}\nThe CLI needs the 'cli' extra: pip install 'lightning-spot[cli]'") from err
+
+    import lightning_spot  # noqa: F401  registers "spot_pipeline"
+
+    LightningCLI(args=list(argv), save_config_kwargs={"overwrite": True})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if args[0] in LIGHTNING_SUBCOMMANDS:
+        lightning_cli(args)
+        return 0
+    print(f"lightning-spot: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
