@@ -49,6 +49,19 @@ WORLD_4 = [
         after=["validate", "test", "predict"],
     ),
     scenario("P2D2-meta-init", strategy={"pipeline_stages": 2, "microbatches": 2}, model={"meta_init": True}),
+    # Lightning's own ModelCheckpoint writes sharded checkpoints; fit(ckpt_path=...) resumes on another layout
+    scenario(
+        "P2D2-ModelCheckpoint-epoch1",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        trainer={"max_steps": -1, "max_epochs": 1},
+        checkpoint=True,
+    ),
+    scenario(
+        "P4D1-resume-from-P2D2-epoch2",
+        strategy={"pipeline_stages": 4, "microbatches": 4, "schedule": "gpipe"},
+        trainer={"max_steps": -1, "max_epochs": 2},
+        resume={"from": "P2D2-ModelCheckpoint-epoch1", "file": "epoch=0-step=4.ckpt"},
+    ),
 ]
 WORLD_2 = [
     scenario("P2D1-1F1B-sgd", strategy={"pipeline_stages": 2, "microbatches": 4}, model={"optimizer": "sgd"}),
@@ -106,6 +119,11 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
     if ranks[0]["layout"].startswith(("P2", "P3", "P4")):
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
+
+    if case.get("checkpoint"):
+        files = ranks[0]["checkpoint_files"]
+        assert "epoch=0-step=4.ckpt/.metadata" in files and "epoch=0-step=4.ckpt/lightning_state.pt" in files
+        assert any(f.startswith("epoch=0-step=4.ckpt/") and f.endswith(".distcp") for f in files)
 
     if "validate" in case.get("after", []):
         for r in ranks:

@@ -14,6 +14,7 @@ from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
 from lightning_spot.schedules import SCHEDULE_NAMES, resolve_schedule
 from lightning_spot.strategy import SpotPipelineStrategy
+from lightning_spot.throughput import PipelineThroughput
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "LayoutError",
     "ModelContractError",
     "ModelSplit",
+    "PipelineThroughput",
     "SpotPipelineStrategy",
     "StagePlan",
     "discover",

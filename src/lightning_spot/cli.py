@@ -10,6 +10,7 @@ works in YAML without any import in the user's code. The model and data are give
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +31,10 @@ def lightning_cli(argv: Sequence[str]) -> None:
         raise SystemExit(f"{err}\nThe CLI needs the 'cli' extra: pip install 'lightning-spot[cli]'") from err
 
     import lightning_spot  # noqa: F401  registers "spot_pipeline"
+
+    # like `python -m`, let class_path entries name modules of the current directory
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
     LightningCLI(args=list(argv), save_config_kwargs={"overwrite": True})
 

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_spot.checkpoint import sharded
 from lightning_spot.data import shard_dataloader
 from lightning_spot.grads import clip_grad_norm_global
 from lightning_spot.layout import Layout, LayoutError, StagesArg
@@ -370,6 +371,50 @@ class SpotPipelineStrategy(ParallelStrategy):
             divisor=divisor,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
         )
+
+    # ------------------------------------------------------------- checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        return sharded.optimizer_state(self.lightning_module, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a sharded checkpoint directory at ``filepath`` (what ModelCheckpoint asks for)."""
+        if storage_options is not None:
+            raise TypeError("spot_pipeline writes sharded checkpoints itself; storage_options are not supported here")
+        path = self.broadcast(str(filepath))
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        sharded.save_sharded(path, checkpoint["state_dict"], checkpoint.get("optimizer_states", []), extra)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded checkpoint written on any layout onto this one."""
+        assert self.lightning_module is not None
+        path = self.broadcast(str(checkpoint_path))
+        return sharded.load_sharded(path, self.lightning_module, [o for o in self.optimizers])
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # done in load_checkpoint, resharded by parameter name
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # done in load_checkpoint
 
     # -------------------------------------------------------------- collectives
     @override

@@ -41,20 +41,29 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         model = make_model(**model_kwargs)
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=90), **scenario.get("strategy", {}))
     record = RecordInitial()
+    callbacks: list[L.Callback] = [record]
+    target = out / scenario["name"]
+    if scenario.get("checkpoint"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=target / "ckpts", save_top_k=-1, every_n_epochs=1))
+    ckpt_path = None
+    if "resume" in scenario:
+        ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
         strategy=strategy,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(scenario.get("checkpoint")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[record],
+        callbacks=callbacks,
         **{"limit_val_batches": 0, **scenario.get("trainer", {})},
     )
     loader = make_loader(**scenario.get("loader", {}))
     val = make_loader(**scenario["val_loader"]) if "val_loader" in scenario else None
-    trainer.fit(model, loader, val)
+    trainer.fit(model, loader, val, ckpt_path=ckpt_path)
     result: dict[str, Any] = {
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "initial": record.state,
@@ -62,6 +71,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
     }
+    if scenario.get("checkpoint"):
+        result["checkpoint_files"] = sorted(str(p.relative_to(target / "ckpts")) for p in (target / "ckpts").rglob("*"))
     for stage in scenario.get("after", []):
         eval_loader = make_loader(**scenario.get("eval_loader", {}))
         if stage == "validate":
@@ -70,7 +81,6 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             result["test"] = trainer.test(model, eval_loader, verbose=False)[0]
         elif stage == "predict":
             result["predict"] = trainer.predict(model, eval_loader)
-    target = out / scenario["name"]
     target.mkdir(parents=True, exist_ok=True)
     torch.save(result, target / f"rank{trainer.global_rank}.pt")
 

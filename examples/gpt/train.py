@@ -1,0 +1,86 @@
+"""Train the small GPT on the bundled text with spot_pipeline.
+
+    python examples/gpt/train.py                      # 4 CPU processes: 2 pipeline stages x 2 replicas
+    python examples/gpt/train.py --accelerator gpu --devices 8 --pipeline-stages 4 --n-layer 12
+
+Lightning launches the worker processes itself; under torchrun it uses the ones torchrun started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning as L
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere in the repo
+
+from examples.gpt.data import ByteTextDataModule  # noqa: E402
+from examples.gpt.model import TinyGPT  # noqa: E402
+from lightning_spot import PipelineThroughput, SpotPipelineStrategy  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--pipeline-stages", default="2", help="P, or 'auto'")
+    p.add_argument("--microbatches", default="4", help="micro-batches per replica and step, or 'auto'")
+    p.add_argument("--schedule", default="1F1B")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch (any layout)")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--max-steps", type=int, default=120)
+    p.add_argument("--val-every", type=int, default=40)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--root", default="runs/gpt", help="logs and checkpoints")
+    p.add_argument("--seed", type=int, default=42)
+    return p.parse_args(argv)
+
+
+def _int_or_auto(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    L.seed_everything(args.seed, verbose=False)
+    model = TinyGPT(
+        block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head, max_steps=args.max_steps
+    )
+    data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
+    throughput = PipelineThroughput(tokens_per_sample=args.block_size)
+    strategy = SpotPipelineStrategy(
+        pipeline_stages=_int_or_auto(args.pipeline_stages),
+        microbatches=_int_or_auto(args.microbatches),
+        schedule=args.schedule,
+    )
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None,
+        log_every_n_steps=10,
+        default_root_dir=args.root,
+        callbacks=[throughput],
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, data)
+    summary = {**throughput.summary(), **{k: float(v) for k, v in trainer.callback_metrics.items()}}
+    if trainer.is_global_zero:
+        print(
+            f"done: layout {strategy.layout}, train_loss {summary.get('train_loss', float('nan')):.3f}, "
+            f"val_loss {summary.get('val_loss', float('nan')):.3f}, val_ppl {summary.get('val_ppl', float('nan')):.2f}, "
+            f"{summary.get('samples_per_sec', 0):.1f} samples/s, {summary.get('tokens_per_sec', 0):.0f} tokens/s"
+        )
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (once) and run the demo or the test suite.
+#
+#   bash scripts/quickstart.sh demo    # train the example GPT on 4 CPU processes (P2 x D2)
+#   bash scripts/quickstart.sh test    # the whole test suite
+#
+# torch is installed first, pinned, so that pip never pulls a multi-GB CUDA build by accident.
+# Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" PIP_INDEX_URL=...), VENV, PYTHON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+what="${1:-}"
+shift || true
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "quickstart: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local py="$VENV/bin/python"
+  if ! "$py" -c "import torch" >/dev/null 2>&1; then
+    echo "quickstart: installing $TORCH_SPEC"
+    "$py" -m pip install --quiet "$TORCH_SPEC"
+  fi
+  if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse" >/dev/null 2>&1; then
+    echo "quickstart: installing lightning-spot with its test extras"
+    "$py" -m pip install --quiet -e ".[test]"
+  fi
+}
+
+case "$what" in
+  demo)
+    setup
+    exec "$VENV/bin/python" examples/gpt/train.py "$@"
+    ;;
+  test)
+    setup
+    exec "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  *)
+    echo "usage: bash scripts/quickstart.sh {demo|test} [extra args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,1 @@
+"""Sharded checkpoints of pipeline-parallel models (see ``sharded``)."""
