@@ -73,6 +73,12 @@ WORLD_2 = [
     scenario("P2D1-DualPipeV-sgd", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "DualPipeV"}, model={"optimizer": "sgd"}),
     scenario("P1D2-LoopedBFS-adam", strategy={"pipeline_stages": 1, "microbatches": 2, "schedule": "loopedbfs"}),
     scenario(
+        "P2D1-loss-hook-dict-batches",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "LossHookModel"},
+        loader={"batch_size": 16, "n": 64, "dict_batches": True},
+    ),
+    scenario(
         "P2D1-bf16-mixed",
         strategy={"pipeline_stages": 2, "microbatches": 4},
         trainer={"precision": "bf16-mixed"},

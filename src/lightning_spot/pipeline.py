@@ -120,7 +120,23 @@ class StepRunner:
         return tree_map(take, self.batch)
 
     def _call(self, micro_batch: Any) -> Any:
+        if self.mode == "train" and callable(getattr(self.module, "pipeline_loss", None)):
+            return self._call_loss_hook(micro_batch)
         return getattr(self.module, self.fn_name)(micro_batch, *self.step_args, **self.step_kwargs)
+
+    def _call_loss_hook(self, micro_batch: Any) -> Any:
+        """The module's own loss hook: ``pipeline_loss(self(*pipeline_inputs(batch)), batch)``."""
+        module = self.module
+        make_inputs = getattr(module, "pipeline_inputs", None)
+        if callable(make_inputs):
+            inputs = make_inputs(micro_batch)
+        elif isinstance(micro_batch, (tuple, list)):
+            inputs = micro_batch[:1]
+        else:
+            inputs = (micro_batch,)
+        if not isinstance(inputs, (tuple, list)):
+            inputs = (inputs,)
+        return module.pipeline_loss(module(*inputs), micro_batch)
 
     def stage_forward(self, stage: int, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         idx = args[-1]

@@ -1,0 +1,67 @@
+"""Global batches do not depend on the layout: each replica loads its share of the same sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, TensorDataset
+
+from lightning_spot.data import EpochShuffleSampler, replica_slice, shard_dataloader
+
+
+def _dataset(n: int = 40) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+def _global_batches(dp_size: int, epoch: int, shuffle: bool = True) -> list[list[int]]:
+    """Rebuild the global batches from what every replica loads."""
+    loaders = [
+        shard_dataloader(
+            DataLoader(_dataset(), batch_size=8, shuffle=shuffle), dp_rank=r, dp_size=dp_size, divisor=dp_size, seed=3
+        )
+        for r in range(dp_size)
+    ]
+    for loader in loaders:
+        loader.batch_sampler.set_epoch(epoch)
+    per_replica = [[b[0].tolist() for b in loader] for loader in loaders]
+    return [sum((per_replica[r][i] for r in range(dp_size)), []) for i in range(len(per_replica[0]))]
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_global_batch_sequence_is_independent_of_data_parallel_width(epoch: int) -> None:
+    one = _global_batches(1, epoch)
+    assert _global_batches(2, epoch) == one
+    assert _global_batches(4, epoch) == one
+    # same permutation rule as DistributedSampler(num_replicas=1, seed=...)
+    reference = DistributedSampler(_dataset(), num_replicas=1, rank=0, shuffle=True, seed=3)
+    reference.set_epoch(epoch)
+    assert sum(one, []) == list(reference)
+
+
+def test_shuffle_changes_with_epoch_and_seed() -> None:
+    assert _global_batches(2, 0) != _global_batches(2, 1)
+    a, b = EpochShuffleSampler(range(50), seed=1), EpochShuffleSampler(range(50), seed=2)
+    assert list(a) != list(b) and sorted(a) == list(range(50))
+
+
+def test_replicas_load_disjoint_contiguous_shares() -> None:
+    shares = [replica_slice(10, r, 3) for r in range(3)]
+    assert [(s.start, s.stop) for s in shares] == [(0, 4), (4, 7), (7, 10)]
+
+
+def test_user_samplers_are_kept() -> None:
+    loader = DataLoader(_dataset(), batch_size=8, sampler=SequentialSampler(range(40)))
+    sharded = shard_dataloader(loader, dp_rank=1, dp_size=2, divisor=None, seed=0)
+    assert isinstance(sharded.batch_sampler.batch_sampler.sampler, SequentialSampler)
+    assert [b[0].tolist() for b in sharded][0] == [4, 5, 6, 7]
+
+
+def test_iterable_datasets_are_refused_with_a_reason() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[override]
+            yield from range(10)
+
+    from lightning_spot import LayoutError
+
+    with pytest.raises(LayoutError, match="IterableDataset cannot be sharded"):
+        shard_dataloader(DataLoader(Stream(), batch_size=2), dp_rank=0, dp_size=2, divisor=None, seed=0)

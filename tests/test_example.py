@@ -1,0 +1,56 @@
+"""The example GPT trains (loss falls) as a script and through LightningCLI, with Lightning's own launcher."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.distributed import REPO
+
+
+def run_with_lightning_launcher(argv: list[str], timeout: float = 240) -> str:
+    """Run a command that lets Lightning start its worker processes; kill the whole group on timeout."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s:\n{out[-5000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-8000:]
+    return out
+
+
+def test_example_script_trains(tmp_path: Path) -> None:
+    out = run_with_lightning_launcher(
+        [sys.executable, "examples/gpt/train.py", "--devices", "2", "--max-steps", "8", "--val-every", "4",
+         "--microbatches", "2", "--root", str(tmp_path)]
+    )
+    line = re.search(r"done: layout (\S+), train_loss ([\d.]+), val_loss ([\d.]+), val_ppl ([\d.]+), ([\d.]+) samples/s", out)
+    assert line, out[-3000:]
+    layout, train_loss, val_loss, val_ppl, samples = line.groups()
+    assert layout == "P2xD1"
+    assert float(train_loss) < 5.2  # ln(256) = 5.55 at the start: it learned something
+    assert 1.0 < float(val_ppl) < 256
+    assert float(samples) > 0
+
+
+def test_example_lightning_cli_config(tmp_path: Path) -> None:
+    exe = str(Path(sys.executable).parent / "lightning-spot")
+    out = run_with_lightning_launcher(
+        [exe, "fit", "--config", "examples/gpt/config.yaml", "--trainer.devices", "2", "--trainer.max_steps", "6",
+         "--trainer.val_check_interval", "3", "--model.max_steps", "6", "--trainer.default_root_dir", str(tmp_path)]
+    )
+    assert "spot_pipeline: layout P2xD1" in out
+    assert re.search(r"throughput \(P2xD1\): [\d.]+ samples/s, \d+ tokens/s", out), out[-3000:]
+    assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").is_file()
