@@ -269,26 +269,33 @@ class PipelineEngine:
         placed = place_stages(module, split, plan, pp_rank=ctx.pp_rank, device=ctx.device, seed=seed)
         self.local_stages = sorted(placed)
         self.stage_modules = {s: StageModule(placed[s], self.runner) for s in self.local_stages}
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        D = ctx.layout.data_parallel
-        self.use_ddp = D > 1 and not spec.splits_backward
-        self.train_modules: dict[int, nn.Module] = {}
-        for s, m in self.stage_modules.items():
-            if self.use_ddp and any(p.requires_grad for p in m.parameters()):
-                self.train_modules[s] = DistributedDataParallel(
-                    m,
-                    process_group=ctx.dp_group,
-                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                    **_no_forward_buffer_sync(),
-                    **(ddp_kwargs or {}),
-                )
-            else:
-                self.train_modules[s] = m
+        self.train_modules: dict[int, nn.Module] = dict(self.stage_modules)
+        self.params: list[nn.Parameter] = []
+        self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
         self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: Grads | None = None
         self.last_microbatches: int | None = None
+
+    def wrap_data_parallel(self) -> None:
+        """Sync gradients across replicas: DDP per stage (overlapped with the last backward), except for
+        schedules that compute weight gradients outside autograd's hooks (averaged after the step).
+
+        Call once the parameters have their final dtype and device.
+        """
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.ctx.layout.data_parallel == 1 or self.spec.splits_backward:
+            return
+        for s, m in self.stage_modules.items():
+            if any(p.requires_grad for p in m.parameters()):
+                self.train_modules[s] = DistributedDataParallel(
+                    m,
+                    process_group=self.ctx.dp_group,
+                    device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
+                    **_no_forward_buffer_sync(),
+                    **self.ddp_kwargs,
+                )
 
     # ----------------------------------------------------------------- schedules
     def _build(self, mode: Mode, n_microbatches: int) -> Any:

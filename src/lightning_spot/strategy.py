@@ -45,6 +45,7 @@ from lightning_spot.grads import clip_grad_norm_global
 from lightning_spot.layout import Layout, LayoutError, StagesArg
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelContractError, discover
+from lightning_spot.partition.placement import placement_of
 from lightning_spot.pipeline import ParallelContext, PipelineEngine
 from lightning_spot.schedules import resolve_schedule
 
@@ -225,6 +226,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._check_supported(trainer, module)
         if self.engine is None:
             self.engine = self._build_engine(module)
+            self.precision_plugin.convert_module(module)
+            self.engine.wrap_data_parallel()
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
@@ -249,11 +252,16 @@ class SpotPipelineStrategy(ParallelStrategy):
             )
 
     def _build_engine(self, module: "pl.LightningModule") -> PipelineEngine:
-        split = discover(
-            module,
-            self._layers,
-            first_stage_modules=self._first_stage_modules,
-            last_stage_modules=self._last_stage_modules,
+        previous = placement_of(module)
+        split = (
+            previous.split
+            if previous is not None
+            else discover(
+                module,
+                self._layers,
+                first_stage_modules=self._first_stage_modules,
+                last_stage_modules=self._last_stage_modules,
+            )
         )
         spec = self.schedule_spec
         layout = Layout.for_world(

@@ -23,6 +23,24 @@ from lightning_spot.partition.discovery import ModelContractError, ModelSplit
 from lightning_spot.stage_run import RemoteModule, SkippedLayer, instrument_layer
 
 
+_MARK = "_spot_placement"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a module was split on this process (kept on the module, so a second Trainer can reuse it)."""
+
+    split: ModelSplit
+    plan: StagePlan
+    pp_rank: int
+    stages: dict[int, "PlacedStage"]
+
+
+def placement_of(module: nn.Module) -> Placement | None:
+    """The placement already applied to ``module`` in this process, if any."""
+    return module.__dict__.get(_MARK)
+
+
 @dataclass
 class PlacedStage:
     """The modules and loose parameters one pipeline stage owns on this rank."""
@@ -102,7 +120,20 @@ def place_stages(
     device: torch.device,
     seed: int = 0,
 ) -> dict[int, PlacedStage]:
-    """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns."""
+    """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns.
+
+    A module can be placed once per process; placing it again with the same plan returns the
+    same stages (e.g. ``trainer.fit`` then a new Trainer's ``test``).
+    """
+    previous = placement_of(module)
+    if previous is not None:
+        if (previous.plan, previous.pp_rank) == (plan, pp_rank):
+            return previous.stages
+        raise ModelContractError(
+            f"This {type(module).__name__} was already split into pipeline stages on this process "
+            f"(cuts {previous.plan.cuts}, pipeline rank {previous.pp_rank}); the layers of the other stages are gone. "
+            f"Create a new instance (and load its weights, e.g. from a checkpoint) to train it with another layout."
+        )
     check_shared_parameters(module, split, plan)
     local = plan.stages_of_rank(pp_rank)
     last = plan.num_stages - 1
@@ -153,4 +184,5 @@ def place_stages(
                 first=index == rng.start,
                 last=index == rng.stop - 1,
             )
+    module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed)
     return placed
