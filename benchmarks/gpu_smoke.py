@@ -44,13 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         print("CUDA is not available; skipping the GPU smoke test.")
         return 0
 
-    args = parse_args(argv)
     n = args.devices or torch.cuda.device_count()
     P = args.pipeline_stages or (2 if n % 2 == 0 and args.n_layer >= 2 else 1)
     if n % P:

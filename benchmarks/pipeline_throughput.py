@@ -25,7 +25,15 @@ Usage::
     python benchmarks/pipeline_throughput.py --repeats 3                     # median of 3 runs per job
 
 ``OMP_NUM_THREADS`` is set to 1 in the workers unless it is already set. With more workers than
-cores the processes oversubscribe the CPU; the comparison is still like for like.
+cores the processes oversubscribe the CPU; the comparison is still like for like. On a small shared
+machine one run's step times can differ from the next by 10% or more: use ``--repeats`` (the table
+shows the median run; implementations alternate order between rounds) and more ``--steps`` before
+reading anything into a difference of a few percent.
+
+The strategy trains ``TinyGPT`` with a bare ``training_step`` (cross-entropy only, no perplexity
+metric and no ``self.log``) so that both sides do the same arithmetic; the strategy figure then
+includes everything Lightning and ``spot_pipeline`` add around the schedule (loop, hooks, sharded
+data loading, gradient hand-over, loss sharing across stages).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -160,7 +169,15 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     del full
     submod: nn.Module = stage_mod
     if D > 1:
-        submod = DistributedDataParallel(stage_mod, process_group=dp_group, broadcast_buffers=False)
+        import inspect
+
+        # no buffer broadcast before every forward, as the strategy does (the stages have no buffers anyway)
+        no_sync_buffers = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+            else {"broadcast_buffers": False}
+        )
+        submod = DistributedDataParallel(stage_mod, process_group=dp_group, **no_sync_buffers)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -260,7 +277,7 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
     summary = callback.summary()
     if not summary:
         raise RuntimeError("PipelineThroughput recorded no steps after the warm-up")
-    times = list(getattr(callback, "_times", []))  # per-step times, for the median only
+    times = callback.step_times  # per-step times, for the median
     result = _result(times, job["batch_size"], callback.last_loss) if times else {}
     # the headline figures are the callback's own
     result.update(
@@ -284,7 +301,6 @@ def _result(times: list[float], global_batch: int, loss: float) -> dict[str, Any
 
 def worker() -> None:
     job = json.loads(os.environ[JOB_ENV])
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
     result = run_hand(job) if job["impl"] == "hand" else run_strategy(job)
     if result is not None:
         Path(job["result"]).write_text(json.dumps(result))
@@ -480,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = parse_layouts(args.layouts)
     check(args, layouts)
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    tmp = tempfile.TemporaryDirectory(prefix="spot-bench-")  # result files (and logs without --log-dir)
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tmp.name)
+    tmp = Path(tempfile.mkdtemp(prefix="spot-bench-"))  # result files (and logs without --log-dir)
+    log_dir = Path(args.log_dir) if args.log_dir else tmp
     log_dir.mkdir(parents=True, exist_ok=True)
     # with --repeats, every other round runs the implementations in the opposite order
     jobs = [
@@ -504,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             "impl": impl, "P": P, "D": D, "microbatches": args.microbatches, "batch_size": args.batch_size,
             "d_model": args.d_model, "n_layer": args.n_layer, "n_head": args.n_head, "block_size": args.block_size,
             "warmup": args.warmup, "steps": args.steps, "seed": args.seed,
-            "result": str(Path(tmp.name) / f"P{P}xD{D}-{impl}.json"),
+            "result": str(tmp / f"P{P}xD{D}-{impl}.json"),
         }
         t0 = time.monotonic()
         row: dict[str, Any] = {"layout": f"P{P}xD{D}", "impl": impl, "world_size": P * D, "repeat": rep}
@@ -535,9 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"results saved to {args.json}")
     failed = any("error" in r for r in rows)
     if failed and not args.log_dir:
-        print(f"worker logs kept in {tmp.name}", file=sys.stderr)
-    elif not args.log_dir:
-        tmp.cleanup()
+        print(f"worker logs kept in {tmp}", file=sys.stderr)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     return 1 if failed else 0
 
 

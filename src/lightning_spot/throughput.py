@@ -60,6 +60,11 @@ class PipelineThroughput(L.Callback):
         if self.tokens_per_sample:
             pl_module.log("throughput/tokens_per_sec", samples * self.tokens_per_sample / elapsed, on_step=True)
 
+    @property
+    def step_times(self) -> list[float]:
+        """Wall-clock seconds of every timed step (after the warm-up), on this rank."""
+        return list(self._times)
+
     def summary(self) -> dict[str, float]:
         """Mean figures over the timed steps (empty before the warm-up is over)."""
         if not self._times:
