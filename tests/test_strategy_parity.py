@@ -62,6 +62,21 @@ WORLD_4 = [
         trainer={"max_steps": -1, "max_epochs": 2},
         resume={"from": "P2D2-ModelCheckpoint-epoch1", "file": "epoch=0-step=4.ckpt"},
     ),
+    # mid-epoch, shuffled: the resumed run continues exactly where the global batch sequence stopped
+    scenario(
+        "P2D2-ModelCheckpoint-every-3-steps-shuffled",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        loader={"batch_size": 16, "n": 80, "shuffle": True},
+        trainer={"max_steps": 3},
+        checkpoint={"every_n_train_steps": 3},
+    ),
+    scenario(
+        "P1D4-resume-mid-epoch-through-epoch-2",
+        strategy={"pipeline_stages": 1, "microbatches": 1},
+        loader={"batch_size": 16, "n": 80, "shuffle": True},
+        trainer={"max_steps": -1, "max_epochs": 2},
+        resume={"from": "P2D2-ModelCheckpoint-every-3-steps-shuffled", "file": "epoch=0-step=3.ckpt"},
+    ),
 ]
 WORLD_2 = [
     scenario("P2D1-1F1B-sgd", strategy={"pipeline_stages": 2, "microbatches": 4}, model={"optimizer": "sgd"}),
@@ -128,8 +143,11 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
 
     if case.get("checkpoint"):
         files = ranks[0]["checkpoint_files"]
-        assert "epoch=0-step=4.ckpt/.metadata" in files and "epoch=0-step=4.ckpt/lightning_state.pt" in files
-        assert any(f.startswith("epoch=0-step=4.ckpt/") and f.endswith(".distcp") for f in files)
+        checkpoints = [f for f in files if f.endswith(".ckpt")]
+        assert checkpoints
+        for ckpt in checkpoints:
+            assert f"{ckpt}/.metadata" in files and f"{ckpt}/lightning_state.pt" in files
+            assert any(f.startswith(f"{ckpt}/") and f.endswith(".distcp") for f in files)
 
     if "validate" in case.get("after", []):
         for r in ranks:

@@ -11,7 +11,7 @@ as ``DistributedSampler``), because a ``RandomSampler`` draws from each process'
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -65,18 +65,34 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.divisor = divisor
+        self.epoch = 0
+        self._skip: tuple[int, int] | None = None
+
+    def resume(self, epoch: int, done: int) -> None:
+        """Continue epoch ``epoch`` after its first ``done`` global batches (or the next epoch if it was over)."""
+        if done >= len(self):
+            self.set_epoch(epoch + 1)
+            self._skip = None
+        else:
+            self.set_epoch(epoch)
+            self._skip = (epoch, done) if done > 0 else None
 
     @property
     def sampler(self) -> Any:
         return getattr(self.batch_sampler, "sampler", None)
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         for target in (self.batch_sampler, self.sampler):
             if callable(getattr(target, "set_epoch", None)):
                 target.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.batch_sampler:
+        skip = self._skip[1] if self._skip is not None and self._skip[0] == self.epoch else 0
+        self._skip = None
+        for position, batch in enumerate(self.batch_sampler):
+            if position < skip:
+                continue
             batch = list(batch)
             if self.divisor is not None and len(batch) % self.divisor:
                 raise LayoutError(
@@ -96,6 +112,42 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         return len(self.batch_sampler)
 
 
+class ShardedDataLoader(DataLoader):
+    """A replica's DataLoader that can resume mid-epoch, on any layout (Lightning's stateful-loader protocol).
+
+    Its state is the epoch and the number of *global* batches already trained in it, which means the
+    same thing for every P x D layout.
+    """
+
+    progress: Callable[[], int] | None = None
+
+    @property
+    def replica_sampler(self) -> ReplicaBatchSampler:
+        return self.batch_sampler  # type: ignore[return-value]
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return getattr(self.replica_sampler.batch_sampler, "batch_size", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.progress is None:
+            return {}
+        return {"epoch": self.replica_sampler.epoch, "global_batches_done": int(self.progress()),
+                "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        saved, current = state.get("global_batch_size"), self.global_batch_size
+        if saved is not None and current is not None and saved != current:
+            raise LayoutError(
+                f"The checkpoint was trained with a global batch of {saved} samples but this run's DataLoader uses "
+                f"batch_size={current}. Keep batch_size={saved} to continue the same training (the global batch does not "
+                f"depend on the layout), or start a new run."
+            )
+        self.replica_sampler.resume(int(state["epoch"]), int(state["global_batches_done"]))
+
+
 def _layout_free_sampler(sampler: Any, seed: int) -> Any:
     if isinstance(sampler, RandomSampler) and sampler.generator is None and not sampler.replacement:
         if sampler._num_samples is None:
@@ -103,7 +155,15 @@ def _layout_free_sampler(sampler: Any, seed: int) -> Any:
     return sampler
 
 
-def shard_dataloader(loader: DataLoader, *, dp_rank: int, dp_size: int, divisor: int | None, seed: int) -> DataLoader:
+def shard_dataloader(
+    loader: DataLoader,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    divisor: int | None,
+    seed: int,
+    progress: Callable[[], int] | None = None,
+) -> ShardedDataLoader:
     """A copy of ``loader`` that yields this replica's share of each global batch."""
     from torch.utils.data import IterableDataset
 
@@ -136,6 +196,8 @@ def shard_dataloader(loader: DataLoader, *, dp_rank: int, dp_size: int, divisor:
     }
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return DataLoader(
+    sharded = ShardedDataLoader(
         loader.dataset, batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor), **kwargs
     )
+    sharded.progress = progress
+    return sharded

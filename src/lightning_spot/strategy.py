@@ -369,15 +369,23 @@ class SpotPipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         training = trainer is not None and trainer.training
         divisor = None
+        progress = None
         if training:
+            assert trainer is not None
             m = engine.microbatches
             divisor = self.layout.data_parallel * (m if isinstance(m, int) else 1)
+            fit_loop = trainer.fit_loop
+
+            def progress() -> int:  # global batches trained in the current epoch (same on every layout)
+                return fit_loop.epoch_loop.batch_progress.current.processed
+
         return shard_dataloader(
             dataloader,
             dp_rank=engine.ctx.dp_rank,
             dp_size=self.layout.data_parallel,
             divisor=divisor,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+            progress=progress,
         )
 
     # ------------------------------------------------------------- checkpoints

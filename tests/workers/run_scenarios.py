@@ -46,7 +46,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     if scenario.get("checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=target / "ckpts", save_top_k=-1, every_n_epochs=1))
+        options = scenario["checkpoint"] if isinstance(scenario["checkpoint"], dict) else {"every_n_epochs": 1}
+        callbacks.append(ModelCheckpoint(dirpath=target / "ckpts", save_top_k=-1, **options))
     ckpt_path = None
     if "resume" in scenario:
         ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])

@@ -1,0 +1,158 @@
+"""Tensor shards through ``torch.distributed.checkpoint`` on any fsspec URL, checksummed, read without pickle.
+
+    digests = save_shards(url, {"model": sd, "optimizer_0": flat}, storage_options)   # collective
+    load_shards(url, {"model": target_sd, ...}, storage_options)                       # collective, any layout
+
+Writing records the size and CRC32 of every file this rank writes (for the manifest). Reading
+parses DCP's ``.metadata`` with an allow-list unpickler (only DCP's own metadata classes) and the
+tensor files with ``torch.load(weights_only=True)``, so a checkpoint cannot run code on load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+Digests = dict[str, dict[str, Any]]
+
+
+class _HashingStream:
+    """A write-only stream wrapper that counts bytes and computes a running CRC32."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data: Any) -> Any:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self._inner.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self, fs: Any, digests: Digests) -> None:
+        super().__init__()
+        self.fs = fs
+        self.digests = digests
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream:
+            hashing = _HashingStream(stream)
+            yield hashing
+        name = os.path.basename(os.fspath(path)).removesuffix(".tmp")
+        self.digests[name] = {"size": hashing.size, "crc32": f"{hashing.crc:08x}"}
+
+
+class ChecksummingWriter(FsspecWriter):
+    """``FsspecWriter`` that records ``{file: {size, crc32}}`` for what this rank writes."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, thread_count: int = 1) -> None:
+        super().__init__(url, sync_files=False, thread_count=thread_count, **(storage_options or {}))
+        self.digests: Digests = {}
+        self.fs = _HashingFileSystem(self.fs.fs, self.digests)
+
+
+_ALLOWED_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint._extension",
+)
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: its dataclasses, torch dtypes/sizes and plain containers."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"refusing to load {module}.{name} from checkpoint metadata: only torch.distributed.checkpoint "
+            f"metadata is accepted"
+        )
+
+
+class SafeReader(FsspecReader):
+    """``FsspecReader`` whose metadata parsing cannot execute arbitrary code."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(url, **(storage_options or {}))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def save_shards(
+    url: str,
+    state: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    thread_count: int = 1,
+) -> Digests:
+    """Write ``state`` (nested dicts of tensors keyed by name) as DCP shards under ``url``; collective."""
+    writer = ChecksummingWriter(url, storage_options, thread_count=thread_count)
+    dcp.save(state, storage_writer=writer, process_group=process_group)
+    return writer.digests
+
+
+def load_shards(
+    url: str,
+    state: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Fill ``state``'s tensors in place from the shards under ``url``; resharded by key; collective."""
+    dcp.load(state, storage_reader=SafeReader(url, storage_options), process_group=process_group)
+
+
+def crc32_of(stream: Any, chunk: int = 1 << 22) -> tuple[int, str]:
+    """Size and CRC32 (hex) of a readable stream."""
+    crc, size = 0, 0
+    while True:
+        block = stream.read(chunk)
+        if not block:
+            return size, f"{crc:08x}"
+        crc = zlib.crc32(block, crc)
+        size += len(block)
+
+
+__all__ = ["ChecksummingWriter", "Digests", "SafeReader", "crc32_of", "load_shards", "save_shards"]
