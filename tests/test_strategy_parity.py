@@ -146,7 +146,7 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         checkpoints = [f for f in files if f.endswith(".ckpt")]
         assert checkpoints
         for ckpt in checkpoints:
-            assert f"{ckpt}/.metadata" in files and f"{ckpt}/lightning_state.pt" in files
+            assert f"{ckpt}/.metadata" in files and f"{ckpt}/manifest.json" in files
             assert any(f.startswith(f"{ckpt}/") and f.endswith(".distcp") for f in files)
 
     if "validate" in case.get("after", []):

@@ -8,6 +8,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_spot.checkpoint import CheckpointError, SpotCheckpoint, StorageError
 from lightning_spot.data import EpochShuffleSampler
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
@@ -22,6 +23,9 @@ SpotPipelineStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "SCHEDULE_NAMES",
+    "CheckpointError",
+    "SpotCheckpoint",
+    "StorageError",
     "EpochShuffleSampler",
     "Layout",
     "LayoutError",

@@ -277,6 +277,8 @@ class PipelineEngine:
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: Grads | None = None
         self.last_microbatches: int | None = None
+        self.last_global_batch: int | None = None
+        self.samples_seen = 0
 
     def wrap_data_parallel(self) -> None:
         """Sync gradients across replicas: DDP per stage (overlapped with the last backward), except for
@@ -362,6 +364,7 @@ class PipelineEngine:
         local = batch_size_of(batch)
         m = self.train_microbatches(local)
         self.last_microbatches = m
+        self.last_global_batch = local * self.ctx.layout.data_parallel
         program = self._program("train", "training_step", m, batch)
         saved = take_grads(self.params)
         losses: list[Tensor] = []
@@ -373,6 +376,7 @@ class PipelineEngine:
             all_reduce_mean(self.params, self.ctx.dp_group)
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
+        self.samples_seen += local * self.ctx.layout.data_parallel
         extra = [LogRecord("__loss__", torch.stack([l.detach().float() for l in losses]).mean(), float(local), {})] if self.holds_last else []
         logged = self._share_logs(extra)
         loss = logged.pop("__loss__")[0]

@@ -39,7 +39,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_spot.checkpoint import sharded
+from lightning_spot.checkpoint import payload
+from lightning_spot.checkpoint.read import load_checkpoint
+from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.data import shard_dataloader
 from lightning_spot.grads import clip_grad_norm_global
 from lightning_spot.layout import Layout, LayoutError, StagesArg
@@ -121,6 +124,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._layout: Optional[Layout] = None
         self.engine: Optional[PipelineEngine] = None
+        self.restored_manifest: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -401,28 +405,71 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name (flattened), so that any layout can read it."""
         from lightning.pytorch.core.optimizer import LightningOptimizer
 
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        return sharded.optimizer_state(self.lightning_module, optimizer)
+        return payload.optimizer_state(self.lightning_module, optimizer)
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """The layout recorded in checkpoint manifests."""
+        engine = self._engine()
+        return {
+            "pipeline_stages": self.layout.pipeline_stages,
+            "data_parallel": self.layout.data_parallel,
+            "world_size": self.layout.world_size,
+            "stages": engine.plan.num_stages,
+            "cuts": engine.plan.cuts,
+            "schedule": engine.spec.name,
+            "microbatches": engine.microbatches,
+        }
+
+    def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Step, layout and data position for a checkpoint manifest."""
+        engine = self._engine()
+        return {
+            "step": int(checkpoint.get("global_step", 0)),
+            "epoch": int(checkpoint.get("epoch", 0)),
+            "layout": self.checkpoint_layout(),
+            "data": {"global_batch": engine.last_global_batch, "samples_consumed": engine.samples_seen},
+        }
+
+    def checkpoint_storage_options(self) -> dict[str, Any]:
+        """storage_options of the SpotCheckpoint callback, if any (for ``fit(ckpt_path=URL)``)."""
+        from lightning_spot.checkpoint.callback import SpotCheckpoint
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for cb in getattr(trainer, "callbacks", []) or []:
+            if isinstance(cb, SpotCheckpoint):
+                return dict(cb.storage_options)
+        return {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a sharded checkpoint directory at ``filepath`` (what ModelCheckpoint asks for)."""
-        if storage_options is not None:
-            raise TypeError("spot_pipeline writes sharded checkpoints itself; storage_options are not supported here")
-        path = self.broadcast(str(filepath))
-        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        sharded.save_sharded(path, checkpoint["state_dict"], checkpoint.get("optimizer_states", []), extra)
+        """Write a sharded checkpoint directory at ``filepath`` (any fsspec URL; what ModelCheckpoint asks for)."""
+        url = self.broadcast(str(filepath))
+        share = payload.split_checkpoint(checkpoint, copy=False, with_lightning=self.is_global_zero)
+        options = storage_options if storage_options is not None else self.checkpoint_storage_options()
+        write_checkpoint(Storage(url, options), "", share, info=self.checkpoint_info(checkpoint))
+        self.barrier("spot_pipeline.save_checkpoint")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a sharded checkpoint written on any layout onto this one."""
+        """Load a checkpoint (or the latest intact one of a run directory) written on any layout onto this one."""
         assert self.lightning_module is not None
-        path = self.broadcast(str(checkpoint_path))
-        return sharded.load_sharded(path, self.lightning_module, [o for o in self.optimizers])
+        url = self.broadcast(str(checkpoint_path))
+        checkpoint, manifest = load_checkpoint(
+            url,
+            self.checkpoint_storage_options(),
+            self.lightning_module,
+            list(self.optimizers),
+            layout=self.checkpoint_layout(),
+        )
+        self._engine().samples_seen = int(manifest.get("data", {}).get("samples_consumed") or 0)
+        self.restored_manifest = manifest
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

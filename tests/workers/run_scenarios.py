@@ -48,7 +48,13 @@ def run(scenario: dict[str, Any], out: Path) -> None:
 
         options = scenario["checkpoint"] if isinstance(scenario["checkpoint"], dict) else {"every_n_epochs": 1}
         callbacks.append(ModelCheckpoint(dirpath=target / "ckpts", save_top_k=-1, **options))
-    ckpt_path = None
+    spot = None
+    if "spot_checkpoint" in scenario:
+        from lightning_spot import SpotCheckpoint
+
+        spot = SpotCheckpoint(**scenario["spot_checkpoint"])
+        callbacks.append(spot)
+    ckpt_path = scenario.get("ckpt_path")
     if "resume" in scenario:
         ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])
     trainer = L.Trainer(
@@ -72,6 +78,10 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
     }
+    if spot is not None:
+        result["spot"] = {"saves": spot.saves, "summary": spot.summary(), "url": spot.url}
+    if strategy.restored_manifest is not None:
+        result["restored_step"] = strategy.restored_manifest["step"]
     if scenario.get("checkpoint"):
         result["checkpoint_files"] = sorted(str(p.relative_to(target / "ckpts")) for p in (target / "ckpts").rglob("*"))
     for stage in scenario.get("after", []):

@@ -1,1 +1,7 @@
-"""Sharded checkpoints of pipeline-parallel models (see ``sharded``)."""
+"""Sharded, layout-independent checkpoints on any fsspec URL (``SpotCheckpoint``) and tools to read them."""
+
+from lightning_spot.checkpoint.callback import SpotCheckpoint
+from lightning_spot.checkpoint.read import CheckpointError
+from lightning_spot.checkpoint.storage import StorageError
+
+__all__ = ["CheckpointError", "SpotCheckpoint", "StorageError"]

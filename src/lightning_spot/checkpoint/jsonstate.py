@@ -40,9 +40,7 @@ def encode(obj: Any, where: str = "state") -> Any:
         return encode(obj.value, where)
     if isinstance(obj, PurePath):
         return str(obj)
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return encode(obj.item(), where)
-    if hasattr(obj, "tolist") and callable(obj.tolist):  # numpy arrays
+    if type(obj).__module__ == "numpy":  # numpy arrays and scalars
         return encode(obj.tolist(), where)
     raise TypeError(f"{where} ({type(obj).__name__}) cannot be stored in a lightning-spot checkpoint manifest")
 

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -140,8 +141,11 @@ class Storage:
             raise StorageError(f"Checkpoint storage {self.url!r} returned wrong data for a probe object.")
 
     # ---------------------------------------------------------------- objects
-    def write_json(self, rel: str, obj: Any) -> None:
-        """Write JSON as one object: on object stores a single PUT, locally a rename of a complete file."""
+    def write_json(self, rel: str, obj: Any) -> dict[str, Any]:
+        """Write JSON as one object: on object stores a single PUT, locally a rename of a complete file.
+
+        Returns the object's size and CRC32, as recorded in manifests.
+        """
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
         target = self.path_of(rel)
         if self.is_local:
@@ -150,6 +154,7 @@ class Storage:
             self.fs.mv(tmp, target)
         else:
             retry(lambda: self.fs.pipe_file(target, data), f"writing {self.url_of(rel)}")
+        return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
     def read_json(self, rel: str) -> Any:
         data = retry(lambda: self.fs.cat_file(self.path_of(rel)), f"reading {self.url_of(rel)}")

@@ -1,0 +1,278 @@
+"""``SpotCheckpoint``: sharded checkpoints in object storage that survive preemption and layout changes.
+
+    ckpt = SpotCheckpoint(dirpath="s3://my-bucket/runs/gpt", every_n_train_steps=200, keep_last=3)
+    trainer = L.Trainer(strategy=SpotPipelineStrategy(), callbacks=[ckpt], max_steps=100_000)
+    trainer.fit(model, dm)      # the same command after a preemption resumes from the latest checkpoint
+
+Saving blocks training only while this rank's tensors are copied to host memory; the upload runs
+in a background thread (one save at a time: a new one first waits for the previous). A checkpoint
+exists once its manifest is written; older ones are deleted only after a newer one is committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional
+
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_spot.checkpoint.payload import split_checkpoint
+from lightning_spot.checkpoint.read import CheckpointError
+from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirname, step_of
+from lightning_spot.checkpoint.write import write_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class SpotCheckpoint(L.Callback):
+    """Save sharded checkpoints to any fsspec URL and resume from the latest one, on any layout.
+
+    Args:
+        dirpath: run directory, any fsspec URL (``s3://bucket/run``, ``gs://...``, ``file://...`` or a
+            path). Default: ``<trainer.default_root_dir>/spot_checkpoints``.
+        every_n_train_steps: save every N optimizer steps.
+        every_n_minutes: save when this much wall time has passed since the last save (agreed by all ranks).
+        save_on_train_end: save when training ends (also after ``max_steps``).
+        keep_last: number of committed checkpoints to keep.
+        resume: when ``fit`` is called without ``ckpt_path``, resume from the latest intact checkpoint.
+        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs).
+        async_save: upload in a background thread (training stalls only for the copy to host memory).
+        io_threads: files written in parallel per rank.
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        *,
+        every_n_train_steps: Optional[int] = None,
+        every_n_minutes: Optional[float] = None,
+        save_on_train_end: bool = True,
+        keep_last: int = 3,
+        resume: bool = True,
+        storage_options: Optional[dict[str, Any]] = None,
+        async_save: bool = True,
+        io_threads: int = 1,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps must be >= 1, got {every_n_train_steps}")
+        if every_n_minutes is not None and every_n_minutes <= 0:
+            raise ValueError(f"every_n_minutes must be > 0, got {every_n_minutes}")
+        self.dirpath = dirpath
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_minutes = every_n_minutes
+        self.save_on_train_end = save_on_train_end
+        self.keep_last = keep_last
+        self.resume = resume
+        self.storage_options = dict(storage_options or {})
+        self.async_save = async_save
+        self.io_threads = io_threads
+        self.storage: Optional[Storage] = None
+        self.saves: list[dict[str, Any]] = []
+        self._group: Optional[dist.ProcessGroup] = None
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._last_step = -1
+        self._checked_step = -1
+        self._last_time = time.monotonic()
+        self._train_start = 0.0
+        self._train_seconds = 0.0
+        self._trainer: Optional[L.Trainer] = None
+        self._original_resume_start: Any = None
+
+    @property
+    def state_key(self) -> str:
+        return "SpotCheckpoint"
+
+    @property
+    def url(self) -> str:
+        if self.storage is None:
+            raise RuntimeError("SpotCheckpoint is set up when fit starts")
+        return self.storage.url
+
+    # ------------------------------------------------------------------- setup
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != TrainerFn.FITTING.value:
+            return
+        from lightning_spot.strategy import SpotPipelineStrategy
+
+        if not isinstance(trainer.strategy, SpotPipelineStrategy):
+            raise TypeError(
+                f"SpotCheckpoint writes pipeline-sharded checkpoints and needs strategy='spot_pipeline', "
+                f"not {type(trainer.strategy).__name__}."
+            )
+        url = self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints")
+        url = trainer.strategy.broadcast(url)
+        self.storage = Storage(url, self.storage_options)
+        problem = None
+        try:
+            self.storage.check_access()
+        except StorageError as err:
+            problem = str(err)
+        problems = [problem]
+        if _initialized():
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise StorageError(first)
+        if self.async_save and _initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        self._trainer = trainer
+        self._install_resume(trainer)
+        self._last_time = time.monotonic()
+
+    def _install_resume(self, trainer: L.Trainer) -> None:
+        """When fit is called without ckpt_path, make Lightning restore the run's latest checkpoint.
+
+        Lightning resolves ``ckpt_path`` before callbacks run; its checkpoint connector's
+        ``resume_start`` is where that path is used, so the default is filled in there.
+        """
+        connector = trainer._checkpoint_connector
+        if self._original_resume_start is not None:
+            return
+        original = connector.resume_start
+        self._original_resume_start = original
+
+        def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+            if not checkpoint_path and self.resume and trainer.state.fn == TrainerFn.FITTING:
+                storage = self.storage
+                assert storage is not None
+                found = trainer.strategy.broadcast(storage.committed() if trainer.is_global_zero else None)
+                if found:
+                    rank_zero_info(f"SpotCheckpoint: resuming from {storage.url} ({len(found)} committed checkpoints)")
+                    checkpoint_path = storage.url
+            original(checkpoint_path, weights_only)
+
+        connector.resume_start = resume_start  # type: ignore[method-assign]
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._original_resume_start is not None:
+                trainer._checkpoint_connector.resume_start = self._original_resume_start  # type: ignore[method-assign]
+                self._original_resume_start = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------- hooks
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_start = time.monotonic()
+        self._last_step = self._checked_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._checked_step:  # only at optimizer-step boundaries (not inside an accumulation window)
+            return
+        self._checked_step = step
+        due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
+        if self.every_n_minutes is not None:
+            late = time.monotonic() - self._last_time >= 60 * self.every_n_minutes
+            due = trainer.strategy.reduce_boolean_decision(due or late, all=False)
+        ending = self.save_on_train_end and (
+            (trainer.max_steps not in (None, -1) and step >= trainer.max_steps) or trainer.should_stop
+        )
+        if due or ending:
+            self.save(trainer, reason="end" if ending and not due else "periodic")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs  # type: ignore[operator]
+        if self.save_on_train_end and last_epoch and trainer.global_step != self._last_step:
+            self.save(trainer, reason="end")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._train_seconds = time.monotonic() - self._train_start
+        if self.save_on_train_end and trainer.global_step != self._last_step:
+            # stopped by something else (max_time, a callback): the loops are already wound up, so a resume
+            # from this checkpoint starts the next epoch
+            self.save(trainer, reason="end", blocking=True)
+        self.wait()
+        if self.saves and trainer.is_global_zero:
+            s = self.summary()
+            rank_zero_info(
+                f"SpotCheckpoint: {s['saves']:.0f} checkpoints to {self.url}; training stalled {s['stall_seconds']:.2f}s "
+                f"({100 * s['stall_fraction']:.2f}% of {self._train_seconds:.1f}s)"
+            )
+
+    # -------------------------------------------------------------------- save
+    def save(self, trainer: L.Trainer, *, reason: str = "on demand", blocking: bool = False) -> None:
+        """Checkpoint the current step on every rank (collective); ``blocking`` waits until it is committed."""
+        if self.storage is None:
+            raise RuntimeError("SpotCheckpoint.save() can only run during fit")
+        start = time.monotonic()
+        self.wait()
+        waited = time.monotonic() - start
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        background = self.async_save and not blocking and self._group is not None
+        share = split_checkpoint(checkpoint, copy=background, with_lightning=trainer.is_global_zero)
+        strategy = trainer.strategy
+        info = strategy.checkpoint_info(checkpoint)  # type: ignore[attr-defined]
+        stall = time.monotonic() - start
+        info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
+        info["reason"] = reason
+        rel = step_dirname(info["step"])
+        self._last_step = trainer.global_step
+        self._last_time = time.monotonic()
+        self.saves.append({"step": info["step"], "stall_seconds": stall, "bytes": share.nbytes, "reason": reason})
+        if background:
+            self._thread = threading.Thread(target=self._write_in_background, args=(rel, share, info), daemon=True)
+            self._thread.start()
+        else:
+            self._write(rel, share, info)
+
+    def _write(self, rel: str, share: Any, info: dict[str, Any]) -> None:
+        assert self.storage is not None
+        manifest = write_checkpoint(self.storage, rel, share, info=info, group=self._group, thread_count=self.io_threads)
+        if manifest is not None:
+            self.saves[-1]["write_seconds"] = manifest["timings"]["write_seconds"]
+            self._apply_retention(rel)
+
+    def _write_in_background(self, rel: str, share: Any, info: dict[str, Any]) -> None:
+        try:
+            self._write(rel, share, info)
+        except BaseException as err:  # surfaced by wait()
+            self._error = err
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is committed; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"Saving a checkpoint to {self.url} failed: {err}") from err
+
+    def _apply_retention(self, newest: str) -> None:
+        """Keep the last ``keep_last`` committed checkpoints; drop debris of interrupted older saves."""
+        assert self.storage is not None
+        committed = self.storage.committed()
+        for old in committed[: -self.keep_last]:
+            self.storage.delete(old)
+        for name in self.storage.step_dirs():
+            if name not in committed and step_of(name) < step_of(newest):
+                self.storage.delete(name)
+
+    # ----------------------------------------------------------------- figures
+    def summary(self) -> dict[str, float]:
+        """Checkpoint figures for this rank: saves, total stall and its fraction of training time."""
+        stall = sum(s["stall_seconds"] for s in self.saves)
+        trained = self._train_seconds or max(time.monotonic() - self._train_start, 1e-9)
+        return {
+            "saves": float(len(self.saves)),
+            "stall_seconds": stall,
+            "stall_fraction": stall / trained if trained else 0.0,
+            "bytes_per_rank": float(self.saves[-1]["bytes"]) if self.saves else 0.0,
+        }

@@ -1,0 +1,126 @@
+"""What one rank contributes to a checkpoint, and how it goes back into a model, optimizers and RNGs.
+
+    payload = split_checkpoint(lightning_checkpoint, copy=True)   # tensors (for DCP) + JSON parts
+    restore_rng(payload.rng)
+
+A Lightning checkpoint dict (``trainer._checkpoint_connector.dump_checkpoint()``) holds the
+rank's ``state_dict`` and flattened optimizer states (keyed by parameter name, see
+``SpotPipelineStrategy.optimizer_state``); tensors go to the shards, everything else (optimizer
+hyper-parameters, loops, callbacks, LR schedulers, precision state) to the JSON manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from lightning_spot.checkpoint.jsonstate import decode, encode
+
+FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
+
+log = logging.getLogger(__name__)
+
+#: Lightning checkpoint keys that are not training state (the module is rebuilt by user code)
+_NOT_STATE = {
+    "state_dict",
+    "optimizer_states",
+    "hyper_parameters",
+    "hparams_name",
+    "hparams_type",
+    "datamodule_hyper_parameters",
+    "datamodule_hparams_name",
+}
+
+
+@dataclass
+class Payload:
+    """One rank's share of a checkpoint: tensors for the shards, JSON-ready values for the manifest."""
+
+    tensors: dict[str, dict[str, Tensor]]
+    optimizer_values: list[Any] = field(default_factory=list)
+    rng: Any = None
+    lightning: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for group in self.tensors.values() for t in group.values())
+
+
+def _copy(t: Tensor, copy: bool) -> Tensor:
+    t = t.detach()
+    if not copy:
+        return t
+    return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
+
+
+def _encode_lightning(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        if key in _NOT_STATE:
+            continue
+        if key == "callbacks" and isinstance(value, dict):
+            callbacks = {}
+            for name, state in value.items():
+                try:
+                    callbacks[name] = encode(state, f"callbacks[{name}]")
+                except TypeError as err:
+                    log.warning("lightning-spot: not checkpointing the state of callback %s: %s", name, err)
+            out[key] = callbacks
+            continue
+        try:
+            out[key] = encode(value, key)
+        except TypeError as err:
+            log.warning("lightning-spot: not checkpointing %r: %s", key, err)
+    return out
+
+
+def split_checkpoint(checkpoint: dict[str, Any], *, copy: bool, with_lightning: bool) -> Payload:
+    """Split a Lightning checkpoint dict; ``copy`` stages tensors on the CPU (for background writing)."""
+    tensors: dict[str, dict[str, Tensor]] = {"model": {k: _copy(v, copy) for k, v in checkpoint["state_dict"].items()}}
+    values = []
+    for i, flat in enumerate(checkpoint.get("optimizer_states", [])):
+        tensors[f"optimizer_{i}"] = {k: _copy(v, copy) for k, v in flat.items() if isinstance(v, Tensor)}
+        values.append(encode({k: v for k, v in flat.items() if not isinstance(v, Tensor)}, f"optimizer_{i}"))
+    return Payload(
+        tensors=tensors,
+        optimizer_values=values,
+        rng=capture_rng(),
+        lightning=_encode_lightning(checkpoint) if with_lightning else {},
+    )
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name (flattened): readable by any layout."""
+    return get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIMIZER_STATE)
+
+
+def capture_rng() -> Any:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return encode(state, "rng")
+
+
+def restore_rng(encoded: Any) -> None:
+    state = decode(encoded)
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,98 @@
+"""Write one checkpoint: every rank's shards, then the manifest that commits it.
+
+    manifest = write_checkpoint(storage, "step-000000200", payload, info=..., group=group)   # collective
+
+The manifest (``manifest.json``, plain JSON) is written last, by rank 0, as a single object: a
+checkpoint directory without it does not exist for readers. It records the step, the layout,
+the data position, every file's size and CRC32, the optimizer hyper-parameters, Lightning's
+loop / callback / scheduler state and the versions that wrote it. Each rank's RNG state is a small
+JSON file of its own (``rng-rankNNNNN.json``), listed and checksummed like the shards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_spot.checkpoint.payload import Payload
+from lightning_spot.checkpoint.shards import save_shards
+from lightning_spot.checkpoint.storage import MANIFEST, Storage
+
+FORMAT = "lightning-spot-checkpoint/1"
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def gather_to_first(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """``obj`` from every rank of ``group`` on its first rank (``None`` elsewhere)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    size = dist.get_world_size(group)
+    out: list[Any] | None = [None] * size if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, out, group=group, group_dst=0)
+    return out
+
+
+def versions() -> dict[str, str]:
+    import lightning
+
+    from lightning_spot import __version__
+
+    return {
+        "lightning_spot": __version__,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_checkpoint(
+    storage: Storage,
+    rel: str,
+    payload: Payload,
+    *,
+    info: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
+    thread_count: int = 1,
+) -> dict[str, Any] | None:
+    """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there."""
+    start = time.monotonic()
+    url = storage.url_of(rel) if rel else storage.url
+    digests = save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rng_name = f"rng-rank{rank:05d}.json"
+    digests[rng_name] = storage.write_json(f"{rel}/{rng_name}" if rel else rng_name, payload.rng)
+    first = _rank(group) == 0
+    parts = gather_to_first((digests, payload.optimizer_values, payload.lightning if first else None), group)
+    if parts is None:
+        return None
+    files: dict[str, Any] = {}
+    optimizer_values: list[dict[str, Any]] = []
+    for rank_digests, values, _ in parts:
+        files.update(rank_digests)
+        for i, v in enumerate(values):
+            if len(optimizer_values) <= i:
+                optimizer_values.append({})
+            optimizer_values[i].update(v)
+    manifest = {
+        "format": FORMAT,
+        **{k: v for k, v in info.items() if k not in ("timings",)},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "files": files,
+        "bytes": sum(f["size"] for f in files.values()),
+        "optimizer_values": optimizer_values,
+        "lightning": parts[0][2],
+        "timings": {**info.get("timings", {}), "write_seconds": round(time.monotonic() - start, 4)},
+        "versions": versions(),
+    }
+    storage.write_json(f"{rel}/{MANIFEST}" if rel else MANIFEST, manifest)
+    return manifest
