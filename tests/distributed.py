@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,11 +49,14 @@ def launch(
     log_dir: Path,
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
+    kill_when: Callable[[], bool] | None = None,
 ) -> list[str]:
     """Run ``python *argv`` as ``world_size`` ranks (Lightning's LOCAL_RANK/WORLD_SIZE protocol).
 
     Returns each rank's combined output. If any rank fails, the others are killed at once and
-    :class:`WorkerFailure` is raised; the same after ``timeout`` seconds.
+    :class:`WorkerFailure` is raised; the same after ``timeout`` seconds. ``kill_when`` is polled
+    while the job runs: when it returns True every rank gets SIGKILL (a simulated crash) and the
+    logs are returned.
     """
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -84,17 +87,24 @@ def launch(
             )
         deadline = time.monotonic() + timeout
         failed = None
+        killed = False
         while time.monotonic() < deadline:
+            if kill_when is not None and kill_when():
+                _kill(procs)
+                killed = True
+                break
             codes = [p.poll() for p in procs]
             failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None or all(c == 0 for c in codes):
                 break
             time.sleep(0.2)
-        timed_out = any(p.poll() is None for p in procs) and failed is None
+        timed_out = any(p.poll() is None for p in procs) and failed is None and not killed
         _kill(procs)
         for f in files:
             f.close()
         logs = [(log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)]
+        if killed:
+            return logs
         if failed is not None:
             raise WorkerFailure(f"rank {failed} exited with code {procs[failed].returncode}", logs)
         if timed_out:

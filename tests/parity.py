@@ -18,6 +18,7 @@ WORKER = "tests/workers/run_scenarios.py"
 
 def run_scenarios(world_size: int, scenarios: list[dict[str, Any]], tmp: Path, timeout: float = 400) -> dict[str, list[dict]]:
     """Launch all ``scenarios`` in one ``world_size``-process job; return each scenario's per-rank results."""
+    tmp.mkdir(parents=True, exist_ok=True)
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
     launch(world_size, [WORKER, str(spec), str(tmp / "out")], log_dir=tmp / "logs", timeout=timeout)

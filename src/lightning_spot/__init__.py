@@ -9,6 +9,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_spot.checkpoint import CheckpointError, SpotCheckpoint, StorageError
+from lightning_spot.checkpoint.consolidate import load_full_state_dict
 from lightning_spot.data import EpochShuffleSampler
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
@@ -36,6 +37,7 @@ __all__ = [
     "StagePlan",
     "discover",
     "even_cuts",
+    "load_full_state_dict",
     "plan_stages",
     "resolve_schedule",
 ]

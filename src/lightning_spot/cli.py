@@ -16,10 +16,13 @@ from collections.abc import Sequence
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.yaml] [LightningCLI options]
 
-Train with PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a SpotPipelineStrategy class_path)
-works in the YAML. Run `lightning-spot fit --help` for every option.
+USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.yaml] [LightningCLI options]
+       lightning-spot checkpoint {list,inspect,convert} URL [OUT] [--storage-options JSON]
+
+fit/validate/test/predict: PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a
+SpotPipelineStrategy class_path) works in the YAML. `lightning-spot fit --help` lists every option.
+checkpoint: list, inspect or export (single-file state dict) the checkpoints of a run.
 """
 
 
@@ -47,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] in LIGHTNING_SUBCOMMANDS:
         lightning_cli(args)
         return 0
+    if args[0] == "checkpoint":
+        from lightning_spot.checkpoint_cli import main as checkpoint_main
+
+        return checkpoint_main(args[1:])
     print(f"lightning-spot: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 
 from lightning_spot import SpotPipelineStrategy
+import tests.fakefs  # noqa: F401  registers the slowfile:// and flakyfile:// test filesystems
 from tests.models import MetaInitPipelineModel, make_loader, make_model
 
 

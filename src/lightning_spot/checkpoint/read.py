@@ -63,7 +63,7 @@ def candidates(storage: Storage) -> list[str]:
     return list(reversed(storage.committed()))
 
 
-def _read_manifest(storage: Storage, rel: str) -> tuple[dict[str, Any] | None, str | None]:
+def read_manifest(storage: Storage, rel: str) -> tuple[dict[str, Any] | None, str | None]:
     try:
         manifest = storage.read_json(f"{rel}/{MANIFEST}" if rel else MANIFEST)
     except FileNotFoundError:
@@ -150,7 +150,7 @@ def load_checkpoint(
         )
     rejected = []
     for rel in names:
-        manifest, problem = _read_manifest(storage, rel) if (not _initialized() or dist.get_rank(group) == 0) else (None, None)
+        manifest, problem = read_manifest(storage, rel) if (not _initialized() or dist.get_rank(group) == 0) else (None, None)
         manifest, problem = _broadcast((manifest, problem), group)
         problems = [problem] if problem else verify(storage, rel, manifest, group)
         where = storage.url_of(rel) if rel else storage.url

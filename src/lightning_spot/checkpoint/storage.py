@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import socket
 import time
+import urllib.parse
 import uuid
 import zlib
 from collections.abc import Callable
@@ -60,6 +62,10 @@ def is_transient(err: BaseException) -> bool:
         text = str(current)
         if any(s in text for s in ("SlowDown", "Throttl", "RequestTimeout", "ServiceUnavailable", "InternalError")):
             return True
+        failures = getattr(current, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict) and failures:
+            inner = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in failures.values()]
+            return all(isinstance(e, BaseException) and is_transient(e) for e in inner)
         current = current.__cause__ or current.__context__
     return False
 
@@ -115,6 +121,7 @@ class Storage:
     # ------------------------------------------------------------------ checks
     def check_access(self) -> None:
         """Create the run directory and round-trip a small object; explain any failure."""
+        self._probe_endpoint()
         probe = self.path_of(f".spot-probe-{uuid.uuid4().hex}")
         try:
             retry(lambda: self.fs.makedirs(self.root, exist_ok=True), f"creating {self.url}", attempts=3)
@@ -139,6 +146,21 @@ class Storage:
             raise StorageError(f"Checkpoint storage {self.url!r} is not usable: {err!r}") from err
         if got != b"ok":
             raise StorageError(f"Checkpoint storage {self.url!r} returned wrong data for a probe object.")
+
+    def _probe_endpoint(self, timeout: float = 5.0) -> None:
+        """Fail fast on an explicit endpoint that refuses connections (clients would retry for a minute)."""
+        endpoint = self.options.get("endpoint_url") or self.options.get("client_kwargs", {}).get("endpoint_url")
+        if not endpoint:
+            return
+        parsed = urllib.parse.urlparse(endpoint)
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        try:
+            socket.create_connection((parsed.hostname, port), timeout=timeout).close()
+        except OSError as err:
+            raise StorageError(
+                f"Cannot reach checkpoint storage {self.url!r}: the endpoint {endpoint} does not accept connections "
+                f"({err}). Check endpoint_url in storage_options and that the service is running."
+            ) from err
 
     # ---------------------------------------------------------------- objects
     def write_json(self, rel: str, obj: Any) -> dict[str, Any]:

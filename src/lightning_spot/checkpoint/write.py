@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.checkpoint.shards import save_shards
-from lightning_spot.checkpoint.storage import MANIFEST, Storage
+from lightning_spot.checkpoint.storage import MANIFEST, Storage, retry
 
 FORMAT = "lightning-spot-checkpoint/1"
 
@@ -67,7 +67,11 @@ def write_checkpoint(
     """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there."""
     start = time.monotonic()
     url = storage.url_of(rel) if rel else storage.url
-    digests = save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count)
+    # a failure on any rank is raised on all of them (DCP gathers the results), so all retry together
+    digests = retry(
+        lambda: save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count),
+        f"writing the shards of {url}",
+    )
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     rng_name = f"rng-rank{rank:05d}.json"
     digests[rng_name] = storage.write_json(f"{rel}/{rng_name}" if rel else rng_name, payload.rng)

@@ -1,0 +1,109 @@
+"""``lightning-spot checkpoint list|inspect|convert``: look at and export checkpoints of a run.
+
+    lightning-spot checkpoint list s3://bucket/runs/gpt --storage-options '{"endpoint_url": "..."}'
+    lightning-spot checkpoint inspect s3://bucket/runs/gpt [--verify] [--json]
+    lightning-spot checkpoint convert s3://bucket/runs/gpt model.pt     # torch.load-able, no lightning-spot needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_spot.checkpoint.consolidate import latest_intact, load_full_state_dict
+from lightning_spot.checkpoint.read import CheckpointError, read_manifest
+from lightning_spot.checkpoint.storage import Storage, StorageError
+
+
+def _storage(args: argparse.Namespace) -> Storage:
+    options = json.loads(args.storage_options) if args.storage_options else {}
+    return Storage(args.url, options)
+
+
+def _layout(manifest: dict[str, Any]) -> str:
+    lay = manifest.get("layout", {})
+    return f"P{lay.get('pipeline_stages', '?')}xD{lay.get('data_parallel', '?')} ({lay.get('schedule', '?')})"
+
+
+def _list(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    committed = storage.committed()
+    rows = []
+    for name in storage.step_dirs():
+        if name in committed:
+            manifest, problem = read_manifest(storage, name)
+            if manifest is None:
+                rows.append((name, f"unreadable manifest: {problem}"))
+                continue
+            rows.append((name, f"step {manifest['step']:>8}  epoch {manifest['epoch']:>4}  {_layout(manifest):<22} "
+                               f"{manifest['bytes'] / 2**20:9.2f} MiB  {manifest['created']}"))
+        else:
+            rows.append((name, "incomplete (no manifest: an interrupted save; not used for resuming)"))
+    if not rows:
+        print(f"no checkpoints under {storage.url}")
+        return 1
+    for name, text in rows:
+        print(f"{name}  {text}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    rel, manifest = latest_intact(storage, check=args.verify)
+    if args.json:
+        print(json.dumps({k: v for k, v in manifest.items() if k not in ("lightning", "optimizer_values")}, indent=1))
+        return 0
+    where = storage.url_of(rel) if rel else storage.url
+    data = manifest.get("data", {})
+    print(f"checkpoint   {where}")
+    print(f"format       {manifest['format']}   written {manifest['created']}")
+    print(f"step         {manifest['step']} (epoch {manifest['epoch']}), saved because: {manifest.get('reason', '?')}")
+    print(f"layout       {_layout(manifest)}, stages {manifest['layout'].get('stages')}, cuts {manifest['layout'].get('cuts')}")
+    print(f"data         global batch {data.get('global_batch')}, samples consumed {data.get('samples_consumed')}")
+    print(f"files        {len(manifest['files'])} files, {manifest['bytes'] / 2**20:.2f} MiB")
+    timings = manifest.get("timings", {})
+    print(f"timings      training stalled {timings.get('stall_seconds')} s, written in {timings.get('write_seconds')} s")
+    print(f"versions     {', '.join(f'{k} {v}' for k, v in manifest.get('versions', {}).items())}")
+    if args.verify:
+        print("verified     sizes and CRC32 of every file match the manifest")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    storage = _storage(args)
+    weights = load_full_state_dict(storage.url, storage.options)
+    torch.save(weights, args.out)
+    total = sum(t.numel() for t in weights.values())
+    print(f"wrote {len(weights)} tensors ({total:,} parameters) to {args.out}")
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-spot checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("list", "list the checkpoints of a run directory"),
+        ("inspect", "summarise the latest intact checkpoint (or the one URL names)"),
+        ("convert", "write the consolidated model weights as one torch.save file"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("url", help="run directory or checkpoint directory (any fsspec URL)")
+        if name == "convert":
+            p.add_argument("out", help="output file, e.g. model.pt")
+        if name == "inspect":
+            p.add_argument("--verify", action="store_true", help="check every file's size and CRC32")
+            p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+        p.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
+    args = parser.parse_args(list(argv))
+    try:
+        return {"list": _list, "inspect": _inspect, "convert": _convert}[args.command](args)
+    except (CheckpointError, StorageError, FileNotFoundError) as err:
+        print(f"lightning-spot checkpoint: {err}", file=sys.stderr)
+        return 1
+

@@ -1,0 +1,58 @@
+"""Shared fixtures: a real S3-compatible server (moto's standalone server) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.distributed import free_port
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """Start ``moto`` as a standalone HTTP server in its own process; stop it by process id."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the moto S3 server did not start") from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> tuple[str, dict[str, Any]]:
+    """A fresh bucket: returns its URL and the storage_options that reach it."""
+    import s3fs
+
+    options = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
+    name = f"spot-{uuid.uuid4().hex[:12]}"
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir(name)
+    return f"s3://{name}", options

@@ -1,0 +1,59 @@
+"""Test-only fsspec filesystems (registered when imported): slow and flaky local storage.
+
+* ``slowfile://``: like ``file://``, but opening a shard of checkpoint step ``SPOT_TEST_SLOW_STEP`` for
+  writing leaves a marker file (``SPOT_TEST_MARKER``) and hangs, so a test can kill the job mid-upload.
+* ``flakyfile://``: like ``file://``, but the first write of every file raises ConnectionResetError,
+  as a flaky network would; a retry succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+class SlowFileSystem(LocalFileSystem):
+    protocol = ("slowfile",)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        handle = super()._open(path, mode, **kwargs)
+        step = os.environ.get("SPOT_TEST_SLOW_STEP")
+        if "w" in mode and step and f"step-{int(step):09d}" in path and path.endswith(".distcp"):
+            handle.write(b"partial upload")
+            handle.flush()
+            with open(os.environ["SPOT_TEST_MARKER"], "w") as marker:
+                marker.write(path)
+            time.sleep(600)
+        return handle
+
+
+class FlakyFileSystem(LocalFileSystem):
+    protocol = ("flakyfile",)
+    failed: set[str] = set()
+    lock = threading.Lock()
+
+    def _fail_first(self, path: str) -> None:
+        name = os.path.basename(str(path))
+        with self.lock:
+            if name in self.failed:
+                return
+            self.failed.add(name)
+        raise ConnectionResetError(f"flaky network while writing {name}")
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "w" in mode:
+            self._fail_first(path)
+        return super()._open(path, mode, **kwargs)
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:  # type: ignore[override]
+        self._fail_first(path)
+        super().pipe_file(path, value, **kwargs)
+
+
+fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
+fsspec.register_implementation("flakyfile", FlakyFileSystem, clobber=True)
