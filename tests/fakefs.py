@@ -38,7 +38,7 @@ class FlakyFileSystem(LocalFileSystem):
     lock = threading.Lock()
 
     def _fail_first(self, path: str) -> None:
-        name = os.path.basename(str(path))
+        name = os.path.basename(str(path)).split(".tmp")[0]  # temporary names count as their target
         with self.lock:
             if name in self.failed:
                 return

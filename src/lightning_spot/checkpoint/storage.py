@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,8 +76,8 @@ def retry(fn: Callable[[], T], what: str, *, attempts: int = 4, base_delay: floa
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except Exception as err:
-            if not is_transient(err):
+        except BaseException as err:  # torch's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)) or not is_transient(err):
                 raise
             if attempt == attempts:
                 raise StorageError(f"{what} failed {attempts} times; the last error was: {err!r}") from err
@@ -104,7 +105,7 @@ class Storage:
             self.fs, self.root = url_to_fs(self.url, **self.options)
         except (ImportError, ValueError) as err:
             raise StorageError(f"cannot open checkpoint location {self.url!r}: {err}") from err
-        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.is_local = isinstance(self.fs, LocalFileSystem)
 
     def url_of(self, *parts: str) -> str:
         return "/".join([self.url, *parts])
@@ -124,7 +125,12 @@ class Storage:
         self._probe_endpoint()
         probe = self.path_of(f".spot-probe-{uuid.uuid4().hex}")
         try:
-            retry(lambda: self.fs.makedirs(self.root, exist_ok=True), f"creating {self.url}", attempts=3)
+            if self.is_local:
+                retry(lambda: self.fs.makedirs(self.root, exist_ok=True), f"creating {self.url}", attempts=3)
+            else:  # never create buckets implicitly (s3fs's makedirs would)
+                bucket = self.root.split("/", 1)[0]
+                if not retry(lambda: self.fs.exists(bucket), f"looking up {bucket}", attempts=3):
+                    raise FileNotFoundError(f"bucket {bucket!r} not found")
             retry(lambda: self.fs.pipe_file(probe, b"ok"), f"writing to {self.url}", attempts=3)
             got = retry(lambda: self.fs.cat_file(probe), f"reading from {self.url}", attempts=3)
             retry(lambda: self.fs.rm_file(probe), f"deleting from {self.url}", attempts=3)
@@ -170,12 +176,15 @@ class Storage:
         """
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
         target = self.path_of(rel)
-        if self.is_local:
-            tmp = f"{target}.tmp-{uuid.uuid4().hex}"
-            self.fs.pipe_file(tmp, data)
-            self.fs.mv(tmp, target)
-        else:
-            retry(lambda: self.fs.pipe_file(target, data), f"writing {self.url_of(rel)}")
+        def put() -> None:
+            if self.is_local:
+                tmp = f"{target}.tmp-{uuid.uuid4().hex}"
+                self.fs.pipe_file(tmp, data)
+                self.fs.mv(tmp, target)
+            else:
+                self.fs.pipe_file(target, data)
+
+        retry(put, f"writing {self.url_of(rel)}")
         return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
     def read_json(self, rel: str) -> Any:
@@ -193,7 +202,7 @@ class Storage:
         return self.fs.open(self.path_of(rel), mode)
 
     def delete(self, rel: str) -> None:
-        path = self.path_of(rel)
+        path = self.path_of(rel) if rel else self.root
         try:
             retry(lambda: self.fs.rm(path, recursive=True), f"deleting {self.url_of(rel)}")
         except FileNotFoundError:

@@ -67,6 +67,10 @@ def write_checkpoint(
     """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there."""
     start = time.monotonic()
     url = storage.url_of(rel) if rel else storage.url
+    if _rank(group) == 0 and storage.fs.exists(storage.path_of(rel) if rel else storage.root):
+        storage.delete(rel)  # debris of an interrupted save of this step, or an older copy being replaced
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
     # a failure on any rank is raised on all of them (DCP gathers the results), so all retry together
     digests = retry(
         lambda: save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count),
