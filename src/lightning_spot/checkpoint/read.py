@@ -3,9 +3,9 @@
     checkpoint, manifest = load_checkpoint("s3://bucket/run", opts, module, optimizers)  # collective
 
 ``url`` is a run directory (the latest committed ``step-*`` checkpoint is used) or one checkpoint
-directory. Before loading, every file listed in the manifest is checked for presence, size and
-CRC32 (the files are spread over the ranks); a damaged checkpoint is skipped with a warning that
-says what was wrong, and the previous committed one is tried.
+directory. Every file listed in the manifest is checked for presence and size (one listing) and
+for its CRC32 as it is read; a damaged checkpoint is skipped with a warning that says what was
+wrong, and the previous committed one is tried.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_spot.checkpoint.jsonstate import decode
-from lightning_spot.checkpoint.shards import crc32_of, load_shards
+from lightning_spot.checkpoint.shards import ChecksumError, load_shards
 from lightning_spot.checkpoint.storage import MANIFEST, Storage
 from lightning_spot.checkpoint.payload import FLAT_OPTIMIZER_STATE, optimizer_state, restore_rng
 from lightning_spot.checkpoint.write import FORMAT
@@ -75,31 +76,29 @@ def read_manifest(storage: Storage, rel: str) -> tuple[dict[str, Any] | None, st
     return manifest, None
 
 
-def verify(storage: Storage, rel: str, manifest: dict[str, Any], group: dist.ProcessGroup | None) -> list[str]:
-    """Problems with the files of one checkpoint (the same list on every rank); empty if it is intact."""
-    rank = dist.get_rank(group) if _initialized() else 0
-    world = dist.get_world_size(group) if _initialized() else 1
-    expected: dict[str, Any] = manifest["files"]
+def check_files(storage: Storage, rel: str, manifest: dict[str, Any], group: dist.ProcessGroup | None) -> list[str]:
+    """Missing or wrongly sized files of one checkpoint (one listing; the same list on every rank).
+
+    Checksums are verified while the files are read for loading (see ``shards.SafeReader``).
+    """
     problems: list[str] = []
-    if rank == 0:
+    if not _initialized() or dist.get_rank(group) == 0:
         present = storage.sizes(rel)
-        for name, meta in sorted(expected.items()):
+        for name, meta in sorted(manifest["files"].items()):
             if name not in present:
                 problems.append(f"{name} is missing")
             elif present[name] != meta["size"]:
                 problems.append(f"{name} has {present[name]} bytes, expected {meta['size']} (truncated?)")
-    for name in sorted(expected)[rank::world]:
-        meta = expected[name]
-        try:
-            with storage.open(f"{rel}/{name}" if rel else name) as stream:
-                size, crc = crc32_of(stream)
-        except FileNotFoundError:
-            continue  # reported by the size check
-        if size != meta["size"]:
-            continue  # reported by the size check
-        if crc != meta["crc32"]:
-            problems.append(f"{name} fails its checksum (crc32 {crc}, expected {meta['crc32']})")
-    return sorted({p for rank_problems in _all_gather(problems, group) for p in rank_problems})
+    return _broadcast(problems, group)
+
+
+def describe_failure(err: BaseException) -> str:
+    """A one-line reason from a load failure (DCP wraps per-rank errors in CheckpointException)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def restore_training_state(
@@ -123,7 +122,7 @@ def restore_training_state(
     for i, flat in enumerate(flats):
         target[f"optimizer_{i}"] = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     url = storage.url_of(rel) if rel else storage.url
-    load_shards(url, target, storage.options, process_group=group)
+    load_shards(url, target, storage.options, process_group=group, expected=manifest["files"])
     set_model_state_dict(module, target["model"])
     for i, (opt, flat) in enumerate(zip(optimizers, flats)):
         values = {k: saved_values[i].get(k, v) for k, v in flat.items() if not isinstance(v, torch.Tensor)}
@@ -131,7 +130,10 @@ def restore_training_state(
     rank = dist.get_rank() if _initialized() else 0
     rng_name = f"rng-rank{rank:05d}.json"
     if same_layout and rng_name in manifest["files"]:
-        restore_rng(storage.read_json(f"{rel}/{rng_name}" if rel else rng_name))
+        try:
+            restore_rng(storage.read_json(f"{rel}/{rng_name}" if rel else rng_name, expected=manifest["files"][rng_name]))
+        except ChecksumError as err:
+            log.warning("lightning-spot: not restoring this rank's random state: %s", err)
 
 
 def load_checkpoint(
@@ -154,14 +156,18 @@ def load_checkpoint(
     for rel in names:
         manifest, problem = read_manifest(storage, rel) if (not _initialized() or dist.get_rank(group) == 0) else (None, None)
         manifest, problem = _broadcast((manifest, problem), group)
-        problems = [problem] if problem else verify(storage, rel, manifest, group)
+        problems = [problem] if problem else check_files(storage, rel, manifest, group)
         where = storage.url_of(rel) if rel else storage.url
+        if not problems:
+            same = layout is not None and manifest.get("layout") == layout
+            try:
+                restore_training_state(storage, rel, manifest, module, optimizers, group=group, same_layout=same)
+            except (CheckpointException, ChecksumError) as err:  # raised on every rank alike
+                problems = [describe_failure(err)]
         if problems:
             rejected.append(f"{where}: {'; '.join(problems[:5])}")
             log.warning("lightning-spot: checkpoint %s is damaged (%s); trying an earlier one", where, "; ".join(problems[:5]))
             continue
-        same = layout is not None and manifest.get("layout") == layout
-        restore_training_state(storage, rel, manifest, module, optimizers, group=group, same_layout=same)
         checkpoint = decode(manifest.get("lightning", {}))
         checkpoint.setdefault("state_dict", {})
         checkpoint.setdefault("optimizer_states", [])

@@ -3,9 +3,10 @@
     digests = save_shards(url, {"model": sd, "optimizer_0": flat}, storage_options)   # collective
     load_shards(url, {"model": target_sd, ...}, storage_options)                       # collective, any layout
 
-Writing records the size and CRC32 of every file this rank writes (for the manifest). Reading
-parses DCP's ``.metadata`` with an allow-list unpickler (only DCP's own metadata classes) and the
-tensor files with ``torch.load(weights_only=True)``, so a checkpoint cannot run code on load.
+Writing records the size and CRC32 of every file this rank writes (for the manifest); reading
+checks them as the bytes arrive. Reading parses DCP's ``.metadata`` with an allow-list unpickler
+(only DCP's own metadata classes) and the tensor files with ``torch.load(weights_only=True)``, so
+a checkpoint cannot run code on load.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import tempfile
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -103,11 +105,54 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-class SafeReader(FsspecReader):
-    """``FsspecReader`` whose metadata parsing cannot execute arbitrary code."""
+class ChecksumError(ValueError):
+    """A checkpoint file's bytes do not match the size and CRC32 recorded in the manifest."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+
+class _VerifyingFileSystem(FileSystem):
+    """Reads each listed file once into a spool while computing its CRC32; refuses mismatches."""
+
+    def __init__(self, fs: Any, expected: Digests) -> None:
+        super().__init__()
+        self.fs = fs
+        self.expected = expected
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        name = os.path.basename(os.fspath(path))
+        if "r" not in mode or name not in self.expected:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as stream, tempfile.SpooledTemporaryFile(max_size=256 * 2**20) as spool:
+            crc, size = 0, 0
+            while block := stream.read(1 << 22):
+                crc = zlib.crc32(block, crc)
+                size += len(block)
+                spool.write(block)
+            want = self.expected[name]
+            if (size, f"{crc:08x}") != (want["size"], want["crc32"]):
+                raise ChecksumError(
+                    f"{name} fails its checksum ({size} bytes, crc32 {crc:08x}; expected {want['size']} bytes, "
+                    f"crc32 {want['crc32']})"
+                )
+            spool.seek(0)
+            yield spool
+
+
+class SafeReader(FsspecReader):
+    """``FsspecReader`` whose metadata parsing cannot execute arbitrary code.
+
+    With ``expected`` (the manifest's file digests), every file is checked as it is read, so
+    verification costs no extra pass over the data.
+    """
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, expected: Digests | None = None
+    ) -> None:
         super().__init__(url, **(storage_options or {}))
+        if expected is not None:
+            self.fs = _VerifyingFileSystem(self.fs.fs, expected)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -139,20 +184,13 @@ def load_shards(
     storage_options: dict[str, Any] | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    expected: Digests | None = None,
 ) -> None:
-    """Fill ``state``'s tensors in place from the shards under ``url``; resharded by key; collective."""
-    dcp.load(state, storage_reader=SafeReader(url, storage_options), process_group=process_group)
+    """Fill ``state``'s tensors in place from the shards under ``url``; resharded by key; collective.
+
+    With ``expected``, each file read is verified against its recorded size and CRC32.
+    """
+    dcp.load(state, storage_reader=SafeReader(url, storage_options, expected), process_group=process_group)
 
 
-def crc32_of(stream: Any, chunk: int = 1 << 22) -> tuple[int, str]:
-    """Size and CRC32 (hex) of a readable stream."""
-    crc, size = 0, 0
-    while True:
-        block = stream.read(chunk)
-        if not block:
-            return size, f"{crc:08x}"
-        crc = zlib.crc32(block, crc)
-        size += len(block)
-
-
-__all__ = ["ChecksummingWriter", "Digests", "SafeReader", "crc32_of", "load_shards", "save_shards"]
+__all__ = ["ChecksumError", "ChecksummingWriter", "Digests", "SafeReader", "load_shards", "save_shards"]

@@ -187,8 +187,13 @@ class Storage:
         retry(put, f"writing {self.url_of(rel)}")
         return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
-    def read_json(self, rel: str) -> Any:
+    def read_json(self, rel: str, expected: dict[str, Any] | None = None) -> Any:
+        """Parse a JSON object; with ``expected`` ({size, crc32}), refuse bytes that do not match."""
         data = retry(lambda: self.fs.cat_file(self.path_of(rel)), f"reading {self.url_of(rel)}")
+        if expected is not None and (len(data), f"{zlib.crc32(data):08x}") != (expected["size"], expected["crc32"]):
+            from lightning_spot.checkpoint.shards import ChecksumError
+
+            raise ChecksumError(f"{rel} fails its checksum")
         return json.loads(data)
 
     def sizes(self, rel_dir: str) -> dict[str, int]:
