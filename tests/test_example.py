@@ -31,11 +31,10 @@ def run_with_lightning_launcher(argv: list[str], timeout: float = 240) -> str:
     return out
 
 
-def test_example_script_trains(tmp_path: Path) -> None:
-    out = run_with_lightning_launcher(
-        [sys.executable, "examples/gpt/train.py", "--devices", "2", "--max-steps", "8", "--val-every", "4",
-         "--microbatches", "2", "--root", str(tmp_path)]
-    )
+def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> None:
+    common = [sys.executable, "examples/gpt/train.py", "--devices", "2", "--val-every", "4",
+              "--checkpoint-every", "4", "--root", str(tmp_path)]
+    out = run_with_lightning_launcher([*common, "--max-steps", "8", "--microbatches", "2"])
     line = re.search(r"done: layout (\S+), train_loss ([\d.]+), val_loss ([\d.]+), val_ppl ([\d.]+), ([\d.]+) samples/s", out)
     assert line, out[-3000:]
     layout, train_loss, val_loss, val_ppl, samples = line.groups()
@@ -43,6 +42,12 @@ def test_example_script_trains(tmp_path: Path) -> None:
     assert float(train_loss) < 5.2  # ln(256) = 5.55 at the start: it learned something
     assert 1.0 < float(val_ppl) < 256
     assert float(samples) > 0
+    assert (tmp_path / "spot_checkpoints" / "step-000000008" / "manifest.json").is_file()
+
+    # the same command on another layout continues from the checkpoint
+    out = run_with_lightning_launcher([*common, "--max-steps", "12", "--pipeline-stages", "1", "--microbatches", "4"])
+    assert "resumed from step 8" in out and "done: layout P1xD2" in out, out[-3000:]
+    assert (tmp_path / "spot_checkpoints" / "step-000000012" / "manifest.json").is_file()
 
 
 def test_example_lightning_cli_config(tmp_path: Path) -> None:

@@ -1,7 +1,11 @@
 """Train the small GPT on the bundled text with spot_pipeline.
 
     python examples/gpt/train.py                      # 4 CPU processes: 2 pipeline stages x 2 replicas
+    python examples/gpt/train.py --pipeline-stages 4 --max-steps 200   # resumes on another layout
     python examples/gpt/train.py --accelerator gpu --devices 8 --pipeline-stages 4 --n-layer 12
+
+Checkpoints go to ROOT/spot_checkpoints (or --checkpoint-dir, e.g. s3://bucket/run); running the
+script again resumes from the latest one.
 
 Lightning launches the worker processes itself; under torchrun it uses the ones torchrun started.
 """
@@ -18,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from examples.gpt.data import ByteTextDataModule  # noqa: E402
 from examples.gpt.model import TinyGPT  # noqa: E402
-from lightning_spot import PipelineThroughput, SpotPipelineStrategy  # noqa: E402
+from lightning_spot import PipelineThroughput, SpotCheckpoint, SpotPipelineStrategy  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-every", type=int, default=40)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--root", default="runs/gpt", help="logs and checkpoints")
+    p.add_argument("--checkpoint-dir", default=None, help="any fsspec URL; default: ROOT/spot_checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=40, help="steps between checkpoints")
+    p.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -53,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
     throughput = PipelineThroughput(tokens_per_sample=args.block_size)
+    checkpoints = SpotCheckpoint(
+        dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every, resume=not args.no_resume
+    )
     strategy = SpotPipelineStrategy(
         pipeline_stages=_int_or_auto(args.pipeline_stages),
         microbatches=_int_or_auto(args.microbatches),
@@ -68,12 +78,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
         default_root_dir=args.root,
-        callbacks=[throughput],
-        enable_checkpointing=False,
+        callbacks=[throughput, checkpoints],
+        enable_checkpointing=False,  # SpotCheckpoint does it
     )
     trainer.fit(model, data)
     summary = {**throughput.summary(), **{k: float(v) for k, v in trainer.callback_metrics.items()}}
     if trainer.is_global_zero:
+        if strategy.restored_manifest is not None:
+            print(f"resumed from step {strategy.restored_manifest['step']} (written on {strategy.restored_manifest['layout']})")
         print(
             f"done: layout {strategy.layout}, train_loss {summary.get('train_loss', float('nan')):.3f}, "
             f"val_loss {summary.get('val_loss', float('nan')):.3f}, val_ppl {summary.get('val_ppl', float('nan')):.2f}, "
