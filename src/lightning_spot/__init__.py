@@ -14,6 +14,7 @@ from lightning_spot.data import EpochShuffleSampler
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
+from lightning_spot.preemption import PREEMPTED_EXIT_CODE, Notice, PreemptionWatcher
 from lightning_spot.schedules import SCHEDULE_NAMES, resolve_schedule
 from lightning_spot.strategy import SpotPipelineStrategy
 from lightning_spot.throughput import PipelineThroughput
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 SpotPipelineStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "SCHEDULE_NAMES",
     "CheckpointError",
     "SpotCheckpoint",
@@ -32,7 +34,9 @@ __all__ = [
     "LayoutError",
     "ModelContractError",
     "ModelSplit",
+    "Notice",
     "PipelineThroughput",
+    "PreemptionWatcher",
     "SpotPipelineStrategy",
     "StagePlan",
     "discover",

@@ -187,10 +187,32 @@ class SpotPipelineStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
+        self._adopt_elastic_world()
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _adopt_elastic_world(self) -> None:
+        """Under torchrun, take this node's process count and the node count from the environment.
+
+        After an elastic restart the group may be smaller or larger than the Trainer's
+        ``devices`` x ``num_nodes``; the environment (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) is what is true.
+        """
+        env = os.environ
+        if not (self.cluster_environment and self.cluster_environment.creates_processes_externally):
+            return
+        if "LOCAL_WORLD_SIZE" not in env or "WORLD_SIZE" not in env or not self.parallel_devices:
+            return
+        local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+        devices = self.parallel_devices
+        if len(devices) != local:
+            kind = devices[0].type
+            self.parallel_devices = (
+                [torch.device(kind, i) for i in range(local)] if kind != "cpu" else [torch.device("cpu")] * local
+            )
+        if world % local == 0:
+            self.num_nodes = world // local
 
     @override
     def setup_environment(self) -> None:

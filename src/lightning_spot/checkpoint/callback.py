@@ -15,17 +15,21 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional, Union
 
 import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_spot.checkpoint.journal import Journal, read_events, summarize
 from lightning_spot.checkpoint.payload import split_checkpoint
 from lightning_spot.checkpoint.read import CheckpointError
 from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirname, step_of
 from lightning_spot.checkpoint.write import write_checkpoint
+from lightning_spot.preemption.coordinate import agree, earliest, gather
+from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE
+from lightning_spot.preemption.watcher import PreemptionWatcher
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,12 @@ class SpotCheckpoint(L.Callback):
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs).
         async_save: upload in a background thread (training stalls only for the copy to host memory).
         io_threads: files written in parallel per rank.
+        preemption: watch for preemption notices (``True``: SIGTERM and, if detected, the cloud's
+            spot notices; or a configured :class:`PreemptionWatcher`; ``False``: off). A notice on any
+            rank makes all ranks checkpoint the current step and exit with ``PREEMPTED_EXIT_CODE`` (75),
+            which makes torchrun restart the group.
+        heartbeat_seconds: how often rank 0 records progress in the run history (for the report of
+            time lost after a crash).
     """
 
     def __init__(
@@ -62,6 +72,8 @@ class SpotCheckpoint(L.Callback):
         storage_options: Optional[dict[str, Any]] = None,
         async_save: bool = True,
         io_threads: int = 1,
+        preemption: Union[bool, PreemptionWatcher] = True,
+        heartbeat_seconds: float = 30.0,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -78,6 +90,11 @@ class SpotCheckpoint(L.Callback):
         self.storage_options = dict(storage_options or {})
         self.async_save = async_save
         self.io_threads = io_threads
+        self.preemption = preemption
+        self.heartbeat_seconds = heartbeat_seconds
+        self.watcher: Optional[PreemptionWatcher] = None
+        self.journal: Optional[Journal] = None
+        self.report: dict[str, Any] = {}
         self.storage: Optional[Storage] = None
         self.saves: list[dict[str, Any]] = []
         self._group: Optional[dist.ProcessGroup] = None
@@ -90,6 +107,8 @@ class SpotCheckpoint(L.Callback):
         self._train_seconds = 0.0
         self._trainer: Optional[L.Trainer] = None
         self._original_resume_start: Any = None
+        self._first_step_seen = False
+        self._last_heartbeat = 0.0
 
     @property
     def state_key(self) -> str:
@@ -132,6 +151,10 @@ class SpotCheckpoint(L.Callback):
         self._trainer = trainer
         self._install_resume(trainer)
         self._last_time = time.monotonic()
+        if self.preemption and self.watcher is None:
+            self.watcher = self.preemption if isinstance(self.preemption, PreemptionWatcher) else PreemptionWatcher()
+        if self.journal is None:
+            self.journal = Journal(self.storage, enabled=trainer.is_global_zero)
 
     def _install_resume(self, trainer: L.Trainer) -> None:
         """When fit is called without ckpt_path, make Lightning restore the run's latest checkpoint.
@@ -161,6 +184,11 @@ class SpotCheckpoint(L.Callback):
         try:
             self.wait()
         finally:
+            if self.watcher is not None:
+                self.watcher.stop()
+            if self.journal is not None:
+                self.journal.close()
+                self.journal = None
             if self._original_resume_start is not None:
                 trainer._checkpoint_connector.resume_start = self._original_resume_start  # type: ignore[method-assign]
                 self._original_resume_start = None
@@ -172,16 +200,31 @@ class SpotCheckpoint(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._train_start = time.monotonic()
         self._last_step = self._checked_step = trainer.global_step
+        if self.watcher is not None:
+            self.watcher.start()
+        restored = getattr(trainer.strategy, "restored_manifest", None)
+        assert self.journal is not None
+        self.journal.record(
+            "start",
+            step=trainer.global_step,
+            resumed_step=restored["step"] if restored else None,
+            layout=trainer.strategy.checkpoint_layout(),  # type: ignore[attr-defined]
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         if step == self._checked_step:  # only at optimizer-step boundaries (not inside an accumulation window)
             return
         self._checked_step = step
+        self._record_progress(trainer)
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
-        if self.every_n_minutes is not None:
-            late = time.monotonic() - self._last_time >= 60 * self.every_n_minutes
-            due = trainer.strategy.reduce_boolean_decision(due or late, all=False)
+        late = self.every_n_minutes is not None and time.monotonic() - self._last_time >= 60 * self.every_n_minutes
+        if self.every_n_minutes is not None or self.watcher is not None:
+            late, preempted = agree(trainer.strategy, [late, self.watcher is not None and self.watcher.notice is not None])
+            if preempted:
+                self._stop_for_preemption(trainer)
+        due = due or late
         ending = self.save_on_train_end and (
             (trainer.max_steps not in (None, -1) and step >= trainer.max_steps) or trainer.should_stop
         )
@@ -200,6 +243,9 @@ class SpotCheckpoint(L.Callback):
             # from this checkpoint starts the next epoch
             self.save(trainer, reason="end", blocking=True)
         self.wait()
+        assert self.journal is not None
+        self.journal.record("end", step=trainer.global_step)
+        self._report(trainer)
         if self.saves and trainer.is_global_zero:
             s = self.summary()
             rank_zero_info(
@@ -239,6 +285,11 @@ class SpotCheckpoint(L.Callback):
         if manifest is not None:
             self.saves[-1]["write_seconds"] = manifest["timings"]["write_seconds"]
             self._apply_retention(rel)
+            if self.journal is not None:
+                self.journal.record(
+                    "checkpoint", step=manifest["step"], reason=manifest.get("reason"), bytes=manifest["bytes"],
+                    **manifest["timings"],
+                )
 
     def _write_in_background(self, rel: str, share: Any, info: dict[str, Any]) -> None:
         try:
@@ -264,6 +315,71 @@ class SpotCheckpoint(L.Callback):
         for name in self.storage.step_dirs():
             if name not in committed and step_of(name) < step_of(newest):
                 self.storage.delete(name)
+
+    # -------------------------------------------------------------- preemption
+    def _stop_for_preemption(self, trainer: L.Trainer) -> NoReturn:
+        """All ranks: checkpoint this step (after the save in flight, if any), then exit for a restart."""
+        start = time.time()
+        found = earliest(gather(self.watcher.notice if self.watcher else None))
+        assert found is not None
+        rank, notice = found
+        self.save(trainer, reason=f"preempted: {notice.source}", blocking=True)
+        took = time.time() - start
+        left = notice.seconds_left()
+        margin = f"; {left:.1f}s left before the deadline" if left is not None else ""
+        rank_zero_info(
+            f"SpotCheckpoint: preemption notice on rank {rank} ({notice.describe()}): checkpoint of step "
+            f"{trainer.global_step} committed in {took:.2f}s{margin}. Exiting with code {PREEMPTED_EXIT_CODE} "
+            f"so that the launcher restarts the job."
+        )
+        if self.journal is not None:
+            self.journal.record(
+                "preempted", step=trainer.global_step, source=notice.source, detail=notice.detail, rank=rank,
+                notice_time=notice.received, deadline=notice.deadline, save_seconds=round(took, 3),
+                seconds_left=None if left is None else round(left, 3),
+            )
+            self.journal.close()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    # ----------------------------------------------------------------- history
+    def _record_progress(self, trainer: L.Trainer) -> None:
+        assert self.journal is not None
+        if not self._first_step_seen:
+            self._first_step_seen = True
+            self.journal.record("first_step", step=trainer.global_step)
+        elif time.monotonic() - self._last_heartbeat >= self.heartbeat_seconds:
+            self.journal.record("progress", step=trainer.global_step)
+        else:
+            return
+        self._last_heartbeat = time.monotonic()
+
+    def _report(self, trainer: L.Trainer) -> None:
+        """Preemptions survived, steps recomputed, time lost and checkpoint stall: printed and logged."""
+        if not trainer.is_global_zero:
+            return
+        assert self.journal is not None and self.storage is not None
+        self.journal.flush()
+        self.report = summarize(read_events(self.storage))
+        own = self.summary()
+        self.report["checkpoint_stall_fraction"] = own["stall_fraction"]
+        metrics = {
+            "spot/preemptions_survived": float(self.report["preemptions_survived"]),
+            "spot/steps_recomputed": float(self.report["steps_recomputed"]),
+            "spot/time_lost_seconds": float(self.report["time_lost_seconds"]),
+            "spot/checkpoint_stall_fraction": float(own["stall_fraction"]),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        lines = [
+            f"SpotCheckpoint report for {self.url}: {self.report['preemptions_survived']} restart(s) survived, "
+            f"{self.report['steps_recomputed']} step(s) recomputed, {self.report['time_lost_seconds']:.1f}s lost to restarts"
+        ]
+        for r in self.report["restarts"]:
+            lines.append(
+                f"  {r['cause']}: stopped at step {r['stopped_at_step']}, resumed from step {r['resumed_from_step']}, "
+                f"{r['time_lost_seconds']:.1f}s lost"
+            )
+        rank_zero_info("\n".join(lines))
 
     # ----------------------------------------------------------------- figures
     def summary(self) -> dict[str, float]:

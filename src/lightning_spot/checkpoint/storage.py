@@ -178,6 +178,7 @@ class Storage:
         target = self.path_of(rel)
         def put() -> None:
             if self.is_local:
+                self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
                 tmp = f"{target}.tmp-{uuid.uuid4().hex}"
                 self.fs.pipe_file(tmp, data)
                 self.fs.mv(tmp, target)

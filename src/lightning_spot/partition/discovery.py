@@ -113,18 +113,13 @@ def discover(
                 f"'{fqn}' is not a module next to the layer sequence `{layers}`; "
                 f"stage overrides name modules outside it, e.g. 'embed' or 'head'."
             )
-    for fqn in first_stage_modules:
-        for lst in (last, replicated):
-            if fqn in lst:
-                lst.remove(fqn)
-        if fqn not in first:
-            first.append(fqn)
-    for fqn in last_stage_modules:
-        for lst in (first, replicated):
-            if fqn in lst:
-                lst.remove(fqn)
-        if fqn not in last:
-            last.append(fqn)
+    for fqns, target in ((first_stage_modules, first), (last_stage_modules, last)):
+        for fqn in fqns:
+            for group in (first, last, replicated):
+                if fqn in group and group is not target:
+                    group.remove(fqn)
+            if fqn not in target:
+                target.append(fqn)
 
     return ModelSplit(
         layers_path=layers,

@@ -1,0 +1,111 @@
+"""A run's history next to its checkpoints: starts, first steps, progress, saves, preemptions and ends.
+
+    journal = Journal(storage, enabled=trainer.is_global_zero)
+    journal.record("start", step=0, layout={...})          # written in the background, one object per event
+    summarize(read_events(storage))   # {"preemptions_survived": 2, "steps_recomputed": 7, ...}
+
+Events live under ``<run>/events/`` as small JSON objects named by time, so that object stores
+(which cannot append) keep the history too. They feed the end-of-fit report and ``lightning-spot report``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lightning_spot.checkpoint.storage import Storage
+
+log = logging.getLogger(__name__)
+EVENTS = "events"
+
+
+class Journal:
+    """Appends events to the run directory (on rank 0), without blocking training."""
+
+    def __init__(self, storage: Storage, enabled: bool) -> None:
+        self.storage = storage
+        self.enabled = enabled
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning-spot-journal") if enabled else None
+        self._pending: list[Future] = []
+
+    def record(self, kind: str, **fields: Any) -> None:
+        if self._executor is None:
+            return
+        now = time.time()
+        event = {"kind": kind, "time": now, **fields}
+        name = f"{EVENTS}/{time.time_ns():020d}-{kind}.json"
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._executor.submit(self._write, name, event))
+
+    def _write(self, name: str, event: dict[str, Any]) -> None:
+        try:
+            self.storage.write_json(name, event)
+        except Exception as err:  # noqa: BLE001 - history is best effort; checkpoints are not
+            log.warning("lightning-spot: could not record %s in the run history: %s", event["kind"], err)
+
+    def flush(self) -> None:
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.flush()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def read_events(storage: Storage) -> list[dict[str, Any]]:
+    """All recorded events of a run, oldest first."""
+    path = storage.path_of(EVENTS)
+    storage._fresh(path)
+    try:
+        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+    events = []
+    for name in names:
+        if name.endswith(".json"):
+            try:
+                events.append(storage.read_json(f"{EVENTS}/{name}"))
+            except (ValueError, OSError) as err:
+                log.warning("lightning-spot: skipping unreadable history event %s: %s", name, err)
+    return events
+
+
+def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Preemptions survived, steps recomputed and time lost per restart, from a run's events."""
+    attempts: list[list[dict[str, Any]]] = []
+    for event in events:
+        if event["kind"] == "start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(event)
+    restarts = []
+    for before, after in zip(attempts, attempts[1:]):
+        last_step = max((e.get("step", 0) for e in before), default=0)
+        last_time = max(e["time"] for e in before)
+        start = after[0]
+        resumed = start.get("resumed_step") or 0
+        first = next((e for e in after if e["kind"] == "first_step"), None)
+        preempted = next((e for e in before if e["kind"] == "preempted"), None)
+        restarts.append({
+            "cause": f"preemption notice ({preempted['source']})" if preempted else "failure (no notice)",
+            "stopped_at_step": last_step,
+            "resumed_from_step": resumed,
+            "steps_recomputed": max(0, last_step - resumed),
+            "time_lost_seconds": round((first["time"] if first else start["time"]) - last_time, 3),
+            "layout_before": next((e.get("layout") for e in before if e["kind"] == "start"), None),
+            "layout_after": start.get("layout"),
+        })
+    saves = [e for e in events if e["kind"] == "checkpoint"]
+    return {
+        "attempts": len(attempts),
+        "preemptions_survived": len(restarts),
+        "steps_recomputed": sum(r["steps_recomputed"] for r in restarts),
+        "time_lost_seconds": round(sum(r["time_lost_seconds"] for r in restarts), 3),
+        "restarts": restarts,
+        "checkpoints": len(saves),
+        "checkpoint_stall_seconds": round(sum(e.get("stall_seconds", 0.0) for e in saves), 4),
+    }

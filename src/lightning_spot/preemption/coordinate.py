@@ -1,0 +1,45 @@
+"""Agree across all ranks at a step boundary: a notice at any rank stops every rank together.
+
+    late, preempted = agree(strategy, [timer_expired, watcher.notice is not None])   # one all-reduce (MAX)
+    first = earliest(gather(watcher.notice))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_spot.preemption.notice import Notice
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def agree(strategy: Any, flags: Sequence[bool]) -> list[bool]:
+    """Each flag is True on every rank if it is True on any rank (one small all-reduce)."""
+    if not _initialized() or dist.get_world_size() == 1:
+        return list(flags)
+    values = torch.tensor([float(f) for f in flags], device=strategy.root_device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
+
+
+def gather(notice: Notice | None) -> list[Notice | None]:
+    """Every rank's notice (or None), on every rank."""
+    if not _initialized():
+        return [notice]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, notice)
+    return out
+
+
+def earliest(notices: Sequence[Notice | None]) -> tuple[int, Notice] | None:
+    """(rank, notice) of the notice with the earliest deadline (or, without deadlines, the first received)."""
+    ranked = [(r, n) for r, n in enumerate(notices) if n is not None]
+    if not ranked:
+        return None
+    return min(ranked, key=lambda rn: (rn[1].deadline if rn[1].deadline is not None else float("inf"), rn[1].received))

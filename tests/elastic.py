@@ -1,0 +1,90 @@
+"""Start torchrun agents ("nodes") on loopback for elastic tests; stop them by process id."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests.distributed import REPO
+
+
+class Agent:
+    """One torchrun agent with ``nproc`` workers, logging to ``log``."""
+
+    def __init__(self, name: str, port: int, nproc: int, script_args: list[str], log: Path, nnodes: str = "1:2") -> None:
+        self.name = name
+        self.log_path = log
+        self.log = open(log, "w")
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a fresh store per round (see FIELD-NOTES)
+        }
+        env.pop("LOCAL_RANK", None)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--max-restarts=3",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spot-test",
+                "--rdzv-conf=join_timeout=120,last_call_timeout=3", "--monitor-interval=0.5",
+                *script_args,
+            ],
+            env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)  # the agent itself, which forwards SIGTERM to its workers
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, agents: list[Agent]) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        dead = [a for a in agents if a.proc.poll() not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            logs = "\n".join(f"----- {a.name} -----\n{a.output()[-5000:]}" for a in agents)
+            raise AssertionError(f"{'an agent failed' if dead else 'timed out'} while waiting for {what}\n{logs}")
+        time.sleep(0.3)
+
+
+@contextmanager
+def agents_cleanup(agents: list[Agent]) -> Iterator[list[Agent]]:
+    try:
+        yield agents
+    finally:
+        for agent in agents:
+            agent.kill()

@@ -1,0 +1,69 @@
+"""Worker for torchrun tests: train with SpotCheckpoint on whatever world torchrun gives; save the final state.
+
+    torchrun ... tests/workers/elastic_train.py CONFIG.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_spot import PreemptionWatcher, SpotCheckpoint, SpotPipelineStrategy
+from tests.models import make_loader, make_model
+
+
+class SlowSteps(L.Callback):
+    """Makes each step take a while, so that a test can interrupt the run in the middle."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
+def main() -> None:
+    config = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(config["out"])
+    watcher = PreemptionWatcher(**config.get("watcher", {"cloud": None}))
+    checkpoint = SpotCheckpoint(
+        dirpath=config["run"], every_n_train_steps=config.get("every", 2), keep_last=3, heartbeat_seconds=0.5,
+        preemption=watcher,
+    )
+    strategy = SpotPipelineStrategy(timeout=timedelta(seconds=60), **config.get("strategy", {}))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # num_nodes is derived from the environment
+        strategy=strategy,
+        max_steps=config["max_steps"],
+        callbacks=[checkpoint, SlowSteps(config.get("step_seconds", 0.0))],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(make_model(scheduler=True), make_loader(**config.get("loader", {"batch_size": 16, "n": 80, "shuffle": True})))
+    (out / "final").mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "state_dict": {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()},
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "layout": str(strategy.layout),
+            "num_nodes": strategy.num_nodes,
+            "restored_step": strategy.restored_manifest["step"] if strategy.restored_manifest else None,
+            "report": checkpoint.report,
+        },
+        out / "final" / f"rank{trainer.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
