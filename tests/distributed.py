@@ -50,13 +50,16 @@ def launch(
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
     kill_when: Callable[[], bool] | None = None,
+    expect_exit: int = 0,
+    pids: list[int] | None = None,
 ) -> list[str]:
     """Run ``python *argv`` as ``world_size`` ranks (Lightning's LOCAL_RANK/WORLD_SIZE protocol).
 
     Returns each rank's combined output. If any rank fails, the others are killed at once and
     :class:`WorkerFailure` is raised; the same after ``timeout`` seconds. ``kill_when`` is polled
     while the job runs: when it returns True every rank gets SIGKILL (a simulated crash) and the
-    logs are returned.
+    logs are returned. ``expect_exit`` is the exit code that counts as success for every rank;
+    ``pids``, if given, receives the ranks' process ids as soon as they start.
     """
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +72,7 @@ def launch(
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
                 "NODE_RANK": "0",
                 "LOCAL_RANK": str(rank),
                 "RANK": str(rank),
@@ -85,6 +89,8 @@ def launch(
                     start_new_session=True,
                 )
             )
+            if pids is not None:
+                pids.append(procs[-1].pid)
         deadline = time.monotonic() + timeout
         failed = None
         killed = False
@@ -94,8 +100,8 @@ def launch(
                 killed = True
                 break
             codes = [p.poll() for p in procs]
-            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None or all(c == 0 for c in codes):
+            failed = next((r for r, c in enumerate(codes) if c not in (None, expect_exit)), None)
+            if failed is not None or all(c == expect_exit for c in codes):
                 break
             time.sleep(0.2)
         timed_out = any(p.poll() is None for p in procs) and failed is None and not killed

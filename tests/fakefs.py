@@ -1,7 +1,8 @@
 """Test-only fsspec filesystems (registered when imported): slow and flaky local storage.
 
 * ``slowfile://``: like ``file://``, but opening a shard of checkpoint step ``SPOT_TEST_SLOW_STEP`` for
-  writing leaves a marker file (``SPOT_TEST_MARKER``) and hangs, so a test can kill the job mid-upload.
+  writing leaves a marker file (``SPOT_TEST_MARKER``) and stalls (``SPOT_TEST_SLOW_SECONDS``, default
+  600), so a test can act while an upload is in flight.
 * ``flakyfile://``: like ``file://``, but the first write of every file raises ConnectionResetError,
   as a flaky network would; a retry succeeds.
 """
@@ -28,7 +29,7 @@ class SlowFileSystem(LocalFileSystem):
             handle.flush()
             with open(os.environ["SPOT_TEST_MARKER"], "w") as marker:
                 marker.write(path)
-            time.sleep(600)
+            time.sleep(float(os.environ.get("SPOT_TEST_SLOW_SECONDS", 600)))
         return handle
 
 

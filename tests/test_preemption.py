@@ -9,14 +9,19 @@ uninterrupted single-process run.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import REPO, free_port, launch
 from tests.elastic import Agent, agents_cleanup, port_open, wait_for
 from tests.parity import assert_same_params, merged_state, reference_run
 
@@ -94,3 +99,93 @@ def test_node_joins_and_the_job_grows(tmp_path: Path, uninterrupted: dict) -> No
     assert report["preemptions_survived"] == 1
     assert report["restarts"][0]["layout_before"]["world_size"] == 2
     assert report["restarts"][0]["layout_after"]["world_size"] == 4
+
+
+# --------------------------------------------------------------------------- notices without torchrun
+def _run_until_preempted(tmp: Path, config: Path, trigger: Callable[[], None], *, pids: list[int]) -> list[str]:
+    """Launch 2 ranks; once step 2 is committed call ``trigger``; every rank must exit with code 75."""
+    fired = []
+
+    def fire() -> bool:
+        if not fired and any(s >= 2 for s in _committed(tmp)):
+            trigger()
+            fired.append(True)
+        return False
+
+    from lightning_spot import PREEMPTED_EXIT_CODE
+
+    return launch(
+        2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp / "logs", timeout=240,
+        expect_exit=PREEMPTED_EXIT_CODE, kill_when=fire, pids=pids,
+    )
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: Path, cloud: str) -> None:
+    port = free_port()
+    flag = tmp_path / "preempt-now"
+    server = subprocess.Popen(
+        [sys.executable, "tests/metadata_server.py", "--cloud", cloud, "--port", str(port), "--trigger", str(flag)],
+        cwd=REPO, start_new_session=True,
+    )
+    try:
+        wait_for(lambda: port_open(port), 30, "the metadata server", [])
+        config = _config(
+            tmp_path, max_steps=40, watch_rank=1,
+            watcher={"cloud": cloud, "poll_interval": 0.2, "endpoints": {cloud: f"http://127.0.0.1:{port}"}, "signals": []},
+        )
+        logs = _run_until_preempted(tmp_path, config, flag.touch, pids=[])
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+    last = max(_committed(tmp_path))
+    manifest = json.loads((tmp_path / "run" / f"step-{last:09d}" / "manifest.json").read_text())
+    assert manifest["reason"] == f"preempted: {cloud}"
+    assert 2 < last < 40
+    assert f"preemption notice on rank 1 ({cloud}" in logs[0]
+    if cloud in ("aws", "azure"):  # these notices carry a deadline
+        assert re.search(r"committed in [\d.]+s; [\d.]+s left before the deadline", logs[0]), logs[0][-2000:]
+
+
+def test_notice_during_a_background_save_finishes_that_save_first(tmp_path: Path) -> None:
+    """SIGTERM while step 4 is still uploading: that save completes, then the current step is saved too."""
+    marker = tmp_path / "uploading"
+    config = _config(tmp_path, max_steps=40, run=f"slowfile://{tmp_path / 'run'}", watcher={"cloud": None})
+    pids: list[int] = []
+    sent = []
+
+    def sigterm_during_upload() -> bool:
+        if marker.exists() and not sent:
+            os.kill(pids[1], signal.SIGTERM)  # rank 1, while rank 0's upload of step 4 is stalled
+            sent.append(True)
+        return False
+
+    from lightning_spot import PREEMPTED_EXIT_CODE
+
+    launch(
+        2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp_path / "logs", timeout=240,
+        expect_exit=PREEMPTED_EXIT_CODE, kill_when=sigterm_during_upload, pids=pids,
+        env={"SPOT_TEST_SLOW_STEP": "4", "SPOT_TEST_MARKER": str(marker), "SPOT_TEST_SLOW_SECONDS": "3"},
+    )
+    committed = _committed(tmp_path)
+    assert 4 in committed and max(committed) > 4, committed
+    manifest = json.loads((tmp_path / "run" / f"step-{max(committed):09d}" / "manifest.json").read_text())
+    assert manifest["reason"] == "preempted: SIGTERM"
+
+
+def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(tmp_path: Path, uninterrupted: dict) -> None:
+    """SIGKILL one worker (no notice): its peers fail fast, torchrun restarts the group, which resumes."""
+    config = _config(tmp_path)
+    port = free_port()
+    with agents_cleanup([]) as agents:
+        agents.append(Agent("node", port, 2, ["tests/workers/elastic_train.py", str(config)], tmp_path / "a.log", nnodes="1"))
+        wait_for(lambda: any(s >= 4 for s in _committed(tmp_path)), 240, "a checkpoint at step 4", agents)
+        victim = int((tmp_path / "out" / "pids" / "rank1-attempt0.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: agents[0].proc.poll() is not None, 300, "the restarted job to finish", agents)
+        assert agents[0].proc.returncode == 0, agents[0].output()[-5000:]
+    finals = _finals(tmp_path, 2)
+    assert all(f["restored_step"] >= 4 for f in finals)
+    assert_same_params(merged_state(finals), uninterrupted)
+    restart = finals[0]["report"]["restarts"][0]
+    assert restart["cause"] == "failure (no notice)" and restart["resumed_from_step"] >= 4

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 from lightning_spot import PreemptionWatcher, SpotCheckpoint, SpotPipelineStrategy
+import tests.fakefs  # noqa: F401  registers slowfile://
 from tests.models import make_loader, make_model
 
 
@@ -33,7 +34,14 @@ class SlowSteps(L.Callback):
 def main() -> None:
     config = json.loads(Path(sys.argv[1]).read_text())
     out = Path(config["out"])
-    watcher = PreemptionWatcher(**config.get("watcher", {"cloud": None}))
+    rank = int(os.environ.get("RANK", 0))
+    (out / "pids").mkdir(parents=True, exist_ok=True)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    (out / "pids" / f"rank{rank}-attempt{restart}.pid").write_text(str(os.getpid()))
+    watch = config.get("watcher", {"cloud": None})
+    if "watch_rank" in config and rank != config["watch_rank"]:
+        watch = {**watch, "cloud": None}  # only one rank polls: its notice must stop everyone
+    watcher = PreemptionWatcher(**watch)
     checkpoint = SpotCheckpoint(
         dirpath=config["run"], every_n_train_steps=config.get("every", 2), keep_last=3, heartbeat_seconds=0.5,
         preemption=watcher,
