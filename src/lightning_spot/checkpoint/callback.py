@@ -51,7 +51,7 @@ class SpotCheckpoint(L.Callback):
         resume: when ``fit`` is called without ``ckpt_path``, resume from the latest intact checkpoint.
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for s3fs).
         async_save: upload in a background thread (training stalls only for the copy to host memory).
-        io_threads: files written in parallel per rank.
+        io_threads: files written (and uploaded) in parallel per rank.
         preemption: watch for preemption notices (``True``: SIGTERM and, if detected, the cloud's
             spot notices; or a configured :class:`PreemptionWatcher`; ``False``: off). A notice on any
             rank makes all ranks checkpoint the current step and exit with ``PREEMPTED_EXIT_CODE`` (75),
@@ -71,7 +71,7 @@ class SpotCheckpoint(L.Callback):
         resume: bool = True,
         storage_options: Optional[dict[str, Any]] = None,
         async_save: bool = True,
-        io_threads: int = 1,
+        io_threads: int = 2,
         preemption: Union[bool, PreemptionWatcher] = True,
         heartbeat_seconds: float = 30.0,
     ) -> None:
@@ -109,6 +109,7 @@ class SpotCheckpoint(L.Callback):
         self._original_resume_start: Any = None
         self._first_step_seen = False
         self._last_heartbeat = 0.0
+        self._final_wait = 0.0
 
     @property
     def state_key(self) -> str:
@@ -237,12 +238,14 @@ class SpotCheckpoint(L.Callback):
             self.save(trainer, reason="end")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._train_seconds = time.monotonic() - self._train_start
         if self.save_on_train_end and trainer.global_step != self._last_step:
             # stopped by something else (max_time, a callback): the loops are already wound up, so a resume
             # from this checkpoint starts the next epoch
             self.save(trainer, reason="end", blocking=True)
-        self.wait()
+        self._train_seconds = time.monotonic() - self._train_start
+        waited = time.monotonic()
+        self.wait()  # the last upload: training is over, but the run is not done until it is committed
+        self._final_wait = time.monotonic() - waited
         assert self.journal is not None
         self.journal.record("end", step=trainer.global_step)
         self._report(trainer)
@@ -250,7 +253,8 @@ class SpotCheckpoint(L.Callback):
             s = self.summary()
             rank_zero_info(
                 f"SpotCheckpoint: {s['saves']:.0f} checkpoints to {self.url}; training stalled {s['stall_seconds']:.2f}s "
-                f"({100 * s['stall_fraction']:.2f}% of {self._train_seconds:.1f}s)"
+                f"({100 * s['stall_fraction']:.2f}% of {self._train_seconds:.1f}s); the last upload finished "
+                f"{s['final_wait_seconds']:.2f}s after training"
             )
 
     # -------------------------------------------------------------------- save
@@ -383,7 +387,8 @@ class SpotCheckpoint(L.Callback):
 
     # ----------------------------------------------------------------- figures
     def summary(self) -> dict[str, float]:
-        """Checkpoint figures for this rank: saves, total stall and its fraction of training time."""
+        """Checkpoint figures for this rank: saves; the stall (time the training loop was blocked by saves)
+        and its fraction of training time; the wait for the last upload after training ended."""
         stall = sum(s["stall_seconds"] for s in self.saves)
         trained = self._train_seconds or max(time.monotonic() - self._train_start, 1e-9)
         return {
@@ -391,4 +396,5 @@ class SpotCheckpoint(L.Callback):
             "stall_seconds": stall,
             "stall_fraction": stall / trained if trained else 0.0,
             "bytes_per_rank": float(self.saves[-1]["bytes"]) if self.saves else 0.0,
+            "final_wait_seconds": self._final_wait,
         }

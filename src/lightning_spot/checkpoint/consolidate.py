@@ -66,12 +66,13 @@ def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None
 
 
 def _read_model(url: str, options: dict[str, Any], expected: dict[str, Any]) -> dict[str, torch.Tensor]:
-    metadata = SafeReader(url, options, expected).read_metadata()
+    reader = SafeReader(url, options, expected)
+    metadata = reader.read_metadata()
     state: dict[str, Any] = {"model": {}}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             state["model"][key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeReader(url, options, expected), no_dist=True)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state["model"]

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 Digests = dict[str, dict[str, Any]]
@@ -124,20 +125,31 @@ class _VerifyingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with super().create_stream(path, mode) as stream, tempfile.SpooledTemporaryFile(max_size=256 * 2**20) as spool:
-            crc, size = 0, 0
-            while block := stream.read(1 << 22):
-                crc = zlib.crc32(block, crc)
-                size += len(block)
-                spool.write(block)
-            want = self.expected[name]
-            if (size, f"{crc:08x}") != (want["size"], want["crc32"]):
-                raise ChecksumError(
-                    f"{name} fails its checksum ({size} bytes, crc32 {crc:08x}; expected {want['size']} bytes, "
-                    f"crc32 {want['crc32']})"
-                )
+        if isinstance(self.fs, LocalFileSystem):  # verify in one streaming pass, then read it again (page cache)
+            with super().create_stream(path, mode) as stream:
+                self._check(name, stream, None)
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        # remote: download once, verifying as the bytes arrive; spill to local disk beyond 1 GiB
+        with super().create_stream(path, mode) as stream, tempfile.SpooledTemporaryFile(max_size=2**30) as spool:
+            self._check(name, stream, spool)
             spool.seek(0)
             yield spool
+
+    def _check(self, name: str, stream: Any, copy_to: Any) -> None:
+        crc, size = 0, 0
+        while block := stream.read(1 << 22):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+            if copy_to is not None:
+                copy_to.write(block)
+        want = self.expected[name]
+        if (size, f"{crc:08x}") != (want["size"], want["crc32"]):
+            raise ChecksumError(
+                f"{name} fails its checksum ({size} bytes, crc32 {crc:08x}; expected {want['size']} bytes, "
+                f"crc32 {want['crc32']})"
+            )
 
 
 class SafeReader(FsspecReader):
@@ -151,16 +163,21 @@ class SafeReader(FsspecReader):
         self, url: str, storage_options: dict[str, Any] | None = None, expected: Digests | None = None
     ) -> None:
         super().__init__(url, **(storage_options or {}))
+        self._metadata_cache: dict[Any, Any] = {}
         if expected is not None:
             self.fs = _VerifyingFileSystem(self.fs.fs, expected)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        cached = self._metadata_cache.get(kwargs.get("rank"))
+        if cached is not None:
+            return cached
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
             metadata = _MetadataUnpickler(stream).load()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        self._metadata_cache[kwargs.get("rank")] = metadata
         return metadata
 
 

@@ -62,7 +62,7 @@ def write_checkpoint(
     *,
     info: dict[str, Any],
     group: dist.ProcessGroup | None = None,
-    thread_count: int = 1,
+    thread_count: int = 2,
 ) -> dict[str, Any] | None:
     """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there."""
     start = time.monotonic()
