@@ -71,7 +71,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # for examples.gpt.model and benchmarks.pipeline_throughput
 
-from benchmarks.pipeline_throughput import JobFailed, _kill, free_port, model_hparams, synthetic_dataset  # noqa: E402
+from benchmarks.pipeline_throughput import JobFailed, model_hparams, run_ranks, synthetic_dataset  # noqa: E402
+from tests.distributed import _kill, free_port  # noqa: E402
 
 JOB_ENV = "SPOT_CKPT_BENCH_JOB"
 P, D = 2, 2  # the layout of part (a)
@@ -165,70 +166,14 @@ def worker() -> None:
 # =========================================================================== launcher (a)
 def launch(job: dict[str, Any], world: int, log_dir: Path, timeout: float) -> list[dict[str, Any]]:
     """Start ``world`` workers of this script for ``job``; every rank's result, by rank."""
-    port = free_port()
-    tag = job["tag"]
-    procs: list[subprocess.Popen] = []
-    files = []
     results = [Path(f"{job['result']}.rank{r}.json") for r in range(world)]
     for path in results:
         path.unlink(missing_ok=True)
-    try:
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(world),
-                "NODE_RANK": "0",
-                "LOCAL_RANK": str(rank),
-                "RANK": str(rank),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
-                "PYTHONUNBUFFERED": "1",
-                JOB_ENV: json.dumps(job),
-            }
-            env.setdefault("OMP_NUM_THREADS", "1")
-            out = open(log_dir / f"{tag}.rank{rank}.log", "w")
-            files.append(out)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve())],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        failed = None
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None or all(c == 0 for c in codes) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        timed_out = failed is None and any(p.poll() is None for p in procs)
-        _kill(procs)
-        for f in files:
-            f.close()
-        if failed is not None or timed_out:
-            why = f"rank {failed} exited with code {procs[failed].returncode}" if failed is not None else (
-                f"did not finish within {timeout:.0f}s"
-            )
-            logs = "\n".join(
-                f"----- rank {r} ({log_dir / f'{tag}.rank{r}.log'}) -----\n"
-                + (log_dir / f"{tag}.rank{r}.log").read_text(errors="replace")[-4000:]
-                for r in range(world)
-            )
-            raise JobFailed(f"{tag}: {why}\n{logs}")
-        missing = [str(p) for p in results if not p.exists()]
-        if missing:
-            raise JobFailed(f"{tag}: no result from {missing} (logs in {log_dir})")
-        return [json.loads(p.read_text()) for p in results]
-    finally:
-        _kill(procs)
-        for f in files:
-            f.close()
+    run_ranks(world, {JOB_ENV: json.dumps(job)}, log_dir / job["tag"], timeout)
+    missing = [str(p) for p in results if not p.exists()]
+    if missing:
+        raise JobFailed(f"{job['tag']}: no result from {missing} (logs in {log_dir})")
+    return [json.loads(p.read_text()) for p in results]
 
 
 # ================================================================================== S3

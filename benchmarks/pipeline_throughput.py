@@ -44,10 +44,7 @@ import math
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -307,96 +304,30 @@ def worker() -> None:
 
 
 # ============================================================================ launcher
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # each worker leads its own session: its group id is its pid
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 class JobFailed(RuntimeError):
     pass
 
 
+def run_ranks(world: int, env: dict[str, str], log_dir: Path, timeout: float) -> None:
+    """``world`` worker processes of the calling script (the tests' launcher: timeout, cleanup by pid)."""
+    from tests.distributed import WorkerFailure, launch as launch_ranks
+
+    env = {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    script = str(Path(sys.modules["__main__"].__file__).resolve())
+    try:
+        launch_ranks(world, [script], log_dir=log_dir, timeout=timeout, env=env)
+    except WorkerFailure as err:
+        raise JobFailed(f"{log_dir.name}: {err}") from err
+
+
 def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]:
-    world = job["P"] * job["D"]
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-    files = []
     tag = f"P{job['P']}xD{job['D']}-{job['impl']}"
     result_path = Path(job["result"])
     result_path.unlink(missing_ok=True)
-    try:
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(world),
-                "NODE_RANK": "0",
-                "LOCAL_RANK": str(rank),
-                "RANK": str(rank),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
-                "PYTHONUNBUFFERED": "1",
-                JOB_ENV: json.dumps(job),
-            }
-            env.setdefault("OMP_NUM_THREADS", "1")
-            out = open(log_dir / f"{tag}.rank{rank}.log", "w")
-            files.append(out)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve())],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        failed = None
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None or all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        timed_out = failed is None and any(p.poll() is None for p in procs)
-        _kill(procs)
-        for f in files:
-            f.close()
-        if failed is not None or timed_out:
-            why = f"rank {failed} exited with code {procs[failed].returncode}" if failed is not None else (
-                f"did not finish within {timeout:.0f}s"
-            )
-            logs = "\n".join(
-                f"----- rank {r} ({log_dir / f'{tag}.rank{r}.log'}) -----\n"
-                + (log_dir / f"{tag}.rank{r}.log").read_text(errors="replace")[-4000:]
-                for r in range(world)
-            )
-            raise JobFailed(f"{tag}: {why}\n{logs}")
-        if not result_path.exists():
-            raise JobFailed(f"{tag}: rank 0 wrote no result (logs in {log_dir})")
-        return json.loads(result_path.read_text())
-    finally:
-        _kill(procs)
-        for f in files:
-            f.close()
+    run_ranks(job["P"] * job["D"], {JOB_ENV: json.dumps(job)}, log_dir / tag, timeout)
+    if not result_path.exists():
+        raise JobFailed(f"{tag}: rank 0 wrote no result (logs in {log_dir / tag})")
+    return json.loads(result_path.read_text())
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
