@@ -120,3 +120,27 @@ def launch(
         _kill(procs)
         for f in files:
             f.close()
+
+
+def run_command(argv: Sequence[str], timeout: float = 240, env: dict[str, str] | None = None) -> str:
+    """Run a command that starts its own worker processes (Lightning's launcher, torchrun); return its output.
+
+    The command leads a new process group, which is killed as a whole on timeout or afterwards.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen(list(argv), cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s:\n{out[-5000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out[-8000:]
+    return out

@@ -65,3 +65,22 @@ def test_iterable_datasets_are_refused_with_a_reason() -> None:
 
     with pytest.raises(LayoutError, match="IterableDataset cannot be sharded"):
         shard_dataloader(DataLoader(Stream(), batch_size=2), dp_rank=0, dp_size=2, divisor=None, seed=0)
+
+
+def test_indivisible_global_batch_error_lists_every_way_out() -> None:
+    from lightning_spot.data import explain_indivisible_batch
+
+    message = explain_indivisible_batch(12, 2, 4, world_size=4)
+    assert "multiple of 8 (e.g. [8, 16, 24, 32])" in message
+    assert "pipeline_stages=4 (D=1)" in message, "a layout that keeps the global batch"
+    assert "microbatches in [1, 2, 3, 6]" in message
+
+
+def test_resuming_with_another_global_batch_is_refused() -> None:
+    from lightning_spot import LayoutError
+
+    loader = shard_dataloader(DataLoader(_dataset(), batch_size=8), dp_rank=0, dp_size=2, divisor=2, seed=0)
+    loader.load_state_dict({"epoch": 0, "global_batches_done": 2, "global_batch_size": 8})  # same batch: fine
+    assert [b[0].tolist() for b in loader][0] == [16, 17, 18, 19], "resumes after the first two global batches"
+    with pytest.raises(LayoutError, match="trained with a global batch of 16 samples .* batch_size=8"):
+        loader.load_state_dict({"epoch": 0, "global_batches_done": 2, "global_batch_size": 16})

@@ -2,33 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed import REPO
-
-
-def run_with_lightning_launcher(argv: list[str], timeout: float = 240) -> str:
-    """Run a command that lets Lightning start its worker processes; kill the whole group on timeout."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s:\n{out[-5000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-8000:]
-    return out
+from tests.distributed import run_command as run_with_lightning_launcher
 
 
 def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed import REPO, free_port, launch
+from tests.distributed import REPO, free_port, launch, run_command
 from tests.elastic import Agent, agents_cleanup, port_open, wait_for
 from tests.parity import assert_same_params, merged_state, reference_run
 
@@ -191,3 +191,26 @@ def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
     assert_same_params(merged_state(finals), uninterrupted)
     restart = finals[0]["report"]["restarts"][0]
     assert restart["cause"] == "failure (no notice)" and restart["resumed_from_step"] >= 4
+
+
+def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_spot.cli import main
+
+    assert main(["run", "--dry-run", "--nnodes", "1:4", "--nproc-per-node", "8", "--rdzv-endpoint", "head:29400",
+                 "train.py", "--lr", "0.1"]) == 0
+    line = capsys.readouterr().out
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line
+    for part in ("-m torch.distributed.run", "--nproc-per-node=8", "--max-restarts=100", "--nnodes=1:4",
+                 "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "train.py --lr 0.1"):
+        assert part in line
+    assert main(["run", "--dry-run", "train.py"]) == 0 and "--standalone" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="need --rdzv-endpoint"):
+        main(["run", "--dry-run", "--nnodes", "2", "train.py"])
+
+
+def test_run_wrapper_trains_a_job(tmp_path: Path, uninterrupted: dict) -> None:
+    config = _config(tmp_path, step_seconds=0.0)
+    exe = str(Path(sys.executable).parent / "lightning-spot")
+    run_command([exe, "run", "--nproc-per-node", "2", "tests/workers/elastic_train.py", str(config)],
+                timeout=300, env={"OMP_NUM_THREADS": "1"})
+    assert_same_params(merged_state(_finals(tmp_path, 2)), uninterrupted)

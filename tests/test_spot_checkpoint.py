@@ -129,3 +129,19 @@ def test_load_full_state_dict_and_cli(morphs: dict, uninterrupted: dict, tmp_pat
     model = make_model(scheduler=True)
     model.load_state_dict(exported)
     assert_same_params(model.state_dict(), uninterrupted)
+
+
+def test_time_based_checkpoints_are_agreed_by_all_ranks(tmp_path: Path) -> None:
+    """every_n_minutes: ranks agree on the step (one all-reduce), so every checkpoint is complete."""
+    from tests.distributed import launch
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "out": str(tmp_path / "out"), "run": str(tmp_path / "run"), "max_steps": 12, "step_seconds": 0.25,
+        "every": None, "every_minutes": 0.01, "keep_last": 20, "strategy": {"pipeline_stages": 2, "microbatches": 4},
+    }))
+    launch(2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp_path / "logs", timeout=240)
+    manifests = [json.loads(p.read_text()) for p in sorted((tmp_path / "run").glob("step-*/manifest.json"))]
+    periodic = [m["step"] for m in manifests if m["reason"] == "periodic"]
+    assert len(periodic) >= 3, periodic  # about one every 0.6 s of a 3 s run
+    assert all(len([f for f in m["files"] if f.endswith(".distcp")]) >= 2 for m in manifests), "both ranks wrote"

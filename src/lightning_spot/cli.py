@@ -19,10 +19,12 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.yaml] [LightningCLI options]
        lightning-spot checkpoint {list,inspect,convert} URL [OUT] [--storage-options JSON]
+       lightning-spot run [--nnodes MIN:MAX] [--nproc-per-node N] [--rdzv-endpoint HOST:PORT] SCRIPT [ARGS]
 
 fit/validate/test/predict: PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a
 SpotPipelineStrategy class_path) works in the YAML. `lightning-spot fit --help` lists every option.
 checkpoint: list, inspect or export (single-file state dict) the checkpoints of a run.
+run: launch SCRIPT with torchrun, set up for elastic restarts after preemptions.
 """
 
 
@@ -50,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] in LIGHTNING_SUBCOMMANDS:
         lightning_cli(args)
         return 0
+    if args[0] == "run":
+        from lightning_spot.launch import main as run_main
+
+        return run_main(args[1:])
     if args[0] == "checkpoint":
         from lightning_spot.checkpoint_cli import main as checkpoint_main
 

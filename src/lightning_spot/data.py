@@ -46,6 +46,31 @@ def valid_global_batches(divisor: int, near: int, count: int = 4) -> list[int]:
     return sorted({divisor * k for k in range(max(1, base - 1), base + count)})[:count]
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def explain_indivisible_batch(size: int, dp_size: int, microbatches: int | None, world_size: int | None) -> str:
+    """Why a global batch does not fit the layout, and every way to make it fit."""
+    m = microbatches or 1
+    parts = [
+        f"A global batch of {size} samples cannot be split evenly into {dp_size} data-parallel replicas"
+        + (f" x {m} micro-batches." if microbatches else "."),
+        f"Use a DataLoader batch_size that is a multiple of {dp_size * m} (e.g. {valid_global_batches(dp_size * m, size)}),"
+        f" or drop_last=True if only the last batch is short.",
+    ]
+    if world_size:
+        fitting = [(world_size // d, d) for d in _divisors(world_size) if size % (d * m) == 0]
+        if fitting:
+            parts.append(
+                "To keep this global batch (e.g. when resuming on another number of GPUs), use a layout whose "
+                "data-parallel width divides it: " + ", ".join(f"pipeline_stages={p} (D={d})" for p, d in fitting) + "."
+            )
+    if microbatches and size % dp_size == 0:
+        parts.append(f"Or keep this layout with microbatches in {_divisors(size // dp_size)}.")
+    return " ".join(parts)
+
+
 def replica_slice(size: int, dp_rank: int, dp_size: int) -> slice:
     """The contiguous part of a global batch of ``size`` samples that replica ``dp_rank`` owns."""
     base, extra = divmod(size, dp_size)
@@ -60,11 +85,14 @@ class ReplicaBatchSampler(Sampler[list[int]]):
     (``data_parallel x microbatches``) so that all replicas and micro-batches are equal.
     """
 
-    def __init__(self, batch_sampler: Any, dp_rank: int, dp_size: int, divisor: int | None) -> None:
+    def __init__(
+        self, batch_sampler: Any, dp_rank: int, dp_size: int, divisor: int | None, world_size: int | None = None
+    ) -> None:
         self.batch_sampler = batch_sampler
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.divisor = divisor
+        self.world_size = world_size
         self.epoch = 0
         self._skip: tuple[int, int] | None = None
 
@@ -95,12 +123,8 @@ class ReplicaBatchSampler(Sampler[list[int]]):
                 continue
             batch = list(batch)
             if self.divisor is not None and len(batch) % self.divisor:
-                raise LayoutError(
-                    f"A global batch of {len(batch)} samples cannot be split evenly into {self.dp_size} data-parallel "
-                    f"replicas x {self.divisor // self.dp_size} micro-batches. Use a DataLoader batch_size that is a "
-                    f"multiple of {self.divisor} (e.g. {valid_global_batches(self.divisor, len(batch))}), set "
-                    f"drop_last=True if only the last batch is short, or change `microbatches`."
-                )
+                m = self.divisor // self.dp_size
+                raise LayoutError(explain_indivisible_batch(len(batch), self.dp_size, m if m > 1 else None, self.world_size))
             if len(batch) < self.dp_size:
                 raise LayoutError(
                     f"A batch of {len(batch)} samples is smaller than the {self.dp_size} data-parallel replicas; "
@@ -163,6 +187,7 @@ def shard_dataloader(
     divisor: int | None,
     seed: int,
     progress: Callable[[], int] | None = None,
+    world_size: int | None = None,
 ) -> ShardedDataLoader:
     """A copy of ``loader`` that yields this replica's share of each global batch."""
     from torch.utils.data import IterableDataset
@@ -197,7 +222,7 @@ def shard_dataloader(
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     sharded = ShardedDataLoader(
-        loader.dataset, batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor), **kwargs
+        loader.dataset, batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size), **kwargs
     )
     sharded.progress = progress
     return sharded

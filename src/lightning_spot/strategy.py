@@ -412,6 +412,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             divisor=divisor,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             progress=progress,
+            world_size=self.layout.world_size,
         )
 
     # ------------------------------------------------------------- checkpoints

@@ -43,7 +43,8 @@ def main() -> None:
         watch = {**watch, "cloud": None}  # only one rank polls: its notice must stop everyone
     watcher = PreemptionWatcher(**watch)
     checkpoint = SpotCheckpoint(
-        dirpath=config["run"], every_n_train_steps=config.get("every", 2), keep_last=3, heartbeat_seconds=0.5,
+        dirpath=config["run"], every_n_train_steps=config.get("every", 2), every_n_minutes=config.get("every_minutes"),
+        keep_last=config.get("keep_last", 3), heartbeat_seconds=0.5,
         preemption=watcher,
     )
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=60), **config.get("strategy", {}))
