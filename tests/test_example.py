@@ -34,6 +34,6 @@ def test_example_lightning_cli_config(tmp_path: Path) -> None:
         [exe, "fit", "--config", "examples/gpt/config.yaml", "--trainer.devices", "2", "--trainer.max_steps", "6",
          "--trainer.val_check_interval", "3", "--model.max_steps", "6", "--trainer.default_root_dir", str(tmp_path)]
     )
-    assert "spot_pipeline: layout P2xD1" in out
-    assert re.search(r"throughput \(P2xD1\): [\d.]+ samples/s, \d+ tokens/s", out), out[-3000:]
+    assert re.search(r"spot_pipeline plan: P\dxD\d, \d+ micro-batches", out), out[-3000:]  # planned: all "auto"
+    assert re.search(r"throughput \(P\dxD\d\): [\d.]+ samples/s, \d+ tokens/s", out), out[-3000:]
     assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").is_file()

@@ -103,7 +103,7 @@ WORLD_3 = [
     scenario("P3D1-1F1B-uneven", strategy={"pipeline_stages": 3, "microbatches": 4}, model={"num_layers": 5}),
     scenario(
         "P3D1-GPipe-explicit-cuts",
-        strategy={"pipeline_stages": 3, "microbatches": 2, "schedule": "GPipe", "cuts": [1, 4]},
+        strategy={"pipeline_stages": 3, "microbatches": 2, "schedule": "GPipe", "partition": [1, 4]},
         model={"num_layers": 5, "optimizer": "sgd"},
     ),
 ]

@@ -258,6 +258,7 @@ class PipelineEngine:
         microbatches: int | Literal["auto"] = "auto",
         seed: int = 0,
         ddp_kwargs: dict[str, Any] | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         self.module = module
         self.plan = plan
@@ -266,7 +267,10 @@ class PipelineEngine:
         self.microbatches = microbatches
         self.capture = LogCapture()
         self.runner = StepRunner(module, plan.num_stages, self.capture)
-        placed = place_stages(module, split, plan, pp_rank=ctx.pp_rank, device=ctx.device, seed=seed)
+        self.activation_checkpointing = activation_checkpointing
+        placed = place_stages(
+            module, split, plan, pp_rank=ctx.pp_rank, device=ctx.device, seed=seed, checkpointing=activation_checkpointing
+        )
         self.local_stages = sorted(placed)
         self.stage_modules = {s: StageModule(placed[s], self.runner) for s in self.local_stages}
         self.train_modules: dict[int, nn.Module] = dict(self.stage_modules)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from lightning_spot.partition.discovery import ModelContractError
@@ -80,10 +81,11 @@ def _reject_meta(fqn: str, args: tuple, kwargs: dict) -> None:
         )
 
 
-def instrument_layer(layer: nn.Module, fqn: str, stage: int, *, first: bool, last: bool) -> None:
+def instrument_layer(layer: nn.Module, fqn: str, stage: int, *, first: bool, last: bool, checkpoint: bool = False) -> None:
     """Make an owned layer obey the active :class:`StageRun` (an instance-level ``forward`` override).
 
     Overriding ``forward`` on the instance keeps parameter names and ``state_dict`` keys unchanged.
+    With ``checkpoint``, the layer's activations are recomputed in backward instead of kept.
     """
     original = type(layer).forward
 
@@ -104,7 +106,10 @@ def instrument_layer(layer: nn.Module, fqn: str, stage: int, *, first: bool, las
                 args = (_incoming_value(run.incoming), *args[1:])
             if not run.first_stage:
                 _reject_meta(fqn, args[1:], kwargs)
-        out = original(self, *args, **kwargs)
+        if checkpoint and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(original, self, *args, use_reentrant=False, **kwargs)
+        else:
+            out = original(self, *args, **kwargs)
         if last:
             run.finished_layers = True
             if run.exit_after:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Sequence
+from pathlib import Path
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -39,6 +40,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_spot.auto_layout import LayoutChoice, Requested, choose_layout, describe_choice, parse_bytes
 from lightning_spot.checkpoint import payload
 from lightning_spot.checkpoint.read import load_checkpoint
 from lightning_spot.checkpoint.storage import Storage
@@ -64,15 +66,22 @@ class SpotPipelineStrategy(ParallelStrategy):
     """Split a LightningModule's layer sequence into pipeline stages and replicate the pipeline.
 
     Args:
-        pipeline_stages: pipeline depth P; ``"auto"`` picks the deepest pipeline that fits the world
-            size and the number of layers. The data-parallel width is D = world size / P.
-        microbatches: micro-batches per replica and step; ``"auto"`` uses at least 2 x P. The
-            DataLoader's ``batch_size`` is the global batch: it must be divisible by D x microbatches.
+        pipeline_stages: pipeline depth P; ``"auto"``: chosen by the planner from a profile of the model
+            (without training data: the deepest pipeline that fits). The data-parallel width is D = world size / P.
+        microbatches: micro-batches per replica and step; ``"auto"``: chosen by the planner (else at least
+            2 x P). The DataLoader's ``batch_size`` is the global batch: divisible by D x microbatches.
         schedule: a ``torch.distributed.pipelining`` schedule name, any case: ``GPipe``, ``1F1B``,
-            ``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``.
+            ``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``;
+            ``"auto"``: chosen by the planner (GPipe or 1F1B), else 1F1B.
         stages_per_rank: stages per rank for the looped schedules (default 2).
-        cuts: explicit stage boundaries (index of the first layer of each stage but the first);
-            default: an even split.
+        partition: where to cut the layer sequence: ``"balanced"`` (profile the layers, minimise the
+            slowest stage within the device memory), ``"uniform"`` (even layer counts), explicit cut
+            indices (the first layer of each stage but the first), or ``"auto"`` (balanced when the
+            layout is planned, else uniform).
+        activation_checkpointing: recompute each layer's activations in backward; ``None``: the
+            planner decides (off without a plan).
+        device_memory: memory per device for planning (``"80GB"``); default: what the device reports.
+        profile_cache: directory for layer profiles (reused when model, input and device match); ``None``: off.
         layers: dotted attribute path of the layer sequence (``nn.Sequential`` / ``nn.ModuleList``).
         first_stage_modules / last_stage_modules: override where modules beside the sequence go.
         find_unused_parameters: passed to DDP for the data-parallel gradient sync.
@@ -86,9 +95,12 @@ class SpotPipelineStrategy(ParallelStrategy):
         self,
         pipeline_stages: StagesArg = "auto",
         microbatches: Union[int, Literal["auto"]] = "auto",
-        schedule: str = "1F1B",
+        schedule: str = "auto",
         stages_per_rank: Optional[int] = None,
-        cuts: Optional[Sequence[int]] = None,
+        partition: Union[Literal["auto", "uniform", "balanced"], Sequence[int]] = "auto",
+        activation_checkpointing: Optional[bool] = None,
+        device_memory: Union[int, float, str, None] = None,
+        profile_cache: Optional[str] = "~/.cache/lightning_spot/profiles",
         layers: str = "layers",
         first_stage_modules: Sequence[str] = (),
         last_stage_modules: Sequence[str] = (),
@@ -110,10 +122,22 @@ class SpotPipelineStrategy(ParallelStrategy):
         )
         if microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
             raise LayoutError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
-        self.schedule_spec = resolve_schedule(schedule, stages_per_rank)
-        self._pipeline_stages = pipeline_stages
-        self._microbatches = microbatches
-        self._cuts = list(cuts) if cuts is not None else None
+        if schedule != "auto":
+            resolve_schedule(schedule, stages_per_rank)  # unknown names fail here, not after start-up
+        if isinstance(partition, str) and partition not in ("auto", "uniform", "balanced"):
+            raise LayoutError(f"partition must be 'auto', 'uniform', 'balanced' or a list of cut indices, got {partition!r}")
+        self._requested = Requested(
+            pipeline_stages=pipeline_stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            partition=partition if isinstance(partition, str) else [int(c) for c in partition],
+            activation_checkpointing=activation_checkpointing,
+            device_memory=parse_bytes(device_memory),
+            stages_per_rank=stages_per_rank,
+        )
+        self._stages_per_rank = stages_per_rank
+        self._profile_cache = profile_cache
+        self.layout_choice: Optional[LayoutChoice] = None
         self._layers = layers
         self._first_stage_modules = tuple(first_stage_modules)
         self._last_stage_modules = tuple(last_stage_modules)
@@ -279,26 +303,23 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     def _build_engine(self, module: "pl.LightningModule") -> PipelineEngine:
         previous = placement_of(module)
-        split = (
-            previous.split
-            if previous is not None
-            else discover(
-                module,
-                self._layers,
-                first_stage_modules=self._first_stage_modules,
-                last_stage_modules=self._last_stage_modules,
+        split = previous.split if previous is not None else discover(
+            module, self._layers, first_stage_modules=self._first_stage_modules, last_stage_modules=self._last_stage_modules
+        )
+        choice = module.__dict__.get("_spot_layout_choice") if previous is not None else None
+        if choice is None:
+            choice = choose_layout(
+                module, split, module.trainer, self._requested,
+                world_size=self.world_size, device=self.root_device, is_rank_zero=self.is_global_zero,
+                broadcast=self.broadcast, autocast=self.precision_plugin.forward_context,
+                cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
             )
-        )
-        spec = self.schedule_spec
-        layout = Layout.for_world(
-            self.world_size, self._pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank
-        )
+        module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
+        describe_choice(choice)
+        spec = resolve_schedule(choice.schedule, self._stages_per_rank)
+        layout = Layout.for_world(self.world_size, choice.pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank)
         plan = plan_stages(
-            split.num_layers,
-            layout.pipeline_stages,
-            stages_per_rank=spec.stages_per_rank,
-            style=spec.style,
-            cuts=self._cuts,
+            split.num_layers, layout.pipeline_stages, stages_per_rank=spec.stages_per_rank, style=spec.style, cuts=choice.cuts
         )
         self._layout = layout
         if _distributed_is_initialized():
@@ -320,13 +341,15 @@ class SpotPipelineStrategy(ParallelStrategy):
             plan,
             spec,
             ctx,
-            microbatches=self._microbatches,
+            microbatches=choice.microbatches,  # type: ignore[arg-type]
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             ddp_kwargs=self._ddp_kwargs,
+            activation_checkpointing=choice.activation_checkpointing,
         )
+        checkpointing = ", activation checkpointing" if choice.activation_checkpointing else ""
         rank_zero_info(
             f"spot_pipeline: layout {layout} ({layout.pipeline_stages} pipeline stages x {layout.data_parallel} "
-            f"data-parallel replicas), schedule {spec.name}, {plan.num_stages} stages, layer cuts {plan.cuts}"
+            f"data-parallel replicas), schedule {spec.name}, {plan.num_stages} stages, layer cuts {plan.cuts}{checkpointing}"
         )
         return engine
 

@@ -119,6 +119,7 @@ def place_stages(
     pp_rank: int,
     device: torch.device,
     seed: int = 0,
+    checkpointing: bool = False,
 ) -> dict[int, PlacedStage]:
     """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns.
 
@@ -183,6 +184,7 @@ def place_stages(
                 stage,
                 first=index == rng.start,
                 last=index == rng.stop - 1,
+                checkpoint=checkpointing,
             )
     module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed)
     return placed

@@ -1,0 +1,344 @@
+"""Measure each layer of the sequence (and what runs before and after it): time and memory.
+
+    profile = profile_model(module, split, forward_args, device=torch.device("cuda:0"), samples=8)
+    profile.layers[3].forward_s, profile.layers[3].saved_bytes      # per micro-batch of 8 samples
+    profile.scaled(16)                                               # the same, for 16 samples
+
+Nothing is built at full size: shapes come from running ``forward`` on a meta-device copy, then each
+layer alone is materialised on ``device``, fed random inputs of its real shape and timed forward and
+backward. Activation memory is the size of what autograd saves for backward. The modules before the
+sequence (embeddings) and after it (head, the loss proxy) are measured the same way, on their own.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_spot.partition.discovery import ModelSplit
+from lightning_spot.stage_run import SkippedLayer, StageExit, _meta_copy
+
+
+@dataclass
+class LayerProfile:
+    """One layer at the profiled micro-batch size."""
+
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    saved_bytes: int  # activations autograd keeps for backward
+    output_bytes: int  # what the layer hands on (sent between stages)
+
+
+@dataclass
+class ModelProfile:
+    samples: int
+    device: str
+    layers: list[LayerProfile]
+    first: LayerProfile  # modules before the layer sequence
+    last: LayerProfile  # modules after it, and the loss
+    key: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def scaled(self, samples: int) -> ModelProfile:
+        """Times and activation sizes scaled linearly to micro-batches of ``samples``."""
+        r = samples / self.samples
+
+        def scale(p: LayerProfile) -> LayerProfile:
+            return LayerProfile(p.forward_s * r, p.backward_s * r, p.param_bytes, int(p.saved_bytes * r), int(p.output_bytes * r))
+
+        return ModelProfile(samples, self.device, [scale(p) for p in self.layers], scale(self.first), scale(self.last), self.key, self.extra)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        data = json.loads(text)
+        data["layers"] = [LayerProfile(**p) for p in data["layers"]]
+        data["first"] = LayerProfile(**data["first"])
+        data["last"] = LayerProfile(**data["last"])
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _count_saved() -> Iterator[list[int]]:
+    """Bytes of the distinct tensors autograd saves for backward inside the block."""
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: Tensor) -> Tensor:
+        key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [t for t in leaves if isinstance(t, Tensor)]
+
+
+def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``module`` with real tensors on ``device`` (reset_parameters for meta tensors)."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        clone = copy.deepcopy(module).to_empty(device=device)
+        for sub in clone.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+        return clone
+    return copy.deepcopy(module).to(device)
+
+
+def _real_like(t: Any, device: torch.device, requires_grad: bool = False) -> Any:
+    if not isinstance(t, Tensor):
+        return t
+    if t.dtype.is_floating_point:
+        out = torch.randn(t.shape, dtype=t.dtype, device=device)
+        return out.requires_grad_(requires_grad)
+    if t.dtype == torch.bool:
+        return torch.ones(t.shape, dtype=t.dtype, device=device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+
+def _measure(run: Callable[[], Any], params: list[Tensor], device: torch.device, repeats: int, context: Any) -> LayerProfile:
+    """Time ``run`` (a forward returning tensors) and its backward; count saved and output bytes."""
+    fwd_times, bwd_times, saved, out_bytes = [], [], 0, 0
+    for i in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        with context(), _count_saved() as counted:
+            out = run()
+        _sync(device)
+        middle = time.perf_counter()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.randn_like(t) for t in outs])
+        _sync(device)
+        end = time.perf_counter()
+        if i:
+            fwd_times.append(middle - start)
+            bwd_times.append(end - middle)
+        saved = counted[0]
+        out_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
+    return LayerProfile(
+        forward_s=statistics.median(fwd_times),
+        backward_s=statistics.median(bwd_times),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        saved_bytes=int(saved),
+        output_bytes=int(out_bytes),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ shapes
+def forward_inputs(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[tuple, dict]:
+    """The arguments the module's step passes to ``self(...)`` for ``batch`` (nothing is computed)."""
+    make_inputs = getattr(module, "pipeline_inputs", None)
+    if callable(make_inputs) and callable(getattr(module, "pipeline_loss", None)):
+        inputs = make_inputs(batch)
+        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+
+    def capture(*args: Any, **kwargs: Any) -> None:
+        raise StageExit((args, kwargs))
+
+    patched = {"forward": capture, "log": lambda *a, **k: None, "log_dict": lambda *a, **k: None}
+    saved = {k: module.__dict__[k] for k in patched if k in module.__dict__}
+    module.__dict__.update(patched)
+    try:
+        fn = getattr(module, step)
+        import inspect
+
+        takes_index = len(inspect.signature(fn).parameters) > 1
+        fn(batch, 0) if takes_index else fn(batch)
+    except StageExit as stop:
+        return stop.output
+    finally:
+        for k in patched:
+            module.__dict__.pop(k, None)
+        module.__dict__.update(saved)
+    from lightning_spot.partition.discovery import ModelContractError
+
+    raise ModelContractError(f"`{step}` never called `self(...)`, so there is no forward to profile.")
+
+
+
+def _layer_calls(meta_module: nn.Module, seq: nn.Module, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    """(args, kwargs) each layer of the sequence is called with, from a forward on the meta device."""
+    calls: list[tuple[tuple, dict]] = [((), {})] * len(seq._modules)
+    handles = []
+    for i, layer in enumerate(seq._modules.values()):
+
+        def hook(mod: nn.Module, a: tuple, k: dict, i: int = i) -> None:
+            calls[i] = (a, k)
+
+        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            type(meta_module).forward(meta_module, *args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _to_meta(value: Any) -> Any:
+    return tree_map(lambda t: t.to("meta") if isinstance(t, Tensor) else t, value)
+
+
+def profile_key(module: nn.Module, split: ModelSplit, args: tuple, device: torch.device, samples: int) -> str:
+    """A cache key: model structure, parameter shapes, input shapes, device and micro-batch size."""
+    h = hashlib.sha1()
+    h.update(type(module).__qualname__.encode())
+    h.update(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]).encode())
+    h.update(repr([(tuple(t.shape), str(t.dtype)) for t in _tensors(args)]).encode())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    h.update(f"{split.layers_path}|{name}|{samples}|{torch.__version__}".encode())
+    return h.hexdigest()[:16]
+
+
+def profile_model(
+    module: nn.Module,
+    split: ModelSplit,
+    forward_args: tuple,
+    forward_kwargs: dict | None = None,
+    *,
+    device: torch.device,
+    samples: int,
+    repeats: int = 3,
+    autocast: Callable[[], Any] = nullcontext,
+    cache_dir: Path | None = None,
+    progress: bool = False,
+) -> ModelProfile:
+    """Profile every layer of ``split`` for one micro-batch (``forward_args`` hold ``samples`` samples)."""
+    forward_kwargs = forward_kwargs or {}
+    key = profile_key(module, split, forward_args, device, samples)
+    cached = cache_dir / f"{key}.json" if cache_dir is not None else None
+    if cached is not None and cached.is_file():
+        return ModelProfile.from_json(cached.read_text())
+
+    meta = _meta_copy(module)
+    meta_seq = meta.get_submodule(split.layers_path)
+    calls = _layer_calls(meta, meta_seq, _to_meta(forward_args), _to_meta(forward_kwargs))
+    real_seq = module.get_submodule(split.layers_path)
+    layers: list[LayerProfile] = []
+    names = list(real_seq._modules)
+    iterator = range(len(names))
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(iterator, desc="lightning-spot: profiling layers", leave=False)
+    for i in iterator:
+        layer = _materialize(real_seq._modules[names[i]], device)  # type: ignore[arg-type]
+        args, kwargs = calls[i]
+        real_args = (_real_like(args[0], device, requires_grad=True), *(_real_like(a, device) for a in args[1:]))
+        real_kwargs = {k: _real_like(v, device) for k, v in kwargs.items()}
+        layers.append(_measure(lambda: layer(*real_args, **real_kwargs), list(layer.parameters()), device, repeats, autocast))
+        del layer
+
+    first = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=True)
+    last = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=False)
+    profile = ModelProfile(samples, str(device), layers, first, last, key)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(profile.to_json())
+    return profile
+
+
+def _profile_outside(
+    module: nn.Module,
+    split: ModelSplit,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    repeats: int,
+    autocast: Callable[[], Any],
+    calls: list[tuple[tuple, dict]],
+    *,
+    before: bool,
+) -> LayerProfile:
+    """Time the modules before the sequence (``before``) or after it (plus a loss proxy), on their own."""
+    owned = split.first_modules if before else split.last_modules
+    clone = _meta_copy(module)
+    params: list[Tensor] = []
+    for fqn in owned:
+        *parents, leaf = fqn.split(".")
+        parent = clone.get_submodule(".".join(parents)) if parents else clone
+        real = _materialize(module.get_submodule(fqn), device)
+        parent._modules[leaf] = real
+        params += list(real.parameters())
+    seq = clone.get_submodule(split.layers_path)
+    layer_list = list(seq._modules.values())
+    if before:
+        for fqn in split.first_direct_params:  # loose parameters on the first stage
+            *parents, leaf = fqn.split(".")
+            parent = clone.get_submodule(".".join(parents)) if parents else clone
+            value = nn.Parameter(_real_like(module.get_parameter(fqn), device))
+            parent._parameters[leaf] = value
+            params.append(value)
+
+        def stop_at_first(mod: nn.Module, a: tuple) -> None:
+            raise StageExit(a[0])
+
+        handle = layer_list[0].register_forward_pre_hook(stop_at_first)
+        real_args = tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, args)
+
+        def run() -> Any:
+            try:
+                type(clone).forward(clone, *real_args, **kwargs)
+            except StageExit as stop:
+                return stop.output
+            raise RuntimeError("forward did not reach the layer sequence")
+
+    else:
+        # the hidden state entering the modules after the sequence has the shape of the last layer's output
+        hidden = _real_like(_last_output(layer_list[-1], calls[-1]), device, requires_grad=True)
+        names = list(seq._modules)
+        for name in names:  # the layers themselves are not part of this measurement
+            seq._modules[name] = SkippedLayer(name)
+
+        def replace_output(mod: nn.Module, a: tuple, out: Any) -> Any:
+            return hidden
+
+        handle = seq._modules[names[-1]].register_forward_hook(replace_output)  # type: ignore[union-attr]
+        meta_args = _to_meta(args)
+
+        def run() -> Any:
+            out = type(clone).forward(clone, *meta_args, **_to_meta(kwargs))
+            return sum(t.float().sum() for t in _tensors(out) if t.device.type != "meta")
+
+    try:
+        return _measure(run, params, device, repeats, autocast)
+    finally:
+        handle.remove()
+
+
+def _last_output(layer: nn.Module, call: tuple[tuple, dict]) -> Tensor:
+    """The (meta) output of the last layer for its recorded call."""
+    meta_layer = _meta_copy(layer)
+    args, kwargs = call
+    with torch.no_grad():
+        out = type(meta_layer).forward(meta_layer, *args, **kwargs)
+    return out if isinstance(out, Tensor) else _tensors(out)[0]

@@ -1,0 +1,274 @@
+"""Choose the pipeline depth P, data-parallel width D, micro-batches, schedule and activation
+checkpointing that maximise predicted throughput, within the memory of a device.
+
+    best, *runner_ups = plan_layouts(profile, world_size=16, global_batch=256, hardware=Hardware(memory_bytes=80e9))
+    best.pipeline_stages, best.cuts, best.predicted_step_seconds
+
+Every candidate gets cost-balanced cuts (``partition.balance``) that fit the memory, and a step
+time from a pipeline model: the stages' compute from the profile (fill and drain through every
+stage, then the bottleneck stage once per remaining micro-batch), point-to-point transfers of the
+activations, the data-parallel all-reduce of each stage's gradients and the optimizer update.
+Communication speeds come from :class:`Hardware` (measured on the job's process group by
+:func:`measure_hardware`, or given).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_spot.layout import LayoutError
+from lightning_spot.partition.balance import balanced_cuts, format_bytes
+from lightning_spot.partition.profile import LayerProfile, ModelProfile
+
+PLANNED_SCHEDULES = ("1F1B", "GPipe")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the step-time and memory model needs to know about the devices and the network."""
+
+    memory_bytes: float | None = None
+    p2p_bytes_per_s: float = 10e9
+    p2p_latency_s: float = 30e-6
+    allreduce_bytes_per_s: float = 10e9
+    allreduce_latency_s: float = 50e-6
+    #: optimizer update speed, bytes of training state per second
+    optimizer_bytes_per_s: float = 100e9
+    #: parameters + gradients + optimizer state, per byte of parameters (Adam: 4)
+    state_factor: float = 4.0
+    #: > 1 when several processes share one device's compute (CPU cores)
+    compute_slowdown: float = 1.0
+    #: fixed cost per micro-batch and stage (Python, kernel launches, Lightning)
+    microbatch_overhead_s: float = 1e-3
+
+
+@dataclass
+class Candidate:
+    """One evaluated layout; ``stage_seconds`` is each stage's compute per step."""
+
+    pipeline_stages: int
+    data_parallel: int
+    microbatches: int
+    schedule: str
+    activation_checkpointing: bool
+    cuts: list[int]
+    stage_seconds: list[float]
+    stage_bytes: list[int]
+    predicted_step_seconds: float
+    samples_per_second: float
+    detail: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        ac = ", activation checkpointing" if self.activation_checkpointing else ""
+        return (
+            f"P{self.pipeline_stages}xD{self.data_parallel}, {self.microbatches} micro-batches, {self.schedule}{ac}: "
+            f"{self.predicted_step_seconds * 1000:.1f} ms/step ({self.samples_per_second:.1f} samples/s), "
+            f"max {format_bytes(max(self.stage_bytes))} per device, cuts {self.cuts}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
+    """Micro-batches whose activations a stage holds at once (GPipe: all; 1F1B: the pipeline depth ahead)."""
+    if schedule == "GPipe":
+        return microbatches
+    return min(microbatches, stages - stage)
+
+
+def _stage_profile(profile: ModelProfile, stage: int, stages: int, a: int, b: int) -> list[LayerProfile]:
+    layers = list(profile.layers[a:b])
+    if stage == 0:
+        layers.append(profile.first)
+    if stage == stages - 1:
+        layers.append(profile.last)
+    return layers
+
+
+def stage_bytes(
+    profile: ModelProfile, stage: int, stages: int, a: int, b: int, *, schedule: str, microbatches: int,
+    checkpointing: bool, hardware: Hardware,
+) -> float:
+    """Memory of a stage holding layers ``[a, b)`` (profile already scaled to the micro-batch size)."""
+    layers = _stage_profile(profile, stage, stages, a, b)
+    state = sum(p.param_bytes for p in layers) * hardware.state_factor
+    if checkpointing:  # keep each layer's input; recompute one layer at a time in backward
+        per_microbatch = sum(p.output_bytes for p in profile.layers[max(a - 1, 0):b]) + max(p.saved_bytes for p in layers)
+    else:
+        per_microbatch = sum(p.saved_bytes for p in layers)
+    buffers = 2 * (profile.layers[b - 1].output_bytes + (profile.layers[a - 1].output_bytes if a else 0))
+    return state + in_flight(schedule, stage, stages, microbatches) * per_microbatch + buffers
+
+
+def _stage_seconds(layers: list[LayerProfile], checkpointing: bool, hardware: Hardware) -> float:
+    forward = sum(p.forward_s for p in layers)
+    backward = sum(p.backward_s for p in layers) + (forward if checkpointing else 0.0)
+    return (forward + backward) * hardware.compute_slowdown + hardware.microbatch_overhead_s
+
+
+def predict_step_seconds(
+    profile: ModelProfile, cuts: list[int], *, data_parallel: int, microbatches: int, checkpointing: bool,
+    hardware: Hardware,
+) -> tuple[float, list[float], dict[str, float]]:
+    """(step seconds, each stage's compute per step, breakdown) for one layout; ``profile`` at micro-batch size."""
+    stages = len(cuts) + 1
+    bounds = [0, *cuts, len(profile.layers)]
+    per_mb, comm, grads = [], [], []
+    for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        layers = _stage_profile(profile, s, stages, a, b)
+        per_mb.append(_stage_seconds(layers, checkpointing, hardware))
+        out = profile.layers[b - 1].output_bytes if s < stages - 1 else 0
+        comm.append(hardware.p2p_latency_s + out / hardware.p2p_bytes_per_s if out else 0.0)
+        grads.append(sum(p.param_bytes for p in layers))
+    pipeline = sum(per_mb) + 2 * sum(comm) + (microbatches - 1) * max(t + 2 * c for t, c in zip(per_mb, comm))
+    allreduce = 0.0
+    if data_parallel > 1:
+        ring = 2 * (data_parallel - 1) / data_parallel
+        allreduce = max(ring * g / hardware.allreduce_bytes_per_s + 2 * (data_parallel - 1) * hardware.allreduce_latency_s for g in grads)
+    optimizer = max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s
+    total = pipeline + allreduce + optimizer
+    return total, [t * microbatches for t in per_mb], {"pipeline": pipeline, "allreduce": allreduce, "optimizer": optimizer}
+
+
+def evaluate(
+    profile: ModelProfile, *, pipeline_stages: int, data_parallel: int, microbatches: int, global_batch: int,
+    schedule: str = "1F1B", checkpointing: bool = False, hardware: Hardware = Hardware(), cuts: list[int] | None = None,
+) -> Candidate:
+    """Cost-balanced cuts (or the given ``cuts``) and the predicted step for one layout; raises if it does not fit."""
+    samples = global_batch // (data_parallel * microbatches)
+    scaled = profile.scaled(samples)
+
+    def memory(stage: int, a: int, b: int) -> float:
+        return stage_bytes(scaled, stage, pipeline_stages, a, b, schedule=schedule, microbatches=microbatches,
+                           checkpointing=checkpointing, hardware=hardware)
+
+    if cuts is None:
+        times = [_stage_seconds([p], checkpointing, hardware) - hardware.microbatch_overhead_s for p in scaled.layers]
+        cuts = balanced_cuts(
+            times, pipeline_stages,
+            first_extra=_stage_seconds([scaled.first], checkpointing, hardware) - hardware.microbatch_overhead_s,
+            last_extra=_stage_seconds([scaled.last], checkpointing, hardware) - hardware.microbatch_overhead_s,
+            stage_bytes=memory, capacity=hardware.memory_bytes,
+        )
+    bounds = [0, *cuts, len(scaled.layers)]
+    step, stage_secs, detail = predict_step_seconds(
+        scaled, cuts, data_parallel=data_parallel, microbatches=microbatches, checkpointing=checkpointing, hardware=hardware
+    )
+    return Candidate(
+        pipeline_stages, data_parallel, microbatches, schedule, checkpointing, list(cuts), stage_secs,
+        [int(memory(s, a, b)) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))], step, global_batch / step, detail,
+    )
+
+
+def plan_layouts(
+    profile: ModelProfile,
+    *,
+    world_size: int,
+    global_batch: int,
+    hardware: Hardware = Hardware(),
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES,
+    checkpointing: tuple[bool, ...] = (False, True),
+    pipeline_stages: int | None = None,
+    max_microbatches: int = 64,
+) -> list[Candidate]:
+    """Every feasible layout for ``world_size`` devices, best (highest predicted throughput) first.
+
+    ``pipeline_stages`` fixes P (then only micro-batches, schedule and checkpointing are chosen).
+    Raises :class:`LayoutError` listing why when nothing fits.
+    """
+    n = len(profile.layers)
+    if pipeline_stages is not None and (pipeline_stages < 1 or world_size % pipeline_stages):
+        raise LayoutError(f"pipeline_stages={pipeline_stages} does not divide the world size {world_size}")
+    found: list[Candidate] = []
+    smallest: tuple[float, str] | None = None
+    depths = [pipeline_stages] if pipeline_stages else [p for p in _divisors(world_size) if p <= n]
+    for p in depths:
+        d = world_size // p
+        if global_batch % d:
+            continue
+        for m in _divisors(global_batch // d):
+            if m > max_microbatches:
+                break
+            for schedule in schedules:
+                if schedule == "1F1B" and m < p:
+                    continue
+                for ac in checkpointing:
+                    try:
+                        found.append(evaluate(profile, pipeline_stages=p, data_parallel=d, microbatches=m,
+                                              global_batch=global_batch, schedule=schedule, checkpointing=ac,
+                                              hardware=hardware))
+                    except LayoutError:
+                        need = _least_memory(profile, p, d, m, global_batch, schedule, ac, hardware)
+                        if smallest is None or need < smallest[0]:
+                            smallest = (need, f"P{p}xD{d}, {m} micro-batches, {schedule}{', checkpointing' if ac else ''}")
+    if not found:
+        hint = f" The least memory any layout needs is {format_bytes(smallest[0])} per device ({smallest[1]})." if smallest else ""
+        raise LayoutError(
+            f"No layout of {world_size} devices fits a global batch of {global_batch} samples in "
+            f"{format_bytes(hardware.memory_bytes)} per device.{hint} Use more devices, devices with more memory, "
+            f"or a smaller global batch."
+        )
+    found.sort(key=lambda c: (c.predicted_step_seconds, max(c.stage_bytes)))
+    return found
+
+
+def _least_memory(profile: ModelProfile, p: int, d: int, m: int, global_batch: int, schedule: str, ac: bool, hw: Hardware) -> float:
+    unbounded = replace(hw, memory_bytes=None)
+    candidate = evaluate(profile, pipeline_stages=p, data_parallel=d, microbatches=m, global_batch=global_batch,
+                         schedule=schedule, checkpointing=ac, hardware=unbounded)
+    return float(max(candidate.stage_bytes))
+
+
+def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 8, repeats: int = 3) -> Hardware:
+    """Calibrate point-to-point and all-reduce speed on the default process group (a collective call)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return base
+    rank, world = dist.get_rank(), dist.get_world_size()
+    buf = torch.zeros(megabytes * 2**18, device=device)  # 4-byte floats
+    small = torch.zeros(1, device=device)
+
+    def timed(fn: Any) -> float:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / repeats
+
+    def ping(t: torch.Tensor) -> None:
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+
+    big_rtt, small_rtt = timed(lambda: ping(buf)), timed(lambda: ping(small))
+    big_ar, small_ar = timed(lambda: dist.all_reduce(buf)), timed(lambda: dist.all_reduce(small))
+    values = torch.tensor([big_rtt, small_rtt, big_ar, small_ar], dtype=torch.float64, device=device)
+    dist.broadcast(values, 0)  # rank 0's view, so that every rank plans the same
+    big_rtt, small_rtt, big_ar, small_ar = values.tolist()
+    nbytes = buf.numel() * 4
+    latency = max(small_rtt / 2, 1e-6)
+    ring = 2 * (world - 1) / world
+    return replace(
+        base,
+        p2p_latency_s=latency,
+        p2p_bytes_per_s=nbytes / max(big_rtt / 2 - latency, 1e-9),
+        allreduce_latency_s=max(small_ar / (2 * (world - 1)), 1e-6),
+        allreduce_bytes_per_s=ring * nbytes / max(big_ar - small_ar, 1e-9),
+    )
