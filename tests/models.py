@@ -14,12 +14,15 @@ IN, HIDDEN, OUT = 6, 16, 3
 
 
 class Block(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, repeats: int = 1) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
+        self.repeats = repeats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(x))
+        for _ in range(self.repeats):  # repeats > 1: a layer that costs more time than the others
+            x = x + torch.tanh(self.fc(x))
+        return x
 
 
 class TinyPipelineModel(L.LightningModule):
@@ -205,3 +208,11 @@ class DictDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         x, y = self.inner[i]
         return {"x": x, "y": y}
+
+
+class UnevenPipelineModel(TinyPipelineModel):
+    """Six layers, the first one far more expensive than the rest (cost-balanced cuts isolate it)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(num_layers=6, **kwargs)
+        self.layers[0] = Block(HIDDEN, repeats=30)

@@ -49,6 +49,15 @@ WORLD_4 = [
         after=["validate", "test", "predict"],
     ),
     scenario("P2D2-meta-init", strategy={"pipeline_stages": 2, "microbatches": 2}, model={"meta_init": True}),
+    # cost-balanced cuts: the expensive first layer gets a stage of its own
+    scenario(
+        "P2D2-balanced-cuts-uneven-layers",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "partition": "balanced", "profile_cache": None},
+        model={"cls": "UnevenPipelineModel", "lr": 0.01},
+        expect_cuts=[1],
+    ),
+    # everything "auto": the planner must pipeline a model that does not fit one device's memory
+    scenario("auto-planned-tight-memory", strategy={"device_memory": "14KB", "profile_cache": None}, expect_min_stages=2),
     # Lightning's own ModelCheckpoint writes sharded checkpoints; fit(ckpt_path=...) resumes on another layout
     scenario(
         "P2D2-ModelCheckpoint-epoch1",
@@ -140,6 +149,11 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
     if ranks[0]["layout"].startswith(("P2", "P3", "P4")):
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
+
+    if "expect_cuts" in case:
+        assert all(r["cuts"] == case["expect_cuts"] for r in ranks), [r["cuts"] for r in ranks]
+    if "expect_min_stages" in case:
+        assert int(ranks[0]["layout"].split("xD")[0][1:]) >= case["expect_min_stages"], ranks[0]["layout"]
 
     if case.get("checkpoint"):
         files = ranks[0]["checkpoint_files"]

@@ -124,16 +124,26 @@ def _real_like(t: Any, device: torch.device, requires_grad: bool = False) -> Any
     return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
-def _measure(run: Callable[[], Any], params: list[Tensor], device: torch.device, repeats: int, context: Any) -> LayerProfile:
-    """Time ``run`` (a forward returning tensors) and its backward; count saved and output bytes."""
+def _measure(
+    run: Callable[[], Any], params: list[Tensor], device: torch.device, repeats: int, context: Any,
+    started: list[float] | None = None,
+) -> LayerProfile:
+    """Time ``run`` (a forward returning tensors) and its backward; count saved and output bytes.
+
+    If ``run`` records a later start time in ``started`` (e.g. from a hook), the forward is timed from there.
+    """
     fwd_times, bwd_times, saved, out_bytes = [], [], 0, 0
     for i in range(repeats + 1):
         _sync(device)
         start = time.perf_counter()
+        if started is not None:
+            started.clear()
         with context(), _count_saved() as counted:
             out = run()
         _sync(device)
         middle = time.perf_counter()
+        if started:
+            start = started[0]
         outs = [t for t in _tensors(out) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.randn_like(t) for t in outs])
@@ -319,7 +329,11 @@ def _profile_outside(
         for name in names:  # the layers themselves are not part of this measurement
             seq._modules[name] = SkippedLayer(name)
 
+        clock: list[float] = []
+
         def replace_output(mod: nn.Module, a: tuple, out: Any) -> Any:
+            _sync(device)
+            clock.append(time.perf_counter())  # what runs from here on is the part after the sequence
             return hidden
 
         handle = seq._modules[names[-1]].register_forward_hook(replace_output)  # type: ignore[union-attr]
@@ -330,7 +344,7 @@ def _profile_outside(
             return sum(t.float().sum() for t in _tensors(out) if t.device.type != "meta")
 
     try:
-        return _measure(run, params, device, repeats, autocast)
+        return _measure(run, params, device, repeats, autocast, started=None if before else clock)
     finally:
         handle.remove()
 

@@ -1,0 +1,77 @@
+"""The planner's choices change sensibly with world size, memory and model, and its models are consistent."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_spot import LayoutError
+from lightning_spot.planner import Hardware, evaluate, in_flight, plan_layouts, predict_step_seconds
+from lightning_spot.partition.profile import LayerProfile, ModelProfile
+
+MB = 2**20
+
+
+def transformer(layers: int = 8, *, layer_s: float = 0.01, param_mb: float = 100, saved_mb: float = 50) -> ModelProfile:
+    """A synthetic profile (at 8 samples per micro-batch) of a uniform transformer."""
+    block = LayerProfile(layer_s, 2 * layer_s, int(param_mb * MB), int(saved_mb * MB), int(4 * MB))
+    head = LayerProfile(layer_s, 2 * layer_s, int(param_mb * MB), int(saved_mb * MB), 4)
+    embed = LayerProfile(layer_s / 10, layer_s / 10, int(param_mb * MB), int(4 * MB), int(4 * MB))
+    return ModelProfile(8, "cuda", [block] * layers, embed, head)
+
+
+FAST_NET = Hardware(memory_bytes=80 * 2**30, p2p_bytes_per_s=50e9, allreduce_bytes_per_s=50e9)
+
+
+def test_plenty_of_memory_prefers_data_parallelism() -> None:
+    best = plan_layouts(transformer(), world_size=8, global_batch=64, hardware=FAST_NET)[0]
+    assert best.pipeline_stages == 1 and best.data_parallel == 8  # no bubble when everything fits everywhere
+
+
+def test_tight_memory_forces_a_deeper_pipeline_or_recomputation() -> None:
+    roomy = plan_layouts(transformer(), world_size=8, global_batch=64, hardware=FAST_NET)[0]
+    tight = plan_layouts(transformer(), world_size=8, global_batch=64, hardware=Hardware(memory_bytes=2.5 * 2**30))[0]
+    assert tight.pipeline_stages > roomy.pipeline_stages or tight.activation_checkpointing
+    assert max(tight.stage_bytes) <= 2.5 * 2**30
+
+
+def test_more_devices_give_more_throughput() -> None:
+    small = plan_layouts(transformer(), world_size=2, global_batch=64, hardware=FAST_NET)[0]
+    large = plan_layouts(transformer(), world_size=8, global_batch=64, hardware=FAST_NET)[0]
+    assert large.samples_per_second > small.samples_per_second
+
+
+def test_slow_network_avoids_data_parallel_allreduce() -> None:
+    slow = Hardware(memory_bytes=80 * 2**30, allreduce_bytes_per_s=0.2e9, p2p_bytes_per_s=50e9)
+    best = plan_layouts(transformer(), world_size=8, global_batch=64, hardware=slow)[0]
+    assert best.data_parallel < 8  # all-reducing 4.5 GB of gradients over a slow link costs more than a bubble
+
+
+def test_uneven_layers_get_balanced_cuts() -> None:
+    profile = transformer(6)
+    heavy = LayerProfile(0.06, 0.12, profile.layers[0].param_bytes, profile.layers[0].saved_bytes, profile.layers[0].output_bytes)
+    profile.layers = [heavy, *profile.layers[1:]]
+    candidate = evaluate(profile, pipeline_stages=2, data_parallel=1, microbatches=8, global_batch=64, hardware=FAST_NET)
+    assert candidate.cuts == [1], "the heavy first layer gets a stage of its own"
+    uniform = evaluate(profile, pipeline_stages=2, data_parallel=1, microbatches=8, global_batch=64, hardware=FAST_NET,
+                       cuts=[3])
+    assert candidate.predicted_step_seconds < uniform.predicted_step_seconds
+
+
+def test_1f1b_holds_fewer_microbatches_than_gpipe() -> None:
+    assert [in_flight("1F1B", s, 4, 16) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("GPipe", s, 4, 16) for s in range(4)] == [16] * 4
+    gpipe = evaluate(transformer(), pipeline_stages=4, data_parallel=1, microbatches=16, global_batch=128, schedule="GPipe")
+    one_f = evaluate(transformer(), pipeline_stages=4, data_parallel=1, microbatches=16, global_batch=128, schedule="1F1B")
+    assert max(one_f.stage_bytes) < max(gpipe.stage_bytes)
+
+
+def test_bubble_shrinks_with_more_microbatches() -> None:
+    profile = transformer()
+    few = predict_step_seconds(profile.scaled(16), [2, 4, 6], data_parallel=1, microbatches=4, checkpointing=False, hardware=FAST_NET)[0]
+    many = predict_step_seconds(profile.scaled(4), [2, 4, 6], data_parallel=1, microbatches=16, checkpointing=False, hardware=FAST_NET)[0]
+    assert many < few  # same global batch, smaller bubble
+
+
+def test_nothing_fits_is_a_clear_error() -> None:
+    with pytest.raises(LayoutError, match=r"No layout of 2 devices fits a global batch of 64 samples in 1\.0 GiB per device\. The least memory any layout needs is"):
+        plan_layouts(transformer(), world_size=2, global_batch=64, hardware=Hardware(memory_bytes=2**30))
