@@ -75,3 +75,32 @@ def test_bubble_shrinks_with_more_microbatches() -> None:
 def test_nothing_fits_is_a_clear_error() -> None:
     with pytest.raises(LayoutError, match=r"No layout of 2 devices fits a global batch of 64 samples in 1\.0 GiB per device\. The least memory any layout needs is"):
         plan_layouts(transformer(), world_size=2, global_batch=64, hardware=Hardware(memory_bytes=2**30))
+
+
+def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from lightning_spot.cli import main
+
+    argv = ["plan", "--model", "examples.gpt.model:TinyGPT", "--init-args", '{"n_layer": 4, "d_model": 64}',
+            "--world-size", "4", "--device-memory", "3MB", "--global-batch", "32",
+            "--input-shape", "4x64", "--input-dtype", "int64", "--input-high", "256", "--device", "cpu"]
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("pipeline_stages", "data_parallel", "microbatches", "schedule", "cuts", "stage_seconds", "stage_bytes",
+                "predicted_step_seconds"):
+        assert key in plan
+    assert plan["pipeline_stages"] * plan["data_parallel"] == 4
+    assert plan["pipeline_stages"] > 1, "3 MB cannot hold the whole model's training state"
+    assert max(plan["stage_bytes"]) <= 3e6 and len(plan["cuts"]) == plan["pipeline_stages"] - 1
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "best layout for 4 devices" in text and "stage 0: layers 0-" in text and "predicted step" in text
+
+
+def test_plan_command_explains_missing_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_spot.cli import main
+
+    with pytest.raises(SystemExit, match="needs forward inputs: define `example_input_array`"):
+        main(["plan", "--model", "examples.gpt.model:TinyGPT", "--world-size", "2", "--device-memory", "1GB",
+              "--global-batch", "8", "--device", "cpu"])

@@ -19,11 +19,13 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.yaml] [LightningCLI options]
        lightning-spot checkpoint {list,inspect,convert} URL [OUT] [--storage-options JSON]
+       lightning-spot plan --model PKG.MODULE:CLASS --world-size N --device-memory 80GB --global-batch B [--json]
        lightning-spot run [--nnodes MIN:MAX] [--nproc-per-node N] [--rdzv-endpoint HOST:PORT] SCRIPT [ARGS]
 
 fit/validate/test/predict: PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a
 SpotPipelineStrategy class_path) works in the YAML. `lightning-spot fit --help` lists every option.
 checkpoint: list, inspect or export (single-file state dict) the checkpoints of a run.
+plan: profile a model and print the layout (P x D, micro-batches, schedule, cuts) the planner chooses.
 run: launch SCRIPT with torchrun, set up for elastic restarts after preemptions.
 """
 
@@ -37,21 +39,24 @@ def lightning_cli(argv: Sequence[str]) -> None:
 
     import lightning_spot  # noqa: F401  registers "spot_pipeline"
 
-    # like `python -m`, let class_path entries name modules of the current directory
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
     LightningCLI(args=list(argv), save_config_kwargs={"overwrite": True})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    # like `python -m`, let class paths and --model name modules of the current directory
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
     if args[0] in LIGHTNING_SUBCOMMANDS:
         lightning_cli(args)
         return 0
+    if args[0] == "plan":
+        from lightning_spot.plan_cli import main as plan_main
+
+        return plan_main(args[1:])
     if args[0] == "run":
         from lightning_spot.launch import main as run_main
 

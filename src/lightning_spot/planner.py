@@ -200,8 +200,8 @@ def plan_layouts(
             if m > max_microbatches:
                 break
             for schedule in schedules:
-                if schedule == "1F1B" and m < p:
-                    continue
+                if (schedule == "1F1B" and m < p) or (schedule == "GPipe" and p == 1 and "1F1B" in schedules):
+                    continue  # 1F1B needs M >= P; with one stage GPipe and 1F1B are the same
                 for ac in checkpointing:
                     try:
                         found.append(evaluate(profile, pipeline_stages=p, data_parallel=d, microbatches=m,
