@@ -10,7 +10,9 @@ This class is Lightning glue only; the work happens in ``layout`` (P x D groups)
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from contextlib import contextmanager, nullcontext
@@ -251,6 +253,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        _destroy_process_group_at_exit()
 
     @contextmanager
     @override
@@ -558,3 +561,29 @@ class SpotPipelineStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+_exit_hook_registered = False
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the process group in an ``atexit`` hook, while the interpreter is still whole.
+
+    A gloo worker thread drops its reference to the last collective's tensors only after the caller
+    has seen the result; if the process exits right after a collective (the ``SystemExit(75)`` of a
+    preemption stop does), that thread needs the GIL during interpreter finalization and the process
+    aborts with "terminate called without an active exception" (pytorch/pytorch#190489). Destroying
+    the group and yielding the GIL briefly while the interpreter is whole avoids that.
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+
+    def destroy() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            time.sleep(0.2)  # let gloo's threads take the GIL and release what they hold
+
+    atexit.register(destroy)
+
