@@ -230,9 +230,12 @@ def _least_memory(profile: ModelProfile, p: int, d: int, m: int, global_batch: i
 
 
 def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 8, repeats: int = 3) -> Hardware:
-    """Calibrate point-to-point and all-reduce speed on the default process group (a collective call)."""
+    """Calibrate the optimizer update speed here, and point-to-point and all-reduce speed on the default
+    process group (a collective call; every rank gets rank 0's figures)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return base
+        return replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))
+    if dist.get_rank() == 0:  # alone: ranks updating at once would share the memory bandwidth
+        base = replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))
     rank, world = dist.get_rank(), dist.get_world_size()
     buf = torch.zeros(megabytes * 2**18, device=device)  # 4-byte floats
     small = torch.zeros(1, device=device)
@@ -259,16 +262,38 @@ def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 8
 
     big_rtt, small_rtt = timed(lambda: ping(buf)), timed(lambda: ping(small))
     big_ar, small_ar = timed(lambda: dist.all_reduce(buf)), timed(lambda: dist.all_reduce(small))
-    values = torch.tensor([big_rtt, small_rtt, big_ar, small_ar], dtype=torch.float64, device=device)
+    values = torch.tensor([big_rtt, small_rtt, big_ar, small_ar, base.optimizer_bytes_per_s], dtype=torch.float64, device=device)
     dist.broadcast(values, 0)  # rank 0's view, so that every rank plans the same
-    big_rtt, small_rtt, big_ar, small_ar = values.tolist()
+    big_rtt, small_rtt, big_ar, small_ar, optimizer_speed = values.tolist()
     nbytes = buf.numel() * 4
     latency = max(small_rtt / 2, 1e-6)
     ring = 2 * (world - 1) / world
     return replace(
         base,
+        optimizer_bytes_per_s=optimizer_speed,
         p2p_latency_s=latency,
         p2p_bytes_per_s=nbytes / max(big_rtt / 2 - latency, 1e-9),
         allreduce_latency_s=max(small_ar / (2 * (world - 1)), 1e-6),
         allreduce_bytes_per_s=ring * nbytes / max(big_ar - small_ar, 1e-9),
     )
+
+
+def _optimizer_speed(device: torch.device, state_factor: float, megabytes: int = 32, repeats: int = 3) -> float:
+    """Bytes of training state (parameters x ``state_factor``) an AdamW step updates per second here
+    (the fastest of ``repeats`` steps, after two that allocate and touch the state)."""
+    weights = [torch.zeros(megabytes * 2**15, device=device, requires_grad=True) for _ in range(8)]  # layer-sized
+    for weight in weights:
+        weight.grad = torch.zeros_like(weight)
+    optimizer = torch.optim.AdamW(weights, lr=1e-6)
+    best = float("inf")
+    for i in range(2 + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            best = min(best, time.perf_counter() - start)
+    return state_factor * sum(w.numel() * w.element_size() for w in weights) / max(best, 1e-9)
+

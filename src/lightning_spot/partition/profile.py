@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,10 @@ class LayerProfile:
     param_bytes: int
     saved_bytes: int  # activations autograd keeps for backward
     output_bytes: int  # what the layer hands on (sent between stages)
+    #: the part of forward_s / backward_s that does not shrink with the micro-batch (reading the
+    #: weights, kernel launches); fitted from a second, smaller measurement
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
 
 
 @dataclass
@@ -53,11 +57,15 @@ class ModelProfile:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def scaled(self, samples: int) -> ModelProfile:
-        """Times and activation sizes scaled linearly to micro-batches of ``samples``."""
+        """Profile for micro-batches of ``samples``: times affine (fixed + per sample), activations linear."""
         r = samples / self.samples
 
         def scale(p: LayerProfile) -> LayerProfile:
-            return LayerProfile(p.forward_s * r, p.backward_s * r, p.param_bytes, int(p.saved_bytes * r), int(p.output_bytes * r))
+            return LayerProfile(
+                p.forward_fixed_s + (p.forward_s - p.forward_fixed_s) * r,
+                p.backward_fixed_s + (p.backward_s - p.backward_fixed_s) * r,
+                p.param_bytes, int(p.saved_bytes * r), int(p.output_bytes * r), p.forward_fixed_s, p.backward_fixed_s,
+            )
 
         return ModelProfile(samples, self.device, [scale(p) for p in self.layers], scale(self.first), scale(self.last), self.key, self.extra)
 
@@ -225,7 +233,7 @@ def profile_key(module: nn.Module, split: ModelSplit, args: tuple, device: torch
     h.update(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]).encode())
     h.update(repr([(tuple(t.shape), str(t.dtype)) for t in _tensors(args)]).encode())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    h.update(f"{split.layers_path}|{name}|{samples}|{torch.__version__}".encode())
+    h.update(f"{split.layers_path}|{name}|{samples}|{torch.__version__}|affine".encode())
     return h.hexdigest()[:16]
 
 
@@ -237,17 +245,52 @@ def profile_model(
     *,
     device: torch.device,
     samples: int,
-    repeats: int = 3,
+    repeats: int = 7,
     autocast: Callable[[], Any] = nullcontext,
     cache_dir: Path | None = None,
     progress: bool = False,
 ) -> ModelProfile:
-    """Profile every layer of ``split`` for one micro-batch (``forward_args`` hold ``samples`` samples)."""
+    """Profile every layer of ``split`` for one micro-batch (``forward_args`` hold ``samples`` samples).
+
+    Each layer is measured at ``samples`` and at a quarter of it, so that :meth:`ModelProfile.scaled`
+    can tell the time that shrinks with the micro-batch from the time that does not.
+    """
     forward_kwargs = forward_kwargs or {}
     key = profile_key(module, split, forward_args, device, samples)
     cached = cache_dir / f"{key}.json" if cache_dir is not None else None
     if cached is not None and cached.is_file():
         return ModelProfile.from_json(cached.read_text())
+    profile = _profile_once(module, split, forward_args, forward_kwargs, device, samples, repeats, autocast, progress)
+    small = max(1, samples // 4)
+    if small < samples:
+        cut = (lambda t: t[:small] if isinstance(t, Tensor) and t.dim() and t.shape[0] == samples else t)
+        fewer = _profile_once(module, split, tree_map(cut, forward_args), tree_map(cut, forward_kwargs), device, small,
+                              repeats, autocast, progress)
+        profile = _fit_fixed_time(profile, fewer)
+    profile.key = key
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(profile.to_json())
+    return profile
+
+
+def _fit_fixed_time(big: ModelProfile, small: ModelProfile) -> ModelProfile:
+    """Per layer, the time at zero samples of the line through the two measurements (clamped to [0, t])."""
+    def fit(b: LayerProfile, s: LayerProfile) -> LayerProfile:
+        def fixed(t_big: float, t_small: float) -> float:
+            slope = (t_big - t_small) / (big.samples - small.samples)
+            return min(max(t_big - slope * big.samples, 0.0), t_big)
+
+        return replace(b, forward_fixed_s=fixed(b.forward_s, s.forward_s), backward_fixed_s=fixed(b.backward_s, s.backward_s))
+
+    return replace(big, layers=[fit(b, s) for b, s in zip(big.layers, small.layers)],
+                   first=fit(big.first, small.first), last=fit(big.last, small.last))
+
+
+def _profile_once(
+    module: nn.Module, split: ModelSplit, forward_args: tuple, forward_kwargs: dict, device: torch.device,
+    samples: int, repeats: int, autocast: Callable[[], Any], progress: bool,
+) -> ModelProfile:
 
     meta = _meta_copy(module)
     meta_seq = meta.get_submodule(split.layers_path)
@@ -260,21 +303,22 @@ def profile_model(
         from tqdm import tqdm
 
         iterator = tqdm(iterator, desc="lightning-spot: profiling layers", leave=False)
+    # the first layer's input needs a gradient only if something trainable comes before it
+    first_trainable = bool(split.first_direct_params) or any(
+        p.requires_grad for fqn in split.first_modules for p in module.get_submodule(fqn).parameters()
+    )
     for i in iterator:
         layer = _materialize(real_seq._modules[names[i]], device)  # type: ignore[arg-type]
         args, kwargs = calls[i]
-        real_args = (_real_like(args[0], device, requires_grad=True), *(_real_like(a, device) for a in args[1:]))
+        needs_grad = i > 0 or first_trainable
+        real_args = (_real_like(args[0], device, requires_grad=needs_grad), *(_real_like(a, device) for a in args[1:]))
         real_kwargs = {k: _real_like(v, device) for k, v in kwargs.items()}
         layers.append(_measure(lambda: layer(*real_args, **real_kwargs), list(layer.parameters()), device, repeats, autocast))
         del layer
 
     first = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=True)
     last = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=False)
-    profile = ModelProfile(samples, str(device), layers, first, last, key)
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(profile.to_json())
-    return profile
+    return ModelProfile(samples, str(device), layers, first, last)
 
 
 def _profile_outside(
