@@ -249,6 +249,19 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
                 self.last_loss = float(loss)
 
     P, D, M = job["P"], job["D"], job["microbatches"]
+    callbacks: list[Any] = []
+    timeline = job.get("timeline", "off")
+    if timeline == "absent":  # as before the timeline existed: torch's own stage methods, no clocks
+        from torch.distributed.pipelining import PipelineStage
+
+        from lightning_spot.pipeline import _SpotStage
+
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(_SpotStage, name, getattr(PipelineStage, name))
+    elif timeline == "on":  # every step traced
+        from lightning_spot import PipelineTimeline
+
+        callbacks.append(PipelineTimeline(dirpath=job["result"] + ".timeline", start_step=0, num_steps=10**6, gantt=False))
     L.seed_everything(job["seed"], verbose=False)
     model = BenchGPT(**model_hparams(job))
     loader = DataLoader(synthetic_dataset(job), batch_size=job["batch_size"], shuffle=False, drop_last=True)
@@ -264,7 +277,7 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[callback],
+        callbacks=[callback, *callbacks],
     )
     trainer.fit(model, train_dataloaders=loader)
     if str(strategy.layout) != f"P{P}xD{D}":

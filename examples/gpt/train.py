@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from examples.gpt.data import ByteTextDataModule  # noqa: E402
 from examples.gpt.model import TinyGPT  # noqa: E402
-from lightning_spot import PipelineThroughput, SpotCheckpoint, SpotPipelineStrategy  # noqa: E402
+from lightning_spot import PipelineThroughput, PipelineTimeline, SpotCheckpoint, SpotPipelineStrategy  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=40, help="steps between checkpoints")
     p.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--timeline-steps", type=int, default=2,
+                   help="trace this many steps from step 10 into ROOT/pipeline_timeline (trace.json, timeline.png); 0: off")
     return p.parse_args(argv)
 
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     checkpoints = SpotCheckpoint(
         dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every, resume=not args.no_resume
     )
+    timeline = [PipelineTimeline(start_step=10, num_steps=args.timeline_steps)] if args.timeline_steps else []
     strategy = SpotPipelineStrategy(
         pipeline_stages=_int_or_auto(args.pipeline_stages),
         microbatches=_int_or_auto(args.microbatches),
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
         default_root_dir=args.root,
-        callbacks=[throughput, checkpoints],
+        callbacks=[throughput, checkpoints, *timeline],
         enable_checkpointing=False,  # SpotCheckpoint does it
     )
     trainer.fit(model, data)

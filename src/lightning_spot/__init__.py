@@ -18,6 +18,7 @@ from lightning_spot.preemption import PREEMPTED_EXIT_CODE, Notice, PreemptionWat
 from lightning_spot.schedules import SCHEDULE_NAMES, resolve_schedule
 from lightning_spot.strategy import SpotPipelineStrategy
 from lightning_spot.throughput import PipelineThroughput
+from lightning_spot.timeline_callback import PipelineTimeline
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ __all__ = [
     "ModelSplit",
     "Notice",
     "PipelineThroughput",
+    "PipelineTimeline",
     "PreemptionWatcher",
     "SpotPipelineStrategy",
     "StagePlan",

@@ -20,12 +20,14 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.yaml] [LightningCLI options]
        lightning-spot checkpoint {list,inspect,convert} URL [OUT] [--storage-options JSON]
        lightning-spot plan --model PKG.MODULE:CLASS --world-size N --device-memory 80GB --global-batch B [--json]
+       lightning-spot report RUN_URL [--png RUN.png] [--json] [--storage-options JSON]
        lightning-spot run [--nnodes MIN:MAX] [--nproc-per-node N] [--rdzv-endpoint HOST:PORT] SCRIPT [ARGS]
 
 fit/validate/test/predict: PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a
 SpotPipelineStrategy class_path) works in the YAML. `lightning-spot fit --help` lists every option.
 checkpoint: list, inspect or export (single-file state dict) the checkpoints of a run.
 plan: profile a model and print the layout (P x D, micro-batches, schedule, cuts) the planner chooses.
+report: what happened to a run (layouts, preemptions, time lost, checkpoint stall, throughput).
 run: launch SCRIPT with torchrun, set up for elastic restarts after preemptions.
 """
 
@@ -61,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_spot.launch import main as run_main
 
         return run_main(args[1:])
+    if args[0] == "report":
+        from lightning_spot.report_cli import main as report_main
+
+        return report_main(args[1:])
     if args[0] == "checkpoint":
         from lightning_spot.checkpoint_cli import main as checkpoint_main
 

@@ -14,6 +14,7 @@ the received activation on, so ``self.log`` and the loss come from unchanged use
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from lightning_spot.partition.discovery import ModelContractError, ModelSplit
 from lightning_spot.partition.placement import PlacedStage, place_stages
 from lightning_spot.schedules import ScheduleSpec, resolve_schedule
 from lightning_spot.stage_run import StageExit, StageRun, running
+from lightning_spot.timeline import StepClock
+from lightning_spot.trace_hooks import traced_allreduce_hook, traced_p2p
 
 Mode = Literal["train", "eval", "predict"]
 
@@ -88,6 +91,7 @@ class StepRunner:
         self.step_kwargs: dict[str, Any] = {}
         self.results: list[tuple[Tensor, Any]] = []
         self._inferring = 0
+        self.clock = StepClock()
 
     @contextlib.contextmanager
     def inferring(self) -> Iterator[None]:
@@ -229,6 +233,21 @@ class _SpotStage(PipelineStage):
         with self._quiet():
             return super()._prepare_backward_infra(*args, **kwargs)
 
+    # timed for the bubble figure and, when tracing, the timeline
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._spot_runner.clock.compute("forward", microbatch=fwd_chunk_id, stage=self.stage_index):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        with self._spot_runner.clock.compute("backward", microbatch=bwd_chunk_id, stage=self.stage_index,
+                                             input_only=not full):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._spot_runner.clock.compute("weight", microbatch=bwd_chunk_id, stage=self.stage_index):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
 
 def _no_forward_buffer_sync() -> dict[str, bool]:
     """Replicas keep their own buffers between steps (no broadcast before every micro-batch)."""
@@ -283,6 +302,12 @@ class PipelineEngine:
         self.last_microbatches: int | None = None
         self.last_global_batch: int | None = None
         self.samples_seen = 0
+        self.clock = self.runner.clock
+        #: set before :meth:`wrap_data_parallel` to time DDP's gradient all-reduce in the timeline
+        self.trace_allreduce = False
+        #: this rank's seconds in the last training schedule: wall clock and compute
+        self.last_step_seconds = 0.0
+        self.last_compute_seconds = 0.0
 
     def wrap_data_parallel(self) -> None:
         """Sync gradients across replicas: DDP per stage (overlapped with the last backward), except for
@@ -302,6 +327,8 @@ class PipelineEngine:
                     **_no_forward_buffer_sync(),
                     **self.ddp_kwargs,
                 )
+                if self.trace_allreduce:
+                    self.train_modules[s].register_comm_hook(self, traced_allreduce_hook)
 
     # ----------------------------------------------------------------- schedules
     def _build(self, mode: Mode, n_microbatches: int) -> Any:
@@ -374,10 +401,16 @@ class PipelineEngine:
         losses: list[Tensor] = []
         idx = torch.arange(local, device=self.ctx.device)
         self.capture.clear()
-        with self.runner.bind("training_step", "train", batch, args, kwargs):
+        clock = self.clock
+        clock.reset()
+        start = time.perf_counter()
+        tracing = traced_p2p(clock.timeline) if clock.timeline is not None else contextlib.nullcontext()
+        with self.runner.bind("training_step", "train", batch, args, kwargs), tracing:
             program.step(idx, target=idx, losses=losses, return_outputs=False)
-        if self.spec.splits_backward and self.ctx.dp_group is not None:
-            all_reduce_mean(self.params, self.ctx.dp_group)
+        self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
+        if self.spec.splits_backward and self.ctx.dp_group is not None and self.ctx.layout.data_parallel > 1:
+            with clock.span("all-reduce", "allreduce", lane="allreduce"):
+                all_reduce_mean(self.params, self.ctx.dp_group)
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
         self.samples_seen += local * self.ctx.layout.data_parallel

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
+import contextlib
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -42,6 +43,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_spot.bubble import measured_bubble, theoretical_bubble
 from lightning_spot.auto_layout import LayoutChoice, Requested, choose_layout, describe_choice, parse_bytes
 from lightning_spot.checkpoint import payload
 from lightning_spot.checkpoint.read import load_checkpoint
@@ -55,6 +57,7 @@ from lightning_spot.partition.discovery import ModelContractError, discover
 from lightning_spot.partition.placement import placement_of
 from lightning_spot.pipeline import ParallelContext, PipelineEngine
 from lightning_spot.schedules import resolve_schedule
+from lightning_spot.timeline import StepClock
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -150,6 +153,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._layout: Optional[Layout] = None
         self.engine: Optional[PipelineEngine] = None
+        #: time DDP's gradient all-reduce in timelines (set by ``PipelineTimeline`` before setup)
+        self.trace_allreduce = False
         self.restored_manifest: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ registry
@@ -280,6 +285,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self.engine is None:
             self.engine = self._build_engine(module)
             self.precision_plugin.convert_module(module)
+            self.engine.trace_allreduce = self.trace_allreduce
             self.engine.wrap_data_parallel()
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
@@ -383,6 +389,42 @@ class SpotPipelineStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         with self.precision_plugin.train_step_context():
             return self._engine().train_step(args[0], args[1:], kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        clock = self.engine.clock if self.engine is not None else None
+        if clock is None or clock.timeline is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # the closure runs training_step (the schedule) first; time only the update after it
+        def timed_closure() -> Any:
+            result = closure()
+            stack.enter_context(clock.span("optimizer", "optimizer"))
+            return result
+
+        with contextlib.ExitStack() as stack:
+            return super().optimizer_step(optimizer, timed_closure, model, **kwargs)
+
+    @property
+    def step_clock(self) -> Optional[StepClock]:
+        """This rank's pipeline clock (compute time per step; attach a ``Timeline`` to trace)."""
+        return self.engine.clock if self.engine is not None else None
+
+    def pipeline_stats(self) -> dict[str, Any]:
+        """Layout and bubble of the last training step on this rank (empty before the first one)."""
+        engine = self.engine
+        if engine is None or not engine.last_microbatches:
+            return {}
+        return {
+            "layout": f"P{self.layout.pipeline_stages}xD{self.layout.data_parallel}",
+            "schedule": engine.spec.name,
+            "microbatches": engine.last_microbatches,
+            "pipeline_seconds": engine.last_step_seconds,
+            "compute_seconds": engine.last_compute_seconds,
+            "bubble": measured_bubble(engine.last_step_seconds, engine.last_compute_seconds),
+            "bubble_theory": theoretical_bubble(
+                engine.spec.name, self.layout.pipeline_stages, engine.spec.stages_per_rank, engine.last_microbatches
+            ),
+        }
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

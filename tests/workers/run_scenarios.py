@@ -55,6 +55,17 @@ def run(scenario: dict[str, Any], out: Path) -> None:
 
         spot = SpotCheckpoint(**scenario["spot_checkpoint"])
         callbacks.append(spot)
+    timeline = throughput = None
+    if "timeline" in scenario:
+        from lightning_spot import PipelineTimeline
+
+        timeline = PipelineTimeline(dirpath=str(target / "timeline"), **scenario["timeline"])
+        callbacks.append(timeline)
+    if "throughput" in scenario:
+        from lightning_spot import PipelineThroughput
+
+        throughput = PipelineThroughput(**scenario["throughput"])
+        callbacks.append(throughput)
     ckpt_path = scenario.get("ckpt_path")
     if "resume" in scenario:
         ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])
@@ -79,6 +90,9 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
     }
+    if throughput is not None:
+        result["throughput"] = throughput.summary()
+        result["pipeline_stats"] = strategy.pipeline_stats()
     if spot is not None:
         result["spot"] = {"saves": spot.saves, "summary": spot.summary(), "url": spot.url}
     if strategy.restored_manifest is not None:

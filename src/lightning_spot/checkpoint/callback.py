@@ -29,6 +29,7 @@ from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirnam
 from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.preemption.coordinate import agree, earliest, gather
 from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE
+from lightning_spot.timeline import Timeline
 from lightning_spot.preemption.watcher import PreemptionWatcher
 
 log = logging.getLogger(__name__)
@@ -277,15 +278,22 @@ class SpotCheckpoint(L.Callback):
         self._last_step = trainer.global_step
         self._last_time = time.monotonic()
         self.saves.append({"step": info["step"], "stall_seconds": stall, "bytes": share.nbytes, "reason": reason})
+        timeline = _timeline(trainer)
+        if timeline is not None:
+            now = time.perf_counter()
+            timeline.add("checkpoint copy", "checkpoint", now - stall, now, step=info["step"], reason=reason)
         if background:
-            self._thread = threading.Thread(target=self._write_in_background, args=(rel, share, info), daemon=True)
+            self._thread = threading.Thread(target=self._write_in_background, args=(rel, share, info, timeline), daemon=True)
             self._thread.start()
         else:
-            self._write(rel, share, info)
+            self._write(rel, share, info, timeline)
 
-    def _write(self, rel: str, share: Any, info: dict[str, Any]) -> None:
+    def _write(self, rel: str, share: Any, info: dict[str, Any], timeline: Optional[Timeline] = None) -> None:
         assert self.storage is not None
+        started = time.perf_counter()
         manifest = write_checkpoint(self.storage, rel, share, info=info, group=self._group, thread_count=self.io_threads)
+        if timeline is not None:
+            timeline.add("checkpoint upload", "checkpoint", started, time.perf_counter(), lane="checkpoint", step=info["step"])
         if manifest is not None:
             self.saves[-1]["write_seconds"] = manifest["timings"]["write_seconds"]
             self._apply_retention(rel)
@@ -295,9 +303,9 @@ class SpotCheckpoint(L.Callback):
                     **manifest["timings"],
                 )
 
-    def _write_in_background(self, rel: str, share: Any, info: dict[str, Any]) -> None:
+    def _write_in_background(self, rel: str, share: Any, info: dict[str, Any], timeline: Optional[Timeline]) -> None:
         try:
-            self._write(rel, share, info)
+            self._write(rel, share, info, timeline)
         except BaseException as err:  # surfaced by wait()
             self._error = err
 
@@ -329,6 +337,10 @@ class SpotCheckpoint(L.Callback):
         rank, notice = found
         self.save(trainer, reason=f"preempted: {notice.source}", blocking=True)
         took = time.time() - start
+        timeline = _timeline(trainer)
+        if timeline is not None:
+            now = time.perf_counter()
+            timeline.add("preemption stop", "preemption", now - took, now, source=notice.source)
         left = notice.seconds_left()
         margin = f"; {left:.1f}s left before the deadline" if left is not None else ""
         rank_zero_info(
@@ -348,11 +360,13 @@ class SpotCheckpoint(L.Callback):
     # ----------------------------------------------------------------- history
     def _record_progress(self, trainer: L.Trainer) -> None:
         assert self.journal is not None
+        engine = getattr(trainer.strategy, "engine", None)
+        batch = getattr(engine, "last_global_batch", None)
         if not self._first_step_seen:
             self._first_step_seen = True
-            self.journal.record("first_step", step=trainer.global_step)
+            self.journal.record("first_step", step=trainer.global_step, global_batch=batch)
         elif time.monotonic() - self._last_heartbeat >= self.heartbeat_seconds:
-            self.journal.record("progress", step=trainer.global_step)
+            self.journal.record("progress", step=trainer.global_step, global_batch=batch)
         else:
             return
         self._last_heartbeat = time.monotonic()
@@ -398,3 +412,10 @@ class SpotCheckpoint(L.Callback):
             "bytes_per_rank": float(self.saves[-1]["bytes"]) if self.saves else 0.0,
             "final_wait_seconds": self._final_wait,
         }
+
+
+def _timeline(trainer: L.Trainer) -> Optional[Timeline]:
+    """The pipeline timeline being recorded, if any (``PipelineTimeline``)."""
+    clock = getattr(trainer.strategy, "step_clock", None)
+    return clock.timeline if clock is not None else None
+

@@ -1,0 +1,45 @@
+"""``lightning-spot report RUN_URL``: what happened to a run — layouts, preemptions, time lost,
+checkpoint stall, throughput per layout — as text (or JSON) and a PNG timeline.
+
+    lightning-spot report s3://bucket/runs/gpt --png run.png --storage-options '{"endpoint_url": "..."}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_spot.checkpoint.storage import Storage, StorageError
+from lightning_spot.run_report import build_report, format_report, render_run_timeline
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-spot report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("url", help="the run directory: SpotCheckpoint's dirpath (any fsspec URL)")
+    parser.add_argument("--png", type=Path, help="also draw the run's timeline into this PNG file")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
+    args = parser.parse_args(list(argv))
+    try:
+        storage = Storage(args.url, json.loads(args.storage_options) if args.storage_options else {})
+        report = build_report(storage)
+    except (StorageError, FileNotFoundError) as err:
+        print(f"lightning-spot report: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report))
+    if args.png:
+        try:
+            args.png.write_bytes(render_run_timeline(report))
+        except ImportError as err:
+            print(f"lightning-spot report: {err}", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"\ntimeline written to {args.png}")
+    return 0

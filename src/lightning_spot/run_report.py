@@ -1,0 +1,182 @@
+"""A run's story from its history (``<run>/events/``, written by ``SpotCheckpoint``): layouts over
+time, preemptions and restarts, time lost, checkpoint stall and throughput per layout.
+
+    report = build_report(Storage("s3://bucket/runs/gpt"))
+    print(format_report(report))
+    Path("run.png").write_bytes(render_run_timeline(report))
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import datetime, timezone
+from typing import Any
+
+from lightning_spot.checkpoint.journal import read_events, summarize
+from lightning_spot.checkpoint.storage import Storage
+
+#: events that say "this step was reached at this time" (checkpoint events carry the commit time instead)
+PROGRESS_KINDS = ("first_step", "progress", "preempted", "end")
+
+
+def layout_name(layout: dict[str, Any] | None) -> str:
+    if not layout:
+        return "?"
+    return (f"P{layout.get('pipeline_stages', '?')}xD{layout.get('data_parallel', '?')} "
+            f"{layout.get('schedule', '?')} M={layout.get('microbatches', '?')}")
+
+
+def _attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    attempts: list[list[dict[str, Any]]] = []
+    for event in events:
+        if event["kind"] == "start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(event)
+    return attempts
+
+
+def _attempt_summary(index: int, events: list[dict[str, Any]], t0: float) -> dict[str, Any]:
+    start = events[0]
+    marks = [e for e in events if e["kind"] in PROGRESS_KINDS and e.get("step") is not None]
+    batches = [e["global_batch"] for e in marks if e.get("global_batch")]
+    first = next((e for e in marks if e["kind"] == "first_step"), None)
+    last = marks[-1] if marks else None
+    steps_per_s = samples_per_s = None
+    if first is not None and last is not None and last["time"] > first["time"] and last["step"] > first["step"]:
+        steps_per_s = (last["step"] - first["step"]) / (last["time"] - first["time"])
+        samples_per_s = steps_per_s * batches[-1] if batches else None
+    preempted = next((e for e in events if e["kind"] == "preempted"), None)
+    if preempted is not None:
+        ended = f"preempted ({preempted.get('source', '?')}); checkpoint saved in {preempted.get('save_seconds', '?')}s"
+    elif any(e["kind"] == "end" for e in events):
+        ended = "finished"
+    else:
+        ended = "stopped without a notice (killed or failed)"
+    saves = [e for e in events if e["kind"] == "checkpoint"]
+    return {
+        "attempt": index,
+        "started": start["time"] - t0,
+        "layout": layout_name(start.get("layout")),
+        "layout_detail": start.get("layout"),
+        "resumed_from_step": start.get("resumed_step"),
+        "first_step_after_seconds": round(first["time"] - start["time"], 3) if first else None,
+        "last_step": last["step"] if last else start.get("step"),
+        "ended": ended,
+        "seconds": round(max(e["time"] for e in events) - start["time"], 3),
+        "steps_per_second": steps_per_s,
+        "samples_per_second": samples_per_s,
+        "checkpoints": len(saves),
+        "checkpoint_stall_seconds": round(sum(e.get("stall_seconds", 0.0) for e in saves), 4),
+        "points": [(e["time"] - t0, e["step"]) for e in marks],
+        "checkpoint_points": [(e["time"] - t0, e.get("step")) for e in saves],
+        "preempted_at": (preempted["time"] - t0, preempted.get("step")) if preempted else None,
+    }
+
+
+def build_report(storage: Storage) -> dict[str, Any]:
+    """Everything ``lightning-spot report`` shows, as a JSON-able dict."""
+    events = read_events(storage)
+    if not events:
+        raise FileNotFoundError(
+            f"No run history under {storage.url} (expected {storage.url_of('events')}/). The report reads what "
+            f"SpotCheckpoint records during fit: point it at a SpotCheckpoint dirpath."
+        )
+    t0 = events[0]["time"]
+    attempts = [_attempt_summary(i, a, t0) for i, a in enumerate(_attempts(events))]
+    totals = summarize(events)
+    per_layout: dict[str, list[float]] = {}
+    for a in attempts:
+        if a["samples_per_second"] is not None:
+            per_layout.setdefault(a["layout"], []).append(a["samples_per_second"])
+    trained = sum(a["seconds"] for a in attempts)
+    return {
+        "run": storage.url,
+        "started": datetime.fromtimestamp(t0, tz=timezone.utc).isoformat(timespec="seconds"),
+        "wall_seconds": round(events[-1]["time"] - t0, 3),
+        "attempts": attempts,
+        "restarts": totals["restarts"],
+        "preemptions_survived": totals["preemptions_survived"],
+        "steps_recomputed": totals["steps_recomputed"],
+        "time_lost_seconds": totals["time_lost_seconds"],
+        "checkpoints": totals["checkpoints"],
+        "checkpoint_stall_seconds": totals["checkpoint_stall_seconds"],
+        "checkpoint_stall_fraction": totals["checkpoint_stall_seconds"] / trained if trained > 0 else 0.0,
+        "samples_per_second_by_layout": {k: sum(v) / len(v) for k, v in per_layout.items()},
+        "committed_checkpoints": storage.committed(),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    def num(value: float | None, fmt: str = ".1f") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = [
+        f"run          {report['run']}",
+        f"started      {report['started']}, {report['wall_seconds']:.1f}s of history",
+        f"attempts     {len(report['attempts'])}; preemptions survived {report['preemptions_survived']}; "
+        f"steps recomputed {report['steps_recomputed']}; time lost to restarts {report['time_lost_seconds']:.1f}s",
+        f"checkpoints  {report['checkpoints']} saved, training stalled {report['checkpoint_stall_seconds']:.2f}s "
+        f"({100 * report['checkpoint_stall_fraction']:.2f}% of training time); committed now: "
+        f"{', '.join(report['committed_checkpoints']) or 'none'}",
+        "",
+        "  #  at (s)  layout                      from step  to step  samples/s   steps/s  ended",
+    ]
+    for a in report["attempts"]:
+        lines.append(
+            f"{a['attempt']:>3}  {a['started']:6.1f}  {a['layout']:<28}{num(a['resumed_from_step'], 'd') if a['resumed_from_step'] is not None else '0':>9}"
+            f"  {a['last_step'] if a['last_step'] is not None else '-':>7}  {num(a['samples_per_second']):>9}  "
+            f"{num(a['steps_per_second'], '.2f'):>8}  {a['ended']}"
+        )
+    if report["restarts"]:
+        lines += ["", "restarts"]
+        for r in report["restarts"]:
+            lines.append(
+                f"  {r['cause']}: stopped at step {r['stopped_at_step']}, resumed from {r['resumed_from_step']} "
+                f"({r['steps_recomputed']} steps recomputed), {r['time_lost_seconds']:.1f}s lost, "
+                f"{layout_name(r['layout_before'])} -> {layout_name(r['layout_after'])}"
+            )
+    if report["samples_per_second_by_layout"]:
+        lines += ["", "throughput per layout"]
+        lines += [f"  {k:<28}{v:10.1f} samples/s" for k, v in report["samples_per_second_by_layout"].items()]
+    return "\n".join(lines)
+
+
+def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:
+    """Training step over wall-clock time, one colour per layout; checkpoints, preemptions and restarts marked."""
+    from lightning_spot.gantt import import_pyplot
+
+    plt = import_pyplot()
+    fig, ax = plt.subplots(figsize=(width, 4.2))
+    layouts = list(dict.fromkeys(a["layout"] for a in report["attempts"]))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labelled: set[str] = set()
+    for a, b in zip(report["attempts"], report["attempts"][1:]):
+        end = max([t for t, _ in a["points"]] + [a["started"]])
+        ax.axvspan(end, b["started"] + (b["first_step_after_seconds"] or 0.0), color="#DDDDDD", zorder=0,
+                   label=None if "restart" in labelled else "restart (time lost)")
+        labelled.add("restart")
+    for a in report["attempts"]:
+        colour = colours[layouts.index(a["layout"]) % len(colours)]
+        if a["points"]:
+            xs, ys = zip(*a["points"])
+            ax.plot(xs, ys, "-o", color=colour, markersize=2.5, label=None if a["layout"] in labelled else a["layout"])
+            labelled.add(a["layout"])
+        for t, step in a["checkpoint_points"]:
+            ax.plot([t], [step], marker="|", color="#555555", markersize=9,
+                    label=None if "checkpoint" in labelled else "checkpoint committed")
+            labelled.add("checkpoint")
+        if a["preempted_at"]:
+            ax.plot(*a["preempted_at"], marker="X", color="#D93025", markersize=9,
+                    label=None if "preempted" in labelled else "preemption (checkpoint, exit)")
+            labelled.add("preempted")
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("training step")
+    ax.set_title(f"{report['run']}: {len(report['attempts'])} attempts, {report['preemptions_survived']} preemptions survived, "
+                 f"{report['time_lost_seconds']:.0f}s lost", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=120)
+    plt.close(fig)
+    return out.getvalue()

@@ -1,0 +1,62 @@
+"""Where the timeline taps into communication: the schedules' point-to-point waits and DDP's
+gradient all-reduce. Installed only while tracing (p2p) or when tracing was asked for at setup (DDP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules
+
+from lightning_spot.timeline import Timeline
+
+
+@contextlib.contextmanager
+def traced_p2p(timeline: Timeline) -> Iterator[None]:
+    """Record every wait for a pipeline send / receive (the time a stage spends blocked on a neighbour)."""
+    batch_p2p, wait_batch_p2p = schedules._batch_p2p, schedules._wait_batch_p2p
+    kinds: dict[int, str] = {}
+
+    def traced_batch(ops: list[dist.P2POp], desc: str | None = None) -> list[dist.Work]:
+        works = batch_p2p(ops, desc)
+        kind = "recv" if any(op.op is dist.irecv for op in ops) else "send"
+        kinds.update((id(w), kind) for w in works)
+        return works
+
+    def traced_wait(works: list[dist.Work]) -> None:
+        start = time.perf_counter()
+        wait_batch_p2p(works)
+        kind = "recv" if any(kinds.pop(id(w), "send") == "recv" for w in works) else "send"
+        if works:
+            timeline.add(f"wait {kind}", kind, start, time.perf_counter())
+
+    schedules._batch_p2p, schedules._wait_batch_p2p = traced_batch, traced_wait
+    try:
+        yield
+    finally:
+        schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
+
+
+def traced_allreduce_hook(engine: Any, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+    """DDP communication hook: the mean all-reduce of one gradient bucket (``dist.GradBucket``), timed
+    when a timeline is attached; returns a ``Future[Tensor]``. (No annotations: DDP checks them against
+    the real classes, which ``from __future__ import annotations`` turns into strings.)"""
+    group = engine.ctx.dp_group
+    size = dist.get_world_size(group)
+    timeline = engine.clock.timeline
+    start = time.perf_counter()
+    buffer = bucket.buffer()
+    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+
+    def finish(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        if timeline is not None:
+            timeline.add("all-reduce", "allreduce", start, time.perf_counter(), lane="allreduce",
+                         bucket=bucket.index(), bytes=buffer.numel() * buffer.element_size())
+        return done.value()[0].div_(size)
+
+    return future.then(finish)

@@ -1,0 +1,76 @@
+"""``lightning-spot report``: a run's history as text, JSON and a PNG timeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_spot.checkpoint.journal import EVENTS
+from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.run_report import build_report, format_report
+
+P2D2 = {"pipeline_stages": 2, "data_parallel": 2, "schedule": "1F1B", "microbatches": 4, "cuts": [2], "stages": 2}
+P2D1 = {**P2D2, "data_parallel": 1}
+
+
+def _history(root: Path) -> None:
+    """Two attempts: P2xD2 preempted at step 30 (checkpoint 30), then P2xD1 from 30 to 50."""
+    t = 1_700_000_000.0
+    events: list[dict[str, Any]] = [
+        {"kind": "start", "time": t, "step": 0, "resumed_step": None, "layout": P2D2, "restart_count": 0},
+        {"kind": "first_step", "time": t + 5, "step": 1, "global_batch": 32},
+        {"kind": "progress", "time": t + 15, "step": 21, "global_batch": 32},
+        {"kind": "checkpoint", "time": t + 16, "step": 20, "stall_seconds": 0.05, "write_seconds": 1.0, "bytes": 10},
+        {"kind": "preempted", "time": t + 20, "step": 30, "source": "SIGTERM", "save_seconds": 0.4, "rank": 1},
+        {"kind": "checkpoint", "time": t + 20.2, "step": 30, "stall_seconds": 0.1, "write_seconds": 0.3, "bytes": 10},
+        {"kind": "start", "time": t + 40, "step": 30, "resumed_step": 30, "layout": P2D1, "restart_count": 1},
+        {"kind": "first_step", "time": t + 44, "step": 31, "global_batch": 32},
+        {"kind": "progress", "time": t + 54, "step": 46, "global_batch": 32},
+        {"kind": "checkpoint", "time": t + 58, "step": 50, "stall_seconds": 0.05, "write_seconds": 0.5, "bytes": 10},
+        {"kind": "end", "time": t + 58, "step": 50},
+    ]
+    storage = Storage(str(root))
+    for i, e in enumerate(events):
+        storage.write_json(f"{EVENTS}/{i:020d}-{e['kind']}.json", e)
+
+
+def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
+    _history(tmp_path)
+    report = build_report(Storage(str(tmp_path)))
+    assert [a["layout"] for a in report["attempts"]] == ["P2xD2 1F1B M=4", "P2xD1 1F1B M=4"]
+    assert report["preemptions_survived"] == 1 and report["steps_recomputed"] == 0
+    assert report["time_lost_seconds"] == pytest.approx(23.8)  # last sign of life +20.2 (the commit), next step +44
+    assert report["checkpoint_stall_seconds"] == pytest.approx(0.2)
+    first, second = report["attempts"]
+    assert first["samples_per_second"] == pytest.approx((30 - 1) / 15 * 32)  # first step -> the preemption
+    assert second["samples_per_second"] == pytest.approx((50 - 31) / 14 * 32)
+    assert first["ended"].startswith("preempted (SIGTERM)") and second["ended"] == "finished"
+    text = format_report(report)
+    for needle in ("preemptions survived 1", "time lost to restarts 23.8s", "P2xD2 1F1B M=4 -> P2xD1 1F1B M=4",
+                   "throughput per layout", "stalled 0.20s"):
+        assert needle in text, text
+
+
+def test_report_cli_text_json_and_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    _history(tmp_path / "run")
+    png = tmp_path / "run.png"
+    exe = str(Path(sys.executable).parent / "lightning-spot")
+    out = subprocess.run([exe, "report", str(tmp_path / "run"), "--png", str(png)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "preempted (SIGTERM)" in out.stdout and "timeline written to" in out.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+    as_json = subprocess.run([exe, "report", str(tmp_path / "run"), "--json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(as_json.stdout)["preemptions_survived"] == 1
+
+
+def test_report_on_a_directory_without_history_names_the_fix(tmp_path: Path) -> None:
+    exe = str(Path(sys.executable).parent / "lightning-spot")
+    out = subprocess.run([exe, "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "No run history" in out.stderr and "SpotCheckpoint" in out.stderr
