@@ -61,7 +61,11 @@ def test_trace_has_every_microbatch_forward_and_backward_on_every_stage(traced: 
     stages = 2 * spec.stages_per_rank
     steps = [e for e in events if e["cat"] == "step"]
     assert sorted(e["args"]["step"] for e in steps if e["pid"] == 0) == RECORDED
-    compute = Counter((e["cat"], e["args"]["stage"], e["args"]["microbatch"]) for e in events if e["cat"] in ("forward", "backward", "weight"))
+    compute = Counter((e["cat"], e["args"]["stage"], e["args"]["microbatch"]) for e in events
+                      if e["cat"] in ("forward", "backward", "weight") and "part" not in e["args"])
+    last_stage_work = Counter(e["args"]["microbatch"] for e in events if e["args"].get("part") == "layers and loss")
+    assert last_stage_work == {mb: len(RECORDED) for mb in range(MICROBATCHES)}, last_stage_work
+    assert all(e["args"]["stage"] == stages - 1 for e in events if e["args"].get("part"))
     for stage in range(stages):
         for mb in range(MICROBATCHES):
             assert compute[("forward", stage, mb)] == len(RECORDED), (schedule, stage, mb, compute)

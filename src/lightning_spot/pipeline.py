@@ -91,6 +91,7 @@ class StepRunner:
         self.step_kwargs: dict[str, Any] = {}
         self.results: list[tuple[Tensor, Any]] = []
         self._inferring = 0
+        self._losses_computed = 0
         self.clock = StepClock()
 
     @contextlib.contextmanager
@@ -108,6 +109,7 @@ class StepRunner:
         self.local_size = batch_size_of(batch)
         self.step_args, self.step_kwargs = args, kwargs
         self.results = []
+        self._losses_computed = 0
         try:
             yield
         finally:
@@ -172,7 +174,10 @@ class StepRunner:
             parts = [(a.float() * torch.zeros(a.shape, device=a.device)).sum() for a in acts if a.requires_grad]
             return torch.stack(parts).sum() if parts else torch.zeros((), device=idx.device)
         run = StageRun(self.last_stage, first_stage=self.last_stage == 0, incoming=acts or None, exit_after=False)
-        with running(run), self.capture.capturing(self.module, weight=float(idx.numel()), keep=True):
+        microbatch, self._losses_computed = self._losses_computed, self._losses_computed + 1
+        # the last stage's layers run here (its forward_one_chunk only passes activations on)
+        timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
+        with timed, running(run), self.capture.capturing(self.module, weight=float(idx.numel()), keep=True):
             result = self._call(self._micro_batch(idx))
         if self.last_stage > 0 and not run.layers_started:
             raise ModelContractError(
