@@ -138,7 +138,7 @@ def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: P
     try:
         wait_for(lambda: port_open(port), 30, "the metadata server", [])
         config = _config(
-            tmp_path, max_steps=40, watch_rank=1,
+            tmp_path, max_steps=40, watch_rank=1, timeline=True,
             watcher={"cloud": cloud, "poll_interval": 0.2, "endpoints": {cloud: f"http://127.0.0.1:{port}"}, "signals": []},
         )
         logs = _run_until_preempted(tmp_path, config, flag.touch, pids=[])
@@ -150,6 +150,11 @@ def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: P
     assert manifest["reason"] == f"preempted: {cloud}"
     assert 2 < last < 40
     assert f"preemption notice on rank 1 ({cloud}" in logs[0]
+    for rank in (0, 1):  # the timeline of each rank ends with the coordinated stop and its checkpoint
+        trace = json.loads((tmp_path / "out" / "timeline" / f"rank{rank}.trace.json").read_text())
+        stops = [e for e in trace["traceEvents"] if e.get("cat") == "preemption"]
+        assert len(stops) == 1 and stops[0]["args"]["source"] == cloud, stops
+        assert any(e.get("name") == "checkpoint copy" and e["args"]["step"] == last for e in trace["traceEvents"])
     if cloud in ("aws", "azure"):  # these notices carry a deadline
         assert re.search(r"committed in [\d.]+s; [\d.]+s left before the deadline", logs[0]), logs[0][-2000:]
 

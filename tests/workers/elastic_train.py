@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_spot import PreemptionWatcher, SpotCheckpoint, SpotPipelineStrategy
+from lightning_spot import PipelineTimeline, PreemptionWatcher, SpotCheckpoint, SpotPipelineStrategy
 import tests.fakefs  # noqa: F401  registers slowfile://
 from tests.models import make_loader, make_model
 
@@ -47,13 +47,16 @@ def main() -> None:
         keep_last=config.get("keep_last", 3), heartbeat_seconds=0.5,
         preemption=watcher,
     )
+    callbacks: list[L.Callback] = [checkpoint, SlowSteps(config.get("step_seconds", 0.0))]
+    if config.get("timeline"):  # trace every step; a preempted run leaves per-rank trace files
+        callbacks.append(PipelineTimeline(dirpath=str(out / "timeline"), start_step=0, num_steps=10**6, gantt=False))
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=60), **config.get("strategy", {}))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),  # num_nodes is derived from the environment
         strategy=strategy,
         max_steps=config["max_steps"],
-        callbacks=[checkpoint, SlowSteps(config.get("step_seconds", 0.0))],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
