@@ -126,10 +126,15 @@ def worker() -> None:
         activation_checkpointing=job["ac"], profile_cache=job["cache"],
     )
     timer = PipelineThroughput(warmup_steps=job["warmup"], prog_bar=False)
+    extra: list[Any] = []
+    if job.get("trace"):  # --trace DIR: a timeline of two timed steps per job, to see where the model is off
+        from lightning_spot import PipelineTimeline
+
+        extra.append(PipelineTimeline(dirpath=f"{job['trace']}/{Path(job['result']).stem}", start_step=job["warmup"] + 1, num_steps=2))
     trainer = L.Trainer(
         accelerator="cpu", devices=job["world"], strategy=strategy, max_steps=job["warmup"] + job["steps"],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[timer, RecordLayout()],
+        callbacks=[timer, RecordLayout(), *extra],
     )
     loader = DataLoader(dataset(job), batch_size=job["batch"], shuffle=False, drop_last=True)
     trainer.fit(build_model(job), train_dataloaders=loader)
@@ -196,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--profile-cache", help="keep the layer profiles here (default: a temporary directory)")
+    parser.add_argument("--trace", help="also write a pipeline timeline of two steps of every job under this directory")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.microbatches = 4, 2, "2,4"
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         base = {
             "world": args.world, "batch": args.batch, "width": args.width,
             "hidden": [int(h) for h in args.hidden.split(",")], "steps": args.steps, "warmup": args.warmup,
-            "seed": 1234, "cache": args.profile_cache or str(out / "profiles"), "timeout": args.timeout, "ac": False,
+            "seed": 1234, "cache": args.profile_cache or str(out / "profiles"), "trace": args.trace, "timeout": args.timeout, "ac": False,
         }
         mbs = [int(m) for m in args.microbatches.split(",")]
         p_full = args.world
