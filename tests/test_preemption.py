@@ -155,6 +155,13 @@ def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: P
         stops = [e for e in trace["traceEvents"] if e.get("cat") == "preemption"]
         assert len(stops) == 1 and stops[0]["args"]["source"] == cloud, stops
         assert any(e.get("name") == "checkpoint copy" and e["args"]["step"] == last for e in trace["traceEvents"])
+    if cloud == "gcp":  # the per-rank files merge into one trace and chart
+        exe = str(Path(sys.executable).parent / "lightning-spot")
+        merged = subprocess.run([exe, "timeline", str(tmp_path / "out" / "timeline")], capture_output=True, text=True, timeout=120)
+        assert merged.returncode == 0, merged.stderr
+        events = json.loads((tmp_path / "out" / "timeline" / "trace.json").read_text())["traceEvents"]
+        assert {e["pid"] for e in events if e.get("cat") == "preemption"} == {0, 1}
+        assert (tmp_path / "out" / "timeline" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     if cloud in ("aws", "azure"):  # these notices carry a deadline
         assert re.search(r"committed in [\d.]+s; [\d.]+s left before the deadline", logs[0]), logs[0][-2000:]
 

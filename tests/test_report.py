@@ -74,3 +74,10 @@ def test_report_on_a_directory_without_history_names_the_fix(tmp_path: Path) -> 
     out = subprocess.run([exe, "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "No run history" in out.stderr and "SpotCheckpoint" in out.stderr
+
+
+def test_timeline_merge_without_rank_files_names_the_fix(tmp_path: Path) -> None:
+    exe = str(Path(sys.executable).parent / "lightning-spot")
+    out = subprocess.run([exe, "timeline", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no rank<N>.trace.json" in out.stderr and "PipelineTimeline" in out.stderr
+

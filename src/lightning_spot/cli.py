@@ -21,6 +21,7 @@ USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.ya
        lightning-spot checkpoint {list,inspect,convert} URL [OUT] [--storage-options JSON]
        lightning-spot plan --model PKG.MODULE:CLASS --world-size N --device-memory 80GB --global-batch B [--json]
        lightning-spot report RUN_URL [--png RUN.png] [--json] [--storage-options JSON]
+       lightning-spot timeline DIR [--no-png] [--storage-options JSON]
        lightning-spot run [--nnodes MIN:MAX] [--nproc-per-node N] [--rdzv-endpoint HOST:PORT] SCRIPT [ARGS]
 
 fit/validate/test/predict: PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a
@@ -28,6 +29,7 @@ SpotPipelineStrategy class_path) works in the YAML. `lightning-spot fit --help` 
 checkpoint: list, inspect or export (single-file state dict) the checkpoints of a run.
 plan: profile a model and print the layout (P x D, micro-batches, schedule, cuts) the planner chooses.
 report: what happened to a run (layouts, preemptions, time lost, checkpoint stall, throughput).
+timeline: merge the per-rank traces of a stopped run and draw its Gantt chart.
 run: launch SCRIPT with torchrun, set up for elastic restarts after preemptions.
 """
 
@@ -63,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_spot.launch import main as run_main
 
         return run_main(args[1:])
+    if args[0] == "timeline":
+        from lightning_spot.timeline_cli import main as timeline_main
+
+        return timeline_main(args[1:])
     if args[0] == "report":
         from lightning_spot.report_cli import main as report_main
 
