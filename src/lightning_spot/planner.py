@@ -45,6 +45,10 @@ class Hardware:
     compute_slowdown: float = 1.0
     #: fixed cost per micro-batch and stage (Python, kernel launches, Lightning)
     microbatch_overhead_s: float = 1e-3
+    #: fixed cost per step outside the schedule: Lightning's loop and hooks, handing the gradients
+    #: over, sharing the loss and logged values from the last stage (6 ms on the CPUs of
+    #: ``benchmarks/planner.py``'s traces; a rough default elsewhere)
+    step_overhead_s: float = 6e-3
 
 
 @dataclass
@@ -136,8 +140,10 @@ def predict_step_seconds(
         ring = 2 * (data_parallel - 1) / data_parallel
         allreduce = max(ring * g / hardware.allreduce_bytes_per_s + 2 * (data_parallel - 1) * hardware.allreduce_latency_s for g in grads)
     optimizer = max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s
-    total = pipeline + allreduce + optimizer
-    return total, [t * microbatches for t in per_mb], {"pipeline": pipeline, "allreduce": allreduce, "optimizer": optimizer}
+    total = pipeline + allreduce + optimizer + hardware.step_overhead_s
+    return total, [t * microbatches for t in per_mb], {
+        "pipeline": pipeline, "allreduce": allreduce, "optimizer": optimizer, "overhead": hardware.step_overhead_s,
+    }
 
 
 def evaluate(
@@ -229,7 +235,7 @@ def _least_memory(profile: ModelProfile, p: int, d: int, m: int, global_batch: i
     return float(max(candidate.stage_bytes))
 
 
-def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 8, repeats: int = 3) -> Hardware:
+def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 25, repeats: int = 3) -> Hardware:
     """Calibrate the optimizer update speed here, and point-to-point and all-reduce speed on the default
     process group (a collective call; every rank gets rank 0's figures)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -281,10 +287,11 @@ def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 8
 def _optimizer_speed(device: torch.device, state_factor: float, megabytes: int = 32, repeats: int = 3) -> float:
     """Bytes of training state (parameters x ``state_factor``) an AdamW step updates per second here
     (the fastest of ``repeats`` steps, after two that allocate and touch the state)."""
-    weights = [torch.zeros(megabytes * 2**15, device=device, requires_grad=True) for _ in range(8)]  # layer-sized
+    # layer-sized tensors of ordinary values: zeros or tiny steps make a CPU update ~1.6x slower (denormals)
+    weights = [torch.randn(megabytes * 2**15, device=device).requires_grad_() for _ in range(8)]
     for weight in weights:
-        weight.grad = torch.zeros_like(weight)
-    optimizer = torch.optim.AdamW(weights, lr=1e-6)
+        weight.grad = torch.randn_like(weight)
+    optimizer = torch.optim.AdamW(weights, lr=1e-3)
     best = float("inf")
     for i in range(2 + repeats):
         if device.type == "cuda":

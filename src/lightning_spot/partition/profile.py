@@ -132,6 +132,19 @@ def _real_like(t: Any, device: torch.device, requires_grad: bool = False) -> Any
     return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
+_SCRATCH: dict[str, Tensor] = {}
+
+
+def _evict_caches(device: torch.device) -> None:
+    """Overwrite more memory than the caches hold, so that a layer is timed with cold weights, as in a
+    stage where the other layers run between two uses of it (repeating one small layer alone would
+    keep its weights in cache and under-count the cost of small micro-batches by a third)."""
+    key = str(device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = torch.empty((256 if device.type == "cuda" else 64) * 2**18, device=device)
+    _SCRATCH[key].fill_(1.0)
+
+
 def _measure(
     run: Callable[[], Any], params: list[Tensor], device: torch.device, repeats: int, context: Any,
     started: list[float] | None = None,
@@ -142,6 +155,7 @@ def _measure(
     """
     fwd_times, bwd_times, saved, out_bytes = [], [], 0, 0
     for i in range(repeats + 1):
+        _evict_caches(device)
         _sync(device)
         start = time.perf_counter()
         if started is not None:
@@ -153,13 +167,17 @@ def _measure(
         if started:
             start = started[0]
         outs = [t for t in _tensors(out) if t.requires_grad]
+        grads = [torch.randn_like(t) for t in outs]
+        _evict_caches(device)  # in a pipeline, other micro-batches run between a forward and its backward
+        _sync(device)
+        backward_start = time.perf_counter()
         if outs:
-            torch.autograd.backward(outs, [torch.randn_like(t) for t in outs])
+            torch.autograd.backward(outs, grads)
         _sync(device)
         end = time.perf_counter()
         if i:
             fwd_times.append(middle - start)
-            bwd_times.append(end - middle)
+            bwd_times.append(end - backward_start)
         saved = counted[0]
         out_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
     return LayerProfile(
