@@ -132,3 +132,13 @@ def test_theoretical_bubble_formulas() -> None:
     assert measured_bubble(0.30, 0.24) == pytest.approx(0.2)
     assert measured_bubble(0.0, 0.0) == 0.0
 
+
+
+def test_mfu_peak_lookup() -> None:
+    from lightning_spot.throughput import peak_flops_of
+
+    assert peak_flops_of("NVIDIA H200") == 989e12
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_of("NVIDIA L4") == 121e12
+    assert peak_flops_of("Some Future Accelerator") is None

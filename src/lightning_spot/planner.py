@@ -127,10 +127,14 @@ def predict_step_seconds(
     """(step seconds, each stage's compute per step, breakdown) for one layout; ``profile`` at micro-batch size."""
     stages = len(cuts) + 1
     bounds = [0, *cuts, len(profile.layers)]
+    # processes sharing cores (CPUs) slow each other down only while they compute: a pipeline's
+    # stages idle for the bubble, data-parallel replicas all update their weights at once
+    busy = 1.0 - (stages - 1) / (microbatches + stages - 1)
+    computing = replace(hardware, compute_slowdown=max(1.0, hardware.compute_slowdown * busy))
     per_mb, comm, grads = [], [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layers = _stage_profile(profile, s, stages, a, b)
-        per_mb.append(_stage_seconds(layers, checkpointing, hardware))
+        per_mb.append(_stage_seconds(layers, checkpointing, computing))
         out = profile.layers[b - 1].output_bytes if s < stages - 1 else 0
         comm.append(hardware.p2p_latency_s + out / hardware.p2p_bytes_per_s if out else 0.0)
         grads.append(sum(p.param_bytes for p in layers))
@@ -139,7 +143,7 @@ def predict_step_seconds(
     if data_parallel > 1:
         ring = 2 * (data_parallel - 1) / data_parallel
         allreduce = max(ring * g / hardware.allreduce_bytes_per_s + 2 * (data_parallel - 1) * hardware.allreduce_latency_s for g in grads)
-    optimizer = max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s
+    optimizer = max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s * hardware.compute_slowdown
     total = pipeline + allreduce + optimizer + hardware.step_overhead_s
     return total, [t * microbatches for t in per_mb], {
         "pipeline": pipeline, "allreduce": allreduce, "optimizer": optimizer, "overhead": hardware.step_overhead_s,
