@@ -42,9 +42,19 @@ def import_pyplot() -> Any:
     return plt
 
 
+def trace_title(metadata: dict[str, Any]) -> str:
+    """The layout a trace was recorded on, as a chart title."""
+    layout = metadata.get("layout") or {}
+    if not layout:
+        return "pipeline timeline"
+    return (f"P{layout['pipeline_stages']}xD{layout['data_parallel']}, {layout['microbatches']} micro-batches, "
+            f"{layout['schedule']}, {layout['stages']} stages, cuts {layout['cuts']}")
+
+
 def render_gantt(trace: dict[str, Any], title: str = "", width: float = 14.0) -> bytes:
     """The trace as a PNG (bytes). Each rank's row shows its pipeline actions; all-reduce and
-    checkpoint uploads, which overlap with them, run as thin bars along the bottom of the row."""
+    checkpoint uploads, which overlap with them, run as thin bars along the bottom of the row.
+    The title defaults to the layout in the trace's metadata."""
     plt = import_pyplot()
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in COLOURS]
     ranks = sorted({e["pid"] for e in events})
@@ -71,7 +81,7 @@ def render_gantt(trace: dict[str, Any], title: str = "", width: float = 14.0) ->
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.6)
     ax.set_xlabel("milliseconds")
-    ax.set_title(title or "pipeline timeline", fontsize=10)
+    ax.set_title(title or trace_title(trace.get("metadata", {})), fontsize=10)
     order = [LABELS[c] for c in COLOURS if c in seen]
     handles, labels = ax.get_legend_handles_labels()
     pairs = sorted(zip(labels, handles), key=lambda lh: order.index(lh[0]))

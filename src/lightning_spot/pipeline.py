@@ -308,17 +308,16 @@ class PipelineEngine:
         self.last_global_batch: int | None = None
         self.samples_seen = 0
         self.clock = self.runner.clock
-        #: set before :meth:`wrap_data_parallel` to time DDP's gradient all-reduce in the timeline
-        self.trace_allreduce = False
         #: this rank's seconds in the last training schedule: wall clock and compute
         self.last_step_seconds = 0.0
         self.last_compute_seconds = 0.0
 
-    def wrap_data_parallel(self) -> None:
+    def wrap_data_parallel(self, trace_allreduce: bool = False) -> None:
         """Sync gradients across replicas: DDP per stage (overlapped with the last backward), except for
         schedules that compute weight gradients outside autograd's hooks (averaged after the step).
 
-        Call once the parameters have their final dtype and device.
+        Call once the parameters have their final dtype and device. ``trace_allreduce`` routes DDP's
+        all-reduce through a communication hook that times it for the timeline.
         """
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         if self.ctx.layout.data_parallel == 1 or self.spec.splits_backward:
@@ -332,7 +331,7 @@ class PipelineEngine:
                     **_no_forward_buffer_sync(),
                     **self.ddp_kwargs,
                 )
-                if self.trace_allreduce:
+                if trace_allreduce:
                     self.train_modules[s].register_comm_hook(self, traced_allreduce_hook)
 
     # ----------------------------------------------------------------- schedules

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lightning_spot.layout import LayoutError
 from lightning_spot.partition.balance import balanced_cuts, format_bytes
-from lightning_spot.partition.profile import LayerProfile, ModelProfile
+from lightning_spot.partition.profile import LayerProfile, ModelProfile, sync_device
 
 PLANNED_SCHEDULES = ("1F1B", "GPipe")
 
@@ -252,14 +252,12 @@ def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 2
 
     def timed(fn: Any) -> float:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         return (time.perf_counter() - start) / repeats
 
     def ping(t: torch.Tensor) -> None:
@@ -298,13 +296,10 @@ def _optimizer_speed(device: torch.device, state_factor: float, megabytes: int =
     optimizer = torch.optim.AdamW(weights, lr=1e-3)
     best = float("inf")
     for i in range(2 + repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         start = time.perf_counter()
         optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         if i >= 2:
             best = min(best, time.perf_counter() - start)
     return state_factor * sum(w.numel() * w.element_size() for w in weights) / max(best, 1e-9)
-

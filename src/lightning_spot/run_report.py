@@ -12,7 +12,7 @@ import io
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_spot.checkpoint.journal import read_events, summarize
+from lightning_spot.checkpoint.journal import read_events, split_attempts, summarize
 from lightning_spot.checkpoint.storage import Storage
 
 #: events that say "this step was reached at this time" (checkpoint events carry the commit time instead)
@@ -24,15 +24,6 @@ def layout_name(layout: dict[str, Any] | None) -> str:
         return "?"
     return (f"P{layout.get('pipeline_stages', '?')}xD{layout.get('data_parallel', '?')} "
             f"{layout.get('schedule', '?')} M={layout.get('microbatches', '?')}")
-
-
-def _attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    attempts: list[list[dict[str, Any]]] = []
-    for event in events:
-        if event["kind"] == "start" or not attempts:
-            attempts.append([])
-        attempts[-1].append(event)
-    return attempts
 
 
 def _attempt_summary(index: int, events: list[dict[str, Any]], t0: float) -> dict[str, Any]:
@@ -82,7 +73,7 @@ def build_report(storage: Storage) -> dict[str, Any]:
             f"SpotCheckpoint records during fit: point it at a SpotCheckpoint dirpath."
         )
     t0 = events[0]["time"]
-    attempts = [_attempt_summary(i, a, t0) for i, a in enumerate(_attempts(events))]
+    attempts = [_attempt_summary(i, a, t0) for i, a in enumerate(split_attempts(events))]
     totals = summarize(events)
     per_layout: dict[str, list[float]] = {}
     for a in attempts:
@@ -150,25 +141,28 @@ def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:
     layouts = list(dict.fromkeys(a["layout"] for a in report["attempts"]))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     labelled: set[str] = set()
+
+    def once(label: str) -> str | None:
+        """The legend label the first time, none after (one legend entry per kind)."""
+        if label in labelled:
+            return None
+        labelled.add(label)
+        return label
+
     for a, b in zip(report["attempts"], report["attempts"][1:]):
         end = max([t for t, _ in a["points"]] + [a["started"]])
         ax.axvspan(end, b["started"] + (b["first_step_after_seconds"] or 0.0), color="#DDDDDD", zorder=0,
-                   label=None if "restart" in labelled else "restart (time lost)")
-        labelled.add("restart")
+                   label=once("restart (time lost)"))
     for a in report["attempts"]:
         colour = colours[layouts.index(a["layout"]) % len(colours)]
         if a["points"]:
             xs, ys = zip(*a["points"])
-            ax.plot(xs, ys, "-o", color=colour, markersize=2.5, label=None if a["layout"] in labelled else a["layout"])
-            labelled.add(a["layout"])
-        for t, step in a["checkpoint_points"]:
-            ax.plot([t], [step], marker="|", color="#555555", markersize=9,
-                    label=None if "checkpoint" in labelled else "checkpoint committed")
-            labelled.add("checkpoint")
+            ax.plot(xs, ys, "-o", color=colour, markersize=2.5, label=once(a["layout"]))
+        if a["checkpoint_points"]:
+            xs, ys = zip(*a["checkpoint_points"])
+            ax.plot(xs, ys, linestyle="none", marker="|", color="#555555", markersize=9, label=once("checkpoint committed"))
         if a["preempted_at"]:
-            ax.plot(*a["preempted_at"], marker="X", color="#D93025", markersize=9,
-                    label=None if "preempted" in labelled else "preemption (checkpoint, exit)")
-            labelled.add("preempted")
+            ax.plot(*a["preempted_at"], marker="X", color="#D93025", markersize=9, label=once("preemption (checkpoint, exit)"))
     ax.set_xlabel("seconds since the run started")
     ax.set_ylabel("training step")
     ax.set_title(f"{report['run']}: {len(report['attempts'])} attempts, {report['preemptions_survived']} preemptions survived, "

@@ -15,8 +15,7 @@ import os
 import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
-import contextlib
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -43,8 +42,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_spot.bubble import measured_bubble, theoretical_bubble
 from lightning_spot.auto_layout import LayoutChoice, Requested, choose_layout, describe_choice, parse_bytes
+from lightning_spot.bubble import measured_bubble, theoretical_bubble
 from lightning_spot.checkpoint import payload
 from lightning_spot.checkpoint.read import load_checkpoint
 from lightning_spot.checkpoint.storage import Storage
@@ -285,8 +284,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self.engine is None:
             self.engine = self._build_engine(module)
             self.precision_plugin.convert_module(module)
-            self.engine.trace_allreduce = self.trace_allreduce
-            self.engine.wrap_data_parallel()
+            self.engine.wrap_data_parallel(trace_allreduce=self.trace_allreduce)
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
@@ -401,7 +399,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             stack.enter_context(clock.span("optimizer", "optimizer"))
             return result
 
-        with contextlib.ExitStack() as stack:
+        with ExitStack() as stack:
             return super().optimizer_step(optimizer, timed_closure, model, **kwargs)
 
     @property
@@ -628,4 +626,3 @@ def _destroy_process_group_at_exit() -> None:
             time.sleep(0.2)  # let gloo's threads take the GIL and release what they hold
 
     atexit.register(destroy)
-

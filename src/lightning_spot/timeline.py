@@ -13,7 +13,6 @@ synchronised clocks) line up when merged.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,7 +66,6 @@ class StepClock:
     def __init__(self) -> None:
         self.timeline: Timeline | None = None
         self.compute_seconds = 0.0
-        self._lock = threading.Lock()
 
     def reset(self) -> None:
         self.compute_seconds = 0.0

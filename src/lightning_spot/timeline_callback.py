@@ -97,7 +97,7 @@ class PipelineTimeline(L.Callback):
         if self.gantt:
             from lightning_spot.gantt import render_gantt
 
-            self._save(trainer, "timeline.png", render_gantt(self.trace, title=_title(self.trace["metadata"])))
+            self._save(trainer, "timeline.png", render_gantt(self.trace))
         rank_zero_info(f"PipelineTimeline: steps {self.start_step}..{self.start_step + self.num_steps - 1} traced: "
                        + ", ".join(self.files))
 
@@ -128,11 +128,3 @@ def _metadata(trainer: L.Trainer) -> dict[str, Any]:
     strategy = trainer.strategy
     layout = strategy.checkpoint_layout() if hasattr(strategy, "checkpoint_layout") and strategy.engine else {}  # type: ignore[attr-defined]
     return {"layout": layout, "world_size": trainer.world_size}
-
-
-def _title(meta: dict[str, Any]) -> str:
-    layout = meta.get("layout") or {}
-    if not layout:
-        return "pipeline timeline"
-    return (f"P{layout['pipeline_stages']}xD{layout['data_parallel']}, {layout['microbatches']} micro-batches, "
-            f"{layout['schedule']}, {layout['stages']} stages, cuts {layout['cuts']}")

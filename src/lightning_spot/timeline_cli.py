@@ -41,10 +41,9 @@ def main(argv: Sequence[str]) -> int:
     print(f"merged {len(ranks)} ranks into {args.dir.rstrip('/')}/trace.json")
     if not args.no_png:
         from lightning_spot.gantt import render_gantt
-        from lightning_spot.timeline_callback import _title
 
         try:
-            png = render_gantt(merged, title=_title(merged["metadata"]))
+            png = render_gantt(merged)
         except ImportError as err:
             print(f"lightning-spot timeline: {err}", file=sys.stderr)
             return 1

@@ -29,8 +29,8 @@ from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirnam
 from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.preemption.coordinate import agree, earliest, gather
 from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE
-from lightning_spot.timeline import Timeline
 from lightning_spot.preemption.watcher import PreemptionWatcher
+from lightning_spot.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -418,4 +418,3 @@ def _timeline(trainer: L.Trainer) -> Optional[Timeline]:
     """The pipeline timeline being recorded, if any (``PipelineTimeline``)."""
     clock = getattr(trainer.strategy, "step_clock", None)
     return clock.timeline if clock is not None else None
-

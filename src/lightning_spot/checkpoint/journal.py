@@ -75,13 +75,19 @@ def read_events(storage: Storage) -> list[dict[str, Any]]:
     return events
 
 
-def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Preemptions survived, steps recomputed and time lost per restart, from a run's events."""
+def split_attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A run's events grouped by attempt: each ``start`` begins a new one."""
     attempts: list[list[dict[str, Any]]] = []
     for event in events:
         if event["kind"] == "start" or not attempts:
             attempts.append([])
         attempts[-1].append(event)
+    return attempts
+
+
+def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Preemptions survived, steps recomputed and time lost per restart, from a run's events."""
+    attempts = split_attempts(events)
     restarts = []
     for before, after in zip(attempts, attempts[1:]):
         last_step = max((e.get("step", 0) for e in before), default=0)

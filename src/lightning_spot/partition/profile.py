@@ -82,7 +82,8 @@ class ModelProfile:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPUs), so that a clock reading means something."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -156,24 +157,24 @@ def _measure(
     fwd_times, bwd_times, saved, out_bytes = [], [], 0, 0
     for i in range(repeats + 1):
         _evict_caches(device)
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         if started is not None:
             started.clear()
         with context(), _count_saved() as counted:
             out = run()
-        _sync(device)
+        sync_device(device)
         middle = time.perf_counter()
         if started:
             start = started[0]
         outs = [t for t in _tensors(out) if t.requires_grad]
         grads = [torch.randn_like(t) for t in outs]
         _evict_caches(device)  # in a pipeline, other micro-batches run between a forward and its backward
-        _sync(device)
+        sync_device(device)
         backward_start = time.perf_counter()
         if outs:
             torch.autograd.backward(outs, grads)
-        _sync(device)
+        sync_device(device)
         end = time.perf_counter()
         if i:
             fwd_times.append(middle - start)
@@ -394,7 +395,7 @@ def _profile_outside(
         clock: list[float] = []
 
         def replace_output(mod: nn.Module, a: tuple, out: Any) -> Any:
-            _sync(device)
+            sync_device(device)
             clock.append(time.perf_counter())  # what runs from here on is the part after the sequence
             return hidden
 
