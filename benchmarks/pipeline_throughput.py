@@ -254,10 +254,10 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
     if timeline == "absent":  # as before the timeline existed: torch's own stage methods, no clocks
         from torch.distributed.pipelining import PipelineStage
 
-        from lightning_spot.pipeline import _SpotStage
+        from lightning_spot.runtime.stages import SpotStage
 
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            setattr(_SpotStage, name, getattr(PipelineStage, name))
+            setattr(SpotStage, name, getattr(PipelineStage, name))
     elif timeline == "on":  # every step traced
         from lightning_spot import PipelineTimeline
 

@@ -119,7 +119,7 @@ def worker() -> None:
                 optimizer_times.append(time.perf_counter() - self._start)
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            seen.update(trainer.strategy.checkpoint_layout())  # type: ignore[attr-defined]
+            seen.update(trainer.strategy.pipeline_layout.to_dict())  # type: ignore[attr-defined]
 
     strategy = SpotPipelineStrategy(
         pipeline_stages=job["P"], microbatches=job["M"], schedule=job["schedule"], partition=job["partition"],

@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 from lightning_spot import Layout, LayoutError, ModelContractError, SpotPipelineStrategy, discover, plan_stages
 from lightning_spot.data import ReplicaBatchSampler
 from lightning_spot.partition.placement import check_shared_parameters
-from lightning_spot.schedules import resolve_schedule
+from lightning_spot.runtime.schedules import resolve_schedule
 from tests.distributed import WorkerFailure, launch
 from tests.models import NoLayersModel, TiedEmbeddingModel, make_model
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_spot import ModelContractError, discover, plan_stages
 from lightning_spot.partition.placement import place_stages
-from lightning_spot.stage_run import RemoteModule, SkippedLayer, StageRun, running
+from lightning_spot.partition.stage_run import RemoteModule, SkippedLayer, StageRun, running
 from tests.models import make_model
 
 
@@ -60,7 +60,7 @@ def test_later_stage_receives_the_activation_and_rejects_meta_arguments() -> Non
         def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.inner(h) * mask
 
-    from lightning_spot.stage_run import instrument_layer
+    from lightning_spot.partition.stage_run import instrument_layer
 
     layer = MaskedBlock(torch.nn.Linear(16, 16))
     instrument_layer(layer, "layers.2", 1, first=True, last=True)

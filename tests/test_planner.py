@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lightning_spot import LayoutError
-from lightning_spot.planner import Hardware, evaluate, in_flight, plan_layouts, predict_step_seconds
-from lightning_spot.partition.profile import LayerProfile, ModelProfile
+from lightning_spot.planning.cost_model import evaluate, in_flight, plan_layouts, predict_step_seconds
+from lightning_spot.planning.hardware import Hardware
+from lightning_spot.planning.profile import LayerProfile, ModelProfile
 
 MB = 2**20
 

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_spot.checkpoint.journal import EVENTS
 from lightning_spot.checkpoint.storage import Storage
-from lightning_spot.run_report import build_report, format_report
+from lightning_spot.observe.run_report import build_report, format_report
 
 P2D2 = {"pipeline_stages": 2, "data_parallel": 2, "schedule": "1F1B", "microbatches": 4, "cuts": [2], "stages": 2}
 P2D1 = {**P2D2, "data_parallel": 1}

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from lightning_spot.bubble import measured_bubble, theoretical_bubble
-from lightning_spot.schedules import SCHEDULE_NAMES, resolve_schedule
+from lightning_spot.runtime.schedules import measured_bubble, theoretical_bubble
+from lightning_spot.runtime.schedules import SCHEDULE_NAMES, resolve_schedule
 from tests.parity import run_scenarios
 
 RECORDED = [1, 2]  # the traced global steps
@@ -135,7 +135,7 @@ def test_theoretical_bubble_formulas() -> None:
 
 
 def test_mfu_peak_lookup() -> None:
-    from lightning_spot.throughput import peak_flops_of
+    from lightning_spot.observe.throughput import peak_flops_of
 
     assert peak_flops_of("NVIDIA H200") == 989e12
     assert peak_flops_of("NVIDIA H100 PCIe") == 756e12

@@ -15,12 +15,12 @@ from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE, Notice, PreemptionWatcher
-from lightning_spot.schedules import SCHEDULE_NAMES, resolve_schedule
+from lightning_spot.runtime.schedules import SCHEDULE_NAMES, resolve_schedule
 from lightning_spot.strategy import SpotPipelineStrategy
-from lightning_spot.throughput import PipelineThroughput
-from lightning_spot.timeline_callback import PipelineTimeline
+from lightning_spot.observe.throughput import PipelineThroughput
+from lightning_spot.observe.timeline import PipelineTimeline
 
-__version__ = "0.1.0"
+from lightning_spot._version import __version__
 
 SpotPipelineStrategy.register_strategies(StrategyRegistry)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
+from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError
 
 
@@ -46,10 +47,6 @@ def valid_global_batches(divisor: int, near: int, count: int = 4) -> list[int]:
     return sorted({divisor * k for k in range(max(1, base - 1), base + count)})[:count]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def explain_indivisible_batch(size: int, dp_size: int, microbatches: int | None, world_size: int | None) -> str:
     """Why a global batch does not fit the layout, and every way to make it fit."""
     m = microbatches or 1
@@ -60,14 +57,14 @@ def explain_indivisible_batch(size: int, dp_size: int, microbatches: int | None,
         f" or drop_last=True if only the last batch is short.",
     ]
     if world_size:
-        fitting = [(world_size // d, d) for d in _divisors(world_size) if size % (d * m) == 0]
+        fitting = [(world_size // d, d) for d in divisors(world_size) if size % (d * m) == 0]
         if fitting:
             parts.append(
                 "To keep this global batch (e.g. when resuming on another number of GPUs), use a layout whose "
                 "data-parallel width divides it: " + ", ".join(f"pipeline_stages={p} (D={d})" for p, d in fitting) + "."
             )
     if microbatches and size % dp_size == 0:
-        parts.append(f"Or keep this layout with microbatches in {_divisors(size // dp_size)}.")
+        parts.append(f"Or keep this layout with microbatches in {divisors(size // dp_size)}.")
     return " ".join(parts)
 
 

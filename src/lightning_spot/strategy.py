@@ -3,9 +3,9 @@
     trainer = L.Trainer(accelerator="gpu", devices=8, strategy="spot_pipeline")
     trainer = L.Trainer(strategy=SpotPipelineStrategy(pipeline_stages=4, microbatches=8, schedule="1F1B"))
 
-This class is Lightning glue only; the work happens in ``layout`` (P x D groups),
-``partition`` (layer discovery, cuts, placement), ``pipeline`` (stages, schedules, steps),
-``data`` (global-batch sharding), ``grads`` and ``logging_bridge``.
+This class is Lightning glue only; the work happens in ``planning`` (the layout, chosen once at
+setup), ``partition`` (layer discovery, cuts, placement), ``runtime`` (stages, schedules, steps,
+gradients, logging), ``data`` (global-batch sharding) and ``checkpoint`` (sharded state).
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -42,21 +40,21 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_spot.auto_layout import LayoutChoice, Requested, choose_layout, describe_choice, parse_bytes
-from lightning_spot.bubble import measured_bubble, theoretical_bubble
+from lightning_spot._dist import broadcast_object, is_initialized
+from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import payload
 from lightning_spot.checkpoint.read import load_checkpoint
 from lightning_spot.checkpoint.storage import Storage
 from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.data import shard_dataloader
-from lightning_spot.grads import clip_grad_norm_global
-from lightning_spot.layout import Layout, LayoutError, StagesArg
-from lightning_spot.partition.cuts import plan_stages
+from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.discovery import ModelContractError, discover
 from lightning_spot.partition.placement import placement_of
-from lightning_spot.pipeline import ParallelContext, PipelineEngine
-from lightning_spot.schedules import resolve_schedule
-from lightning_spot.timeline import StepClock
+from lightning_spot.planning.choose import LayoutChoice, Requested, choose_layout, describe_choice
+from lightning_spot.runtime.clock import StepClock
+from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
+from lightning_spot.runtime.grads import clip_grad_norm_global
+from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -139,7 +137,6 @@ class SpotPipelineStrategy(ParallelStrategy):
             device_memory=parse_bytes(device_memory),
             stages_per_rank=stages_per_rank,
         )
-        self._stages_per_rank = stages_per_rank
         self._profile_cache = profile_cache
         self.layout_choice: Optional[LayoutChoice] = None
         self._layers = layers
@@ -150,11 +147,12 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._timeout = timeout
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
-        self._layout: Optional[Layout] = None
+        self._layout: Optional[PipelineLayout] = None
         self.engine: Optional[PipelineEngine] = None
         #: time DDP's gradient all-reduce in timelines (set by ``PipelineTimeline`` before setup)
         self.trace_allreduce = False
         self.restored_manifest: Optional[dict[str, Any]] = None
+        self._storage_options: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -189,10 +187,16 @@ class SpotPipelineStrategy(ParallelStrategy):
         return True
 
     @property
-    def layout(self) -> Layout:
+    def pipeline_layout(self) -> PipelineLayout:
+        """The whole layout of this run: P x D, schedule, stages, cuts and micro-batches."""
         if self._layout is None:
             raise RuntimeError("The pipeline layout is known once the strategy has been set up.")
         return self._layout
+
+    @property
+    def layout(self) -> Layout:
+        """The process grid of this run (P x D; ``str`` gives "P2xD2")."""
+        return self.pipeline_layout.grid
 
     @property
     def device_mesh(self) -> "DeviceMesh":
@@ -317,27 +321,21 @@ class SpotPipelineStrategy(ParallelStrategy):
         if choice is None:
             choice = choose_layout(
                 module, split, module.trainer, self._requested,
-                world_size=self.world_size, device=self.root_device, is_rank_zero=self.is_global_zero,
-                broadcast=self.broadcast, autocast=self.precision_plugin.forward_context,
+                world_size=self.world_size, device=self.root_device, autocast=self.precision_plugin.forward_context,
                 cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
             )
         module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
         describe_choice(choice)
-        spec = resolve_schedule(choice.schedule, self._stages_per_rank)
-        layout = Layout.for_world(self.world_size, choice.pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank)
-        plan = plan_stages(
-            split.num_layers, layout.pipeline_stages, stages_per_rank=spec.stages_per_rank, style=spec.style, cuts=choice.cuts
-        )
-        self._layout = layout
-        if _distributed_is_initialized():
-            self._device_mesh = layout.device_mesh(self.root_device.type)
+        self._layout = layout = choice.layout
+        grid = layout.grid
+        if is_initialized():
+            self._device_mesh = grid.device_mesh(self.root_device.type)
             pp_group, dp_group = self._device_mesh.get_group("pp"), self._device_mesh.get_group("dp")
         else:
             pp_group = dp_group = None
         ctx = ParallelContext(
-            layout=layout,
-            pp_rank=layout.pp_rank(self.global_rank),
-            dp_rank=layout.dp_rank(self.global_rank),
+            pp_rank=grid.pp_rank(self.global_rank),
+            dp_rank=grid.dp_rank(self.global_rank),
             pp_group=pp_group,
             dp_group=dp_group,
             device=self.root_device,
@@ -345,18 +343,17 @@ class SpotPipelineStrategy(ParallelStrategy):
         engine = PipelineEngine(
             module,
             split,
-            plan,
-            spec,
+            layout,
             ctx,
-            microbatches=choice.microbatches,  # type: ignore[arg-type]
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             ddp_kwargs=self._ddp_kwargs,
             activation_checkpointing=choice.activation_checkpointing,
         )
         checkpointing = ", activation checkpointing" if choice.activation_checkpointing else ""
         rank_zero_info(
-            f"spot_pipeline: layout {layout} ({layout.pipeline_stages} pipeline stages x {layout.data_parallel} "
-            f"data-parallel replicas), schedule {spec.name}, {plan.num_stages} stages, layer cuts {plan.cuts}{checkpointing}"
+            f"spot_pipeline: layout {grid} ({grid.pipeline_stages} pipeline stages x {grid.data_parallel} "
+            f"data-parallel replicas), schedule {layout.schedule}, {layout.stages} stages, layer cuts "
+            f"{list(layout.cuts)}, {layout.microbatches} micro-batches{checkpointing}"
         )
         return engine
 
@@ -413,7 +410,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         if engine is None or not engine.last_microbatches:
             return {}
         return {
-            "layout": f"P{self.layout.pipeline_stages}xD{self.layout.data_parallel}",
+            "layout": str(self.layout),
+            "pipeline_layout": str(self.pipeline_layout),
             "schedule": engine.spec.name,
             "microbatches": engine.last_microbatches,
             "pipeline_seconds": engine.last_step_seconds,
@@ -423,6 +421,16 @@ class SpotPipelineStrategy(ParallelStrategy):
                 engine.spec.name, self.layout.pipeline_stages, engine.spec.stages_per_rank, engine.last_microbatches
             ),
         }
+
+    def count_parameters(self) -> int:
+        """Parameters of the whole model, over all pipeline stages (collective over the pipeline group)."""
+        local = sum(p.numel() for p in self._engine().module.parameters())
+        group = self._engine().ctx.pp_group
+        if group is None:
+            return local
+        total = torch.tensor([float(local)], device=self.root_device)
+        torch.distributed.all_reduce(total, group=group)
+        return int(total.item())
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -464,8 +472,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         progress = None
         if training:
             assert trainer is not None
-            m = engine.microbatches
-            divisor = self.layout.data_parallel * (m if isinstance(m, int) else 1)
+            divisor = self.layout.data_parallel * engine.microbatches
             fit_loop = trainer.fit_loop
 
             def progress() -> int:  # global batches trained in the current epoch (same on every layout)
@@ -502,45 +509,32 @@ class SpotPipelineStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return payload.optimizer_state(self.lightning_module, optimizer)
 
-    def checkpoint_layout(self) -> dict[str, Any]:
-        """The layout recorded in checkpoint manifests."""
-        engine = self._engine()
-        return {
-            "pipeline_stages": self.layout.pipeline_stages,
-            "data_parallel": self.layout.data_parallel,
-            "world_size": self.layout.world_size,
-            "stages": engine.plan.num_stages,
-            "cuts": engine.plan.cuts,
-            "schedule": engine.spec.name,
-            "microbatches": engine.microbatches,
-        }
-
     def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Step, layout and data position for a checkpoint manifest."""
         engine = self._engine()
         return {
             "step": int(checkpoint.get("global_step", 0)),
             "epoch": int(checkpoint.get("epoch", 0)),
-            "layout": self.checkpoint_layout(),
+            "layout": self.pipeline_layout.to_dict(),
             "data": {"global_batch": engine.last_global_batch, "samples_consumed": engine.samples_seen},
         }
 
-    def checkpoint_storage_options(self) -> dict[str, Any]:
-        """storage_options of the SpotCheckpoint callback, if any (for ``fit(ckpt_path=URL)``)."""
-        from lightning_spot.checkpoint.callback import SpotCheckpoint
+    def use_checkpoint_storage(self, storage_options: dict[str, Any]) -> None:
+        """fsspec options for checkpoint URLs (``SpotCheckpoint`` hands over its own; also used by
+        ``fit(ckpt_path=URL)`` and ``ModelCheckpoint``)."""
+        self._storage_options = dict(storage_options)
 
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        for cb in getattr(trainer, "callbacks", []) or []:
-            if isinstance(cb, SpotCheckpoint):
-                return dict(cb.storage_options)
-        return {}
+    @property
+    def last_global_batch(self) -> Optional[int]:
+        """Samples in the last trained global batch (``None`` before the first step)."""
+        return self.engine.last_global_batch if self.engine is not None else None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a sharded checkpoint directory at ``filepath`` (any fsspec URL; what ModelCheckpoint asks for)."""
         url = self.broadcast(str(filepath))
         share = payload.split_checkpoint(checkpoint, copy=False, with_lightning=self.is_global_zero)
-        options = storage_options if storage_options is not None else self.checkpoint_storage_options()
+        options = storage_options if storage_options is not None else self._storage_options
         write_checkpoint(Storage(url, options), "", share, info=self.checkpoint_info(checkpoint))
         self.barrier("spot_pipeline.save_checkpoint")
 
@@ -551,10 +545,10 @@ class SpotPipelineStrategy(ParallelStrategy):
         url = self.broadcast(str(checkpoint_path))
         checkpoint, manifest = load_checkpoint(
             url,
-            self.checkpoint_storage_options(),
+            self._storage_options,
             self.lightning_module,
             list(self.optimizers),
-            layout=self.checkpoint_layout(),
+            layout=self.pipeline_layout,
         )
         self._engine().samples_seen = int(manifest.get("data", {}).get("samples_consumed") or 0)
         self.restored_manifest = manifest
@@ -571,7 +565,7 @@ class SpotPipelineStrategy(ParallelStrategy):
     # -------------------------------------------------------------- collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
@@ -580,11 +574,7 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return broadcast_object(obj, group_src=src)
 
     @override
     def reduce(

@@ -15,28 +15,26 @@ import logging
 import os
 import threading
 import time
-from typing import Any, NoReturn, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized
+from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.journal import Journal, read_events, summarize
 from lightning_spot.checkpoint.payload import split_checkpoint
 from lightning_spot.checkpoint.read import CheckpointError
 from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirname, step_of
 from lightning_spot.checkpoint.write import write_checkpoint
-from lightning_spot.preemption.coordinate import agree, earliest, gather
-from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE
+from lightning_spot.preemption.coordinate import agree
+from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
-from lightning_spot.timeline import Timeline
+from lightning_spot.runtime.clock import Timeline
 
 log = logging.getLogger(__name__)
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 class SpotCheckpoint(L.Callback):
@@ -126,29 +124,19 @@ class SpotCheckpoint(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING.value:
             return
-        from lightning_spot.strategy import SpotPipelineStrategy
-
-        if not isinstance(trainer.strategy, SpotPipelineStrategy):
-            raise TypeError(
-                f"SpotCheckpoint writes pipeline-sharded checkpoints and needs strategy='spot_pipeline', "
-                f"not {type(trainer.strategy).__name__}."
-            )
-        url = self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints")
-        url = trainer.strategy.broadcast(url)
+        host = _host(trainer)
+        host.use_checkpoint_storage(self.storage_options)
+        url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
         self.storage = Storage(url, self.storage_options)
         problem = None
         try:
             self.storage.check_access()
         except StorageError as err:
             problem = str(err)
-        problems = [problem]
-        if _initialized():
-            problems = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p), None)
+        first = next((p for p in all_gather_object(problem) if p), None)
         if first:
             raise StorageError(first)
-        if self.async_save and _initialized() and self._group is None:
+        if self.async_save and is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
         self._trainer = trainer
         self._install_resume(trainer)
@@ -174,7 +162,7 @@ class SpotCheckpoint(L.Callback):
             if not checkpoint_path and self.resume and trainer.state.fn == TrainerFn.FITTING:
                 storage = self.storage
                 assert storage is not None
-                found = trainer.strategy.broadcast(storage.committed() if trainer.is_global_zero else None)
+                found = broadcast_object(storage.committed() if trainer.is_global_zero else None)
                 if found:
                     rank_zero_info(f"SpotCheckpoint: resuming from {storage.url} ({len(found)} committed checkpoints)")
                     checkpoint_path = storage.url
@@ -204,13 +192,14 @@ class SpotCheckpoint(L.Callback):
         self._last_step = self._checked_step = trainer.global_step
         if self.watcher is not None:
             self.watcher.start()
-        restored = getattr(trainer.strategy, "restored_manifest", None)
+        host = _host(trainer)
+        restored = host.restored_manifest
         assert self.journal is not None
         self.journal.record(
             "start",
             step=trainer.global_step,
             resumed_step=restored["step"] if restored else None,
-            layout=trainer.strategy.checkpoint_layout(),  # type: ignore[attr-defined]
+            layout=host.pipeline_layout.to_dict(),
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
 
@@ -223,9 +212,15 @@ class SpotCheckpoint(L.Callback):
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
         late = self.every_n_minutes is not None and time.monotonic() - self._last_time >= 60 * self.every_n_minutes
         if self.every_n_minutes is not None or self.watcher is not None:
-            late, preempted = agree(trainer.strategy, [late, self.watcher is not None and self.watcher.notice is not None])
+            notice = self.watcher.notice if self.watcher is not None else None
+            late, preempted = agree([late, notice is not None], trainer.strategy.root_device)
             if preempted:
-                self._stop_for_preemption(trainer)
+                stop_for_preemption(
+                    notice,
+                    step=trainer.global_step,
+                    save=lambda reason: self.save(trainer, reason=reason, blocking=True),
+                    report=lambda stop: self._preempted(trainer, stop),
+                )
         due = due or late
         ending = self.save_on_train_end and (
             (trainer.max_steps not in (None, -1) and step >= trainer.max_steps) or trainer.should_stop
@@ -269,8 +264,7 @@ class SpotCheckpoint(L.Callback):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         background = self.async_save and not blocking and self._group is not None
         share = split_checkpoint(checkpoint, copy=background, with_lightning=trainer.is_global_zero)
-        strategy = trainer.strategy
-        info = strategy.checkpoint_info(checkpoint)  # type: ignore[attr-defined]
+        info = _host(trainer).checkpoint_info(checkpoint)
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
         info["reason"] = reason
@@ -329,39 +323,21 @@ class SpotCheckpoint(L.Callback):
                 self.storage.delete(name)
 
     # -------------------------------------------------------------- preemption
-    def _stop_for_preemption(self, trainer: L.Trainer) -> NoReturn:
-        """All ranks: checkpoint this step (after the save in flight, if any), then exit for a restart."""
-        start = time.time()
-        found = earliest(gather(self.watcher.notice if self.watcher else None))
-        assert found is not None
-        rank, notice = found
-        self.save(trainer, reason=f"preempted: {notice.source}", blocking=True)
-        took = time.time() - start
+    def _preempted(self, trainer: L.Trainer, stop: PreemptionStop) -> None:
+        """Record a coordinated stop (its checkpoint is committed; the process exits next)."""
         timeline = _timeline(trainer)
         if timeline is not None:
             now = time.perf_counter()
-            timeline.add("preemption stop", "preemption", now - took, now, source=notice.source)
-        left = notice.seconds_left()
-        margin = f"; {left:.1f}s left before the deadline" if left is not None else ""
-        rank_zero_info(
-            f"SpotCheckpoint: preemption notice on rank {rank} ({notice.describe()}): checkpoint of step "
-            f"{trainer.global_step} committed in {took:.2f}s{margin}. Exiting with code {PREEMPTED_EXIT_CODE} "
-            f"so that the launcher restarts the job."
-        )
+            timeline.add("preemption stop", "preemption", now - stop.save_seconds, now, source=stop.notice.source)
+        rank_zero_info(f"SpotCheckpoint: {stop.describe()}")
         if self.journal is not None:
-            self.journal.record(
-                "preempted", step=trainer.global_step, source=notice.source, detail=notice.detail, rank=rank,
-                notice_time=notice.received, deadline=notice.deadline, save_seconds=round(took, 3),
-                seconds_left=None if left is None else round(left, 3),
-            )
+            self.journal.record("preempted", **stop.event())
             self.journal.close()
-        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     # ----------------------------------------------------------------- history
     def _record_progress(self, trainer: L.Trainer) -> None:
         assert self.journal is not None
-        engine = getattr(trainer.strategy, "engine", None)
-        batch = getattr(engine, "last_global_batch", None)
+        batch = _host(trainer).last_global_batch
         if not self._first_step_seen:
             self._first_step_seen = True
             self.journal.record("first_step", step=trainer.global_step, global_batch=batch)
@@ -414,7 +390,17 @@ class SpotCheckpoint(L.Callback):
         }
 
 
+def _host(trainer: L.Trainer) -> CheckpointHost:
+    strategy = trainer.strategy
+    if not is_checkpoint_host(strategy):
+        raise TypeError(
+            f"SpotCheckpoint writes pipeline-sharded checkpoints and needs strategy='spot_pipeline', "
+            f"not {type(strategy).__name__}."
+        )
+    return strategy
+
+
 def _timeline(trainer: L.Trainer) -> Optional[Timeline]:
     """The pipeline timeline being recorded, if any (``PipelineTimeline``)."""
-    clock = getattr(trainer.strategy, "step_clock", None)
+    clock = _host(trainer).step_clock
     return clock.timeline if clock is not None else None

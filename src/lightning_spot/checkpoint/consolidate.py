@@ -7,42 +7,21 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_spot.checkpoint.read import CheckpointError, candidates, check_files, describe_failure, read_manifest
-from lightning_spot.checkpoint.shards import ChecksumError, SafeReader
+from lightning_spot.checkpoint.read import newest_intact
+from lightning_spot.checkpoint.shards import SafeReader
 from lightning_spot.checkpoint.storage import Storage
-
-log = logging.getLogger(__name__)
-
-
-def _committed(storage: Storage) -> list[tuple[str, dict[str, Any] | None, list[str]]]:
-    """Candidates newest first, with their manifest and the problems found without reading shards."""
-    out = []
-    for rel in candidates(storage):
-        manifest, problem = read_manifest(storage, rel)
-        problems = [problem] if problem else check_files(storage, rel, manifest, None)
-        out.append((rel, manifest, problems))
-    return out
 
 
 def latest_intact(storage: Storage) -> tuple[str, dict[str, Any]]:
     """The newest committed checkpoint whose files are all present with the right sizes (name, manifest)."""
-    rejected = []
-    for rel, manifest, problems in _committed(storage):
-        if not problems:
-            assert manifest is not None
-            return rel, manifest
-        rejected.append(f"{storage.url_of(rel) if rel else storage.url}: {'; '.join(problems[:5])}")
-    detail = ("\n  " + "\n  ".join(rejected)) if rejected else " (none committed)"
-    raise CheckpointError(f"No usable checkpoint under {storage.url!r}:{detail}")
+    return newest_intact(storage, lambda rel, manifest: (rel, manifest))
 
 
 def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
@@ -50,19 +29,7 @@ def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None
     or of the checkpoint ``url`` names. Every file is checked against its CRC32 as it is read; nothing
     is unpickled but DCP's metadata (allow-listed)."""
     storage = Storage(url, storage_options)
-    rejected = []
-    for rel, manifest, problems in _committed(storage):
-        where = storage.url_of(rel) if rel else storage.url
-        if not problems:
-            assert manifest is not None
-            try:
-                return _read_model(where, storage.options, manifest["files"])
-            except (CheckpointException, ChecksumError) as err:
-                problems = [describe_failure(err)]
-        rejected.append(f"{where}: {'; '.join(problems[:5])}")
-        log.warning("lightning-spot: checkpoint %s is damaged (%s); trying an earlier one", where, "; ".join(problems[:5]))
-    detail = ("\n  " + "\n  ".join(rejected)) if rejected else " (none committed)"
-    raise CheckpointError(f"No usable checkpoint under {storage.url!r}:{detail}")
+    return newest_intact(storage, lambda rel, manifest: _read_model(storage.url_of(rel), storage.options, manifest["files"]))
 
 
 def _read_model(url: str, options: dict[str, Any], expected: dict[str, Any]) -> dict[str, torch.Tensor]:

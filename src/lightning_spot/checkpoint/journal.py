@@ -59,10 +59,8 @@ class Journal:
 
 def read_events(storage: Storage) -> list[dict[str, Any]]:
     """All recorded events of a run, oldest first."""
-    path = storage.path_of(EVENTS)
-    storage._fresh(path)
     try:
-        names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in storage.fs.ls(path, detail=False))
+        names = sorted(storage.sizes(EVENTS))
     except FileNotFoundError:
         return []
     events = []

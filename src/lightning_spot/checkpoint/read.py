@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,11 +25,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_spot._dist import broadcast_object, rank
 from lightning_spot.checkpoint.jsonstate import decode
-from lightning_spot.checkpoint.shards import ChecksumError, load_shards
-from lightning_spot.checkpoint.storage import MANIFEST, Storage
 from lightning_spot.checkpoint.payload import FLAT_OPTIMIZER_STATE, optimizer_state, restore_rng
-from lightning_spot.checkpoint.write import FORMAT
+from lightning_spot.checkpoint.shards import load_shards
+from lightning_spot.checkpoint.storage import MANIFEST, ChecksumError, Storage, join
+from lightning_spot.checkpoint.write import FORMAT, rng_filename
+from lightning_spot.layout import LayoutError, PipelineLayout
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +40,9 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint could be loaded; the message lists what was wrong with each candidate."""
 
 
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _broadcast(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    if not _initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    return box[0]
-
-
-def _all_gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if not _initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+T = TypeVar("T")
+#: errors that mean "this checkpoint's files are damaged" (raised on every rank alike)
+LOAD_FAILURES = (CheckpointException, ChecksumError)
 
 
 def candidates(storage: Storage) -> list[str]:
@@ -66,7 +54,7 @@ def candidates(storage: Storage) -> list[str]:
 
 def read_manifest(storage: Storage, rel: str) -> tuple[dict[str, Any] | None, str | None]:
     try:
-        manifest = storage.read_json(f"{rel}/{MANIFEST}" if rel else MANIFEST)
+        manifest = storage.read_json(join(rel, MANIFEST))
     except FileNotFoundError:
         return None, "the manifest is missing"
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -82,14 +70,46 @@ def check_files(storage: Storage, rel: str, manifest: dict[str, Any], group: dis
     Checksums are verified while the files are read for loading (see ``shards.SafeReader``).
     """
     problems: list[str] = []
-    if not _initialized() or dist.get_rank(group) == 0:
+    if rank(group) == 0:
         present = storage.sizes(rel)
         for name, meta in sorted(manifest["files"].items()):
             if name not in present:
                 problems.append(f"{name} is missing")
             elif present[name] != meta["size"]:
                 problems.append(f"{name} has {present[name]} bytes, expected {meta['size']} (truncated?)")
-    return _broadcast(problems, group)
+    return broadcast_object(problems, group)
+
+
+def newest_intact(
+    storage: Storage, use: Callable[[str, dict[str, Any]], T], *, group: dist.ProcessGroup | None = None
+) -> T:
+    """``use(rel, manifest)`` for the newest committed checkpoint whose files are all there and intact.
+
+    Walks the run's checkpoints newest first. One whose manifest is unreadable, whose files are
+    missing or have the wrong size, or for which ``use`` raises a load failure (a checksum mismatch,
+    say) is skipped with a warning that says what was wrong. A collective call when a process group
+    exists (the first rank of ``group`` reads the listings and manifests). Raises
+    :class:`CheckpointError` listing every rejected checkpoint when none is usable.
+    """
+    names = broadcast_object(candidates(storage) if rank(group) == 0 else None, group)
+    if not names:
+        raise CheckpointError(
+            f"No committed checkpoint under {storage.url!r} (a checkpoint exists once its {MANIFEST} is written)."
+        )
+    rejected = []
+    for rel in names:
+        manifest, problem = read_manifest(storage, rel) if rank(group) == 0 else (None, None)
+        manifest, problem = broadcast_object((manifest, problem), group)
+        problems = [problem] if problem else check_files(storage, rel, manifest, group)
+        where = storage.url_of(rel)
+        if not problems:
+            try:
+                return use(rel, manifest)
+            except LOAD_FAILURES as err:
+                problems = [describe_failure(err)]
+        rejected.append(f"{where}: {'; '.join(problems[:5])}")
+        log.warning("lightning-spot: checkpoint %s is damaged (%s); trying an earlier one", where, "; ".join(problems[:5]))
+    raise CheckpointError("No usable checkpoint under " + repr(storage.url) + ":\n  " + "\n  ".join(rejected))
 
 
 def describe_failure(err: BaseException) -> str:
@@ -121,17 +141,15 @@ def restore_training_state(
     flats = [optimizer_state(module, opt) for opt in optimizers]
     for i, flat in enumerate(flats):
         target[f"optimizer_{i}"] = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    url = storage.url_of(rel) if rel else storage.url
-    load_shards(url, target, storage.options, process_group=group, expected=manifest["files"])
+    load_shards(storage.url_of(rel), target, storage.options, process_group=group, expected=manifest["files"])
     set_model_state_dict(module, target["model"])
     for i, (opt, flat) in enumerate(zip(optimizers, flats)):
         values = {k: saved_values[i].get(k, v) for k, v in flat.items() if not isinstance(v, torch.Tensor)}
         set_optimizer_state_dict(module, opt, {**target[f"optimizer_{i}"], **values}, options=FLAT_OPTIMIZER_STATE)
-    rank = dist.get_rank() if _initialized() else 0
-    rng_name = f"rng-rank{rank:05d}.json"
+    rng_name = rng_filename(rank())
     if same_layout and rng_name in manifest["files"]:
         try:
-            restore_rng(storage.read_json(f"{rel}/{rng_name}" if rel else rng_name, expected=manifest["files"][rng_name]))
+            restore_rng(storage.read_json(join(rel, rng_name), expected=manifest["files"][rng_name]))
         except ChecksumError as err:
             log.warning("lightning-spot: not restoring this rank's random state: %s", err)
 
@@ -142,34 +160,29 @@ def load_checkpoint(
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     *,
-    layout: dict[str, Any] | None = None,
+    layout: PipelineLayout | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load the newest intact checkpoint under ``url``; returns (Lightning checkpoint dict, manifest)."""
+    """Load the newest intact checkpoint under ``url`` (collective); returns (Lightning checkpoint dict, manifest).
+
+    Random states are restored only when the checkpoint was written on ``layout``.
+    """
     storage = Storage(url, storage_options)
-    names = _broadcast(candidates(storage) if (not _initialized() or dist.get_rank(group) == 0) else None, group)
-    if not names:
-        raise CheckpointError(
-            f"No committed checkpoint under {url!r} (a checkpoint exists once its {MANIFEST} is written)."
-        )
-    rejected = []
-    for rel in names:
-        manifest, problem = read_manifest(storage, rel) if (not _initialized() or dist.get_rank(group) == 0) else (None, None)
-        manifest, problem = _broadcast((manifest, problem), group)
-        problems = [problem] if problem else check_files(storage, rel, manifest, group)
-        where = storage.url_of(rel) if rel else storage.url
-        if not problems:
-            same = layout is not None and manifest.get("layout") == layout
-            try:
-                restore_training_state(storage, rel, manifest, module, optimizers, group=group, same_layout=same)
-            except (CheckpointException, ChecksumError) as err:  # raised on every rank alike
-                problems = [describe_failure(err)]
-        if problems:
-            rejected.append(f"{where}: {'; '.join(problems[:5])}")
-            log.warning("lightning-spot: checkpoint %s is damaged (%s); trying an earlier one", where, "; ".join(problems[:5]))
-            continue
+
+    def restore(rel: str, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        same = layout is not None and written_on(manifest) == layout
+        restore_training_state(storage, rel, manifest, module, optimizers, group=group, same_layout=same)
         checkpoint = decode(manifest.get("lightning", {}))
         checkpoint.setdefault("state_dict", {})
         checkpoint.setdefault("optimizer_states", [])
         return checkpoint, manifest
-    raise CheckpointError("No usable checkpoint under " + repr(url) + ":\n  " + "\n  ".join(rejected))
+
+    return newest_intact(storage, restore, group=group)
+
+
+def written_on(manifest: dict[str, Any]) -> PipelineLayout | None:
+    """The layout a checkpoint was written on (``None`` if its manifest does not record a readable one)."""
+    try:
+        return PipelineLayout.from_dict(manifest.get("layout") or {})
+    except LayoutError:
+        return None

@@ -22,9 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
+
+from lightning_spot.checkpoint.storage import ChecksumError
 
 Digests = dict[str, dict[str, Any]]
 
@@ -104,10 +106,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"refusing to load {module}.{name} from checkpoint metadata: only torch.distributed.checkpoint "
             f"metadata is accepted"
         )
-
-
-class ChecksumError(ValueError):
-    """A checkpoint file's bytes do not match the size and CRC32 recorded in the manifest."""
 
 
 class _VerifyingFileSystem(FileSystem):

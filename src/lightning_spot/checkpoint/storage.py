@@ -48,6 +48,10 @@ class StorageError(RuntimeError):
     """Checkpoint storage cannot be used; the message says why and what to change."""
 
 
+class ChecksumError(ValueError):
+    """A checkpoint file's bytes do not match the size and CRC32 recorded in the manifest."""
+
+
 def is_transient(err: BaseException) -> bool:
     """Whether retrying ``err`` may help (network hiccups, throttling), as opposed to a wrong URL or credentials."""
     seen: set[int] = set()
@@ -87,6 +91,11 @@ def retry(fn: Callable[[], T], what: str, *, attempts: int = 4, base_delay: floa
     raise AssertionError("unreachable")
 
 
+def join(*parts: str) -> str:
+    """``parts`` joined by ``/``, skipping empty ones (``join("", "manifest.json") == "manifest.json"``)."""
+    return "/".join(p for p in parts if p)
+
+
 def step_dirname(step: int) -> str:
     return f"{STEP_PREFIX}{step:09d}"
 
@@ -108,10 +117,12 @@ class Storage:
         self.is_local = isinstance(self.fs, LocalFileSystem)
 
     def url_of(self, *parts: str) -> str:
-        return "/".join([self.url, *parts])
+        """The URL of ``parts`` under the run directory (empty parts are skipped: ``url_of("")`` is the run)."""
+        return join(self.url, *parts)
 
     def path_of(self, *parts: str) -> str:
-        return "/".join([self.root.rstrip("/"), *parts])
+        """The filesystem path of ``parts`` under the run directory (empty parts are skipped)."""
+        return join(self.root.rstrip("/"), *parts)
 
     def _fresh(self, path: str) -> None:
         try:
@@ -192,8 +203,6 @@ class Storage:
         """Parse a JSON object; with ``expected`` ({size, crc32}), refuse bytes that do not match."""
         data = retry(lambda: self.fs.cat_file(self.path_of(rel)), f"reading {self.url_of(rel)}")
         if expected is not None and (len(data), f"{zlib.crc32(data):08x}") != (expected["size"], expected["crc32"]):
-            from lightning_spot.checkpoint.shards import ChecksumError
-
             raise ChecksumError(f"{rel} fails its checksum")
         return json.loads(data)
 
@@ -208,7 +217,7 @@ class Storage:
         return self.fs.open(self.path_of(rel), mode)
 
     def delete(self, rel: str) -> None:
-        path = self.path_of(rel) if rel else self.root
+        path = self.path_of(rel)
         try:
             retry(lambda: self.fs.rm(path, recursive=True), f"deleting {self.url_of(rel)}")
         except FileNotFoundError:

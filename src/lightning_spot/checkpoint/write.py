@@ -19,33 +19,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_spot._dist import gather_object_to_first, is_initialized, rank
+from lightning_spot._version import __version__
 from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.checkpoint.shards import save_shards
-from lightning_spot.checkpoint.storage import MANIFEST, Storage, retry
+from lightning_spot.checkpoint.storage import MANIFEST, Storage, join, retry
 
 FORMAT = "lightning-spot-checkpoint/1"
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(group)
-
-
-def gather_to_first(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
-    """``obj`` from every rank of ``group`` on its first rank (``None`` elsewhere)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    size = dist.get_world_size(group)
-    out: list[Any] | None = [None] * size if dist.get_rank(group) == 0 else None
-    dist.gather_object(obj, out, group=group, group_dst=0)
-    return out
+def rng_filename(global_rank: int) -> str:
+    """The name of a rank's random-state file in a checkpoint directory."""
+    return f"rng-rank{global_rank:05d}.json"
 
 
 def versions() -> dict[str, str]:
     import lightning
-
-    from lightning_spot import __version__
 
     return {
         "lightning_spot": __version__,
@@ -66,21 +55,20 @@ def write_checkpoint(
 ) -> dict[str, Any] | None:
     """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there."""
     start = time.monotonic()
-    url = storage.url_of(rel) if rel else storage.url
-    if _rank(group) == 0 and storage.fs.exists(storage.path_of(rel) if rel else storage.root):
+    url = storage.url_of(rel)
+    if rank(group) == 0 and storage.fs.exists(storage.path_of(rel)):
         storage.delete(rel)  # debris of an interrupted save of this step, or an older copy being replaced
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.barrier(group=group)
     # a failure on any rank is raised on all of them (DCP gathers the results), so all retry together
     digests = retry(
         lambda: save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count),
         f"writing the shards of {url}",
     )
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    rng_name = f"rng-rank{rank:05d}.json"
-    digests[rng_name] = storage.write_json(f"{rel}/{rng_name}" if rel else rng_name, payload.rng)
-    first = _rank(group) == 0
-    parts = gather_to_first((digests, payload.optimizer_values, payload.lightning if first else None), group)
+    rng_name = rng_filename(rank())
+    digests[rng_name] = storage.write_json(join(rel, rng_name), payload.rng)
+    first = rank(group) == 0
+    parts = gather_object_to_first((digests, payload.optimizer_values, payload.lightning if first else None), group)
     if parts is None:
         return None
     files: dict[str, Any] = {}
@@ -102,5 +90,5 @@ def write_checkpoint(
         "timings": {**info.get("timings", {}), "write_seconds": round(time.monotonic() - start, 4)},
         "versions": versions(),
     }
-    storage.write_json(f"{rel}/{MANIFEST}" if rel else MANIFEST, manifest)
+    storage.write_json(join(rel, MANIFEST), manifest)
     return manifest

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from lightning_spot._units import format_bytes
 from lightning_spot.layout import LayoutError
 
 StageBytes = Callable[[int, int, int], float]
@@ -87,15 +88,3 @@ def balanced_cuts(
         i = choice[k][i]
         cuts.append(i)
     return sorted(cuts)
-
-
-def format_bytes(value: float | None) -> str:
-    """Human-readable bytes (``1.5 GiB``)."""
-    if value is None:
-        return "unbounded memory"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-

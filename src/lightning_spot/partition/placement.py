@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit
-from lightning_spot.stage_run import RemoteModule, SkippedLayer, instrument_layer
+from lightning_spot.partition.stage_run import RemoteModule, SkippedLayer, instrument_layer
 
 
 _MARK = "_spot_placement"

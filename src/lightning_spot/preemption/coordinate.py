@@ -1,40 +1,32 @@
 """Agree across all ranks at a step boundary: a notice at any rank stops every rank together.
 
-    late, preempted = agree(strategy, [timer_expired, watcher.notice is not None])   # one all-reduce (MAX)
+    late, preempted = agree([timer_expired, watcher.notice is not None], device)   # one all-reduce (MAX)
     first = earliest(gather(watcher.notice))
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_spot._dist import all_gather_object, world_size
 from lightning_spot.preemption.notice import Notice
 
 
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def agree(strategy: Any, flags: Sequence[bool]) -> list[bool]:
-    """Each flag is True on every rank if it is True on any rank (one small all-reduce)."""
-    if not _initialized() or dist.get_world_size() == 1:
+def agree(flags: Sequence[bool], device: torch.device) -> list[bool]:
+    """Each flag is True on every rank if it is True on any rank (one small all-reduce on ``device``)."""
+    if world_size() == 1:
         return list(flags)
-    values = torch.tensor([float(f) for f in flags], device=strategy.root_device)
+    values = torch.tensor([float(f) for f in flags], device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [bool(v) for v in values.tolist()]
 
 
 def gather(notice: Notice | None) -> list[Notice | None]:
     """Every rank's notice (or None), on every rank."""
-    if not _initialized():
-        return [notice]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, notice)
-    return out
+    return all_gather_object(notice)
 
 
 def earliest(notices: Sequence[Notice | None]) -> tuple[int, Notice] | None:

@@ -22,7 +22,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_spot.pipeline import batch_size_of
+from lightning_spot.observe.host import pipeline_host
+from lightning_spot.planning.hardware import sync_device
+from lightning_spot.runtime.step_runner import batch_size_of
 
 
 class PipelineThroughput(L.Callback):
@@ -78,23 +80,18 @@ class PipelineThroughput(L.Callback):
             self._restore_bar = None
 
     def _global_batch(self, trainer: L.Trainer, batch: Any) -> int:
-        layout = getattr(trainer.strategy, "layout", None)
-        replicas = layout.data_parallel if layout is not None else trainer.world_size
+        host = pipeline_host(trainer.strategy)
+        replicas = host.pipeline_layout.data_parallel if host is not None else trainer.world_size
         return batch_size_of(batch) * replicas
 
-    @staticmethod
-    def _sync(trainer: L.Trainer) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        self._sync(trainer)
+        sync_device(trainer.strategy.root_device)
         self._start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._sync(trainer)
+        sync_device(trainer.strategy.root_device)
         elapsed = time.perf_counter() - self._start
         self._seen += 1
         if self._seen <= self.warmup_steps:
@@ -105,12 +102,13 @@ class PipelineThroughput(L.Callback):
         pl_module.log("throughput/samples_per_sec", samples / elapsed, prog_bar=self.prog_bar, on_step=True)
         if self.tokens_per_sample:
             pl_module.log("throughput/tokens_per_sec", samples * self.tokens_per_sample / elapsed, on_step=True)
-        stats = trainer.strategy.pipeline_stats() if hasattr(trainer.strategy, "pipeline_stats") else {}
+        host = pipeline_host(trainer.strategy)
+        stats = host.pipeline_stats() if host is not None else {}
         if stats:
             self._bubbles.append(stats["bubble"])
             pl_module.log("pipeline/bubble", stats["bubble"], prog_bar=self.prog_bar, on_step=True)
             pl_module.log("pipeline/bubble_theory", stats["bubble_theory"], on_step=True)
-            self._layout_text = f"{stats['layout']} {stats['schedule']} M={stats['microbatches']}"
+            self._layout_text = stats["pipeline_layout"]
         if self.flops_per_sample and self.peak_flops and trainer.strategy.root_device.type == "cuda":
             mfu = samples * self.flops_per_sample / elapsed / (self.peak_flops * trainer.world_size)
             self._mfu.append(mfu)
@@ -142,12 +140,11 @@ class PipelineThroughput(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         s = self.summary()
         if s:
-            layout = getattr(trainer.strategy, "layout", None)
             tokens = f", {s['tokens_per_sec']:.0f} tokens/s" if "tokens_per_sec" in s else ""
             bubble = f", bubble {100 * s['bubble']:.1f}% on rank 0" if "bubble" in s else ""
             mfu = f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else ""
             rank_zero_info(
-                f"throughput{f' ({self._layout_text or layout})' if layout else ''}: {s['samples_per_sec']:.1f} samples/s"
+                f"throughput{f' ({self._layout_text})' if self._layout_text else ''}: {s['samples_per_sec']:.1f} samples/s"
                 f"{tokens}, {s['step_seconds'] * 1000:.1f} ms/step over {int(s['steps'])} steps{bubble}{mfu}"
             )
 
@@ -167,11 +164,7 @@ def peak_flops_of(device_name: str) -> float | None:
 
 def model_parameters(trainer: L.Trainer) -> int:
     """Parameters of the whole model, also when each rank holds only its pipeline stage (collective)."""
-    local = sum(p.numel() for p in trainer.lightning_module.parameters())
-    engine = getattr(trainer.strategy, "engine", None)
-    group = getattr(getattr(engine, "ctx", None), "pp_group", None)
-    if group is None or not torch.distributed.is_initialized():
-        return local
-    total = torch.tensor([float(local)], device=trainer.strategy.root_device)
-    torch.distributed.all_reduce(total, group=group)
-    return int(total.item())
+    host = pipeline_host(trainer.strategy)
+    if host is not None:
+        return host.count_parameters()
+    return sum(p.numel() for p in trainer.lightning_module.parameters())

@@ -1,4 +1,4 @@
-"""Draw a pipeline trace (Chrome-trace events from :mod:`lightning_spot.timeline`) as a Gantt chart:
+"""Draw a pipeline trace (Chrome-trace events from :mod:`lightning_spot.runtime.clock`) as a Gantt chart:
 one row per rank, one colour per action.
 
     png_bytes = render_gantt(trace, title="P2xD2, 8 micro-batches, 1F1B")
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 from typing import Any
+
+from lightning_spot.layout import LayoutError, PipelineLayout
 
 COLOURS = {
     "forward": "#4C8BF5",
@@ -44,11 +46,10 @@ def import_pyplot() -> Any:
 
 def trace_title(metadata: dict[str, Any]) -> str:
     """The layout a trace was recorded on, as a chart title."""
-    layout = metadata.get("layout") or {}
-    if not layout:
+    try:
+        return PipelineLayout.from_dict(metadata.get("layout") or {}).describe()
+    except LayoutError:
         return "pipeline timeline"
-    return (f"P{layout['pipeline_stages']}xD{layout['data_parallel']}, {layout['microbatches']} micro-batches, "
-            f"{layout['schedule']}, {layout['stages']} stages, cuts {layout['cuts']}")
 
 
 def render_gantt(trace: dict[str, Any], title: str = "", width: float = 14.0) -> bytes:

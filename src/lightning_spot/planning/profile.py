@@ -27,8 +27,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_spot.partition.discovery import ModelSplit
-from lightning_spot.stage_run import SkippedLayer, StageExit, _meta_copy
+from lightning_spot.partition.discovery import ModelContractError, ModelSplit
+from lightning_spot.partition.loss_hook import has_loss_hook, loss_hook_inputs
+from lightning_spot.partition.stage_run import SkippedLayer, StageExit, meta_copy
+from lightning_spot.planning.hardware import sync_device
 
 
 @dataclass
@@ -82,12 +84,6 @@ class ModelProfile:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def sync_device(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPUs), so that a clock reading means something."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextmanager
 def _count_saved() -> Iterator[list[int]]:
     """Bytes of the distinct tensors autograd saves for backward inside the block."""
@@ -193,10 +189,8 @@ def _measure(
 # ------------------------------------------------------------------------------------------------ shapes
 def forward_inputs(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[tuple, dict]:
     """The arguments the module's step passes to ``self(...)`` for ``batch`` (nothing is computed)."""
-    make_inputs = getattr(module, "pipeline_inputs", None)
-    if callable(make_inputs) and callable(getattr(module, "pipeline_loss", None)):
-        inputs = make_inputs(batch)
-        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+    if has_loss_hook(module):
+        return loss_hook_inputs(module, batch), {}
 
     def capture(*args: Any, **kwargs: Any) -> None:
         raise StageExit((args, kwargs))
@@ -216,8 +210,6 @@ def forward_inputs(module: nn.Module, batch: Any, step: str = "training_step") -
         for k in patched:
             module.__dict__.pop(k, None)
         module.__dict__.update(saved)
-    from lightning_spot.partition.discovery import ModelContractError
-
     raise ModelContractError(f"`{step}` never called `self(...)`, so there is no forward to profile.")
 
 
@@ -311,7 +303,7 @@ def _profile_once(
     samples: int, repeats: int, autocast: Callable[[], Any], progress: bool,
 ) -> ModelProfile:
 
-    meta = _meta_copy(module)
+    meta = meta_copy(module)
     meta_seq = meta.get_submodule(split.layers_path)
     calls = _layer_calls(meta, meta_seq, _to_meta(forward_args), _to_meta(forward_kwargs))
     real_seq = module.get_submodule(split.layers_path)
@@ -354,7 +346,7 @@ def _profile_outside(
 ) -> LayerProfile:
     """Time the modules before the sequence (``before``) or after it (plus a loss proxy), on their own."""
     owned = split.first_modules if before else split.last_modules
-    clone = _meta_copy(module)
+    clone = meta_copy(module)
     params: list[Tensor] = []
     for fqn in owned:
         *parents, leaf = fqn.split(".")
@@ -414,7 +406,7 @@ def _profile_outside(
 
 def _last_output(layer: nn.Module, call: tuple[tuple, dict]) -> Tensor:
     """The (meta) output of the last layer for its recorded call."""
-    meta_layer = _meta_copy(layer)
+    meta_layer = meta_copy(layer)
     args, kwargs = call
     with torch.no_grad():
         out = type(meta_layer).forward(meta_layer, *args, **kwargs)

@@ -88,9 +88,3 @@ class StepClock:
         if self.timeline is None:
             return contextlib.nullcontext()
         return self.timeline.span(name, cat, lane, **args)
-
-
-def merge_traces(per_rank: list[list[dict[str, Any]]], metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One Chrome-trace JSON object from every rank's events (open it in ui.perfetto.dev or chrome://tracing)."""
-    events = [e for rank in per_rank for e in rank]
-    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata or {}}

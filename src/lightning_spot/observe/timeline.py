@@ -18,10 +18,11 @@ from typing import Any, Optional
 
 import fsspec
 import lightning as L
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_spot.timeline import Timeline, merge_traces
+from lightning_spot._dist import all_gather_object
+from lightning_spot.observe.host import pipeline_host
+from lightning_spot.runtime.clock import StepClock, Timeline
 
 
 class PipelineTimeline(L.Callback):
@@ -58,8 +59,9 @@ class PipelineTimeline(L.Callback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and hasattr(trainer.strategy, "trace_allreduce"):
-            trainer.strategy.trace_allreduce = True  # type: ignore[attr-defined]
+        host = pipeline_host(trainer.strategy)
+        if stage == "fit" and host is not None:
+            host.trace_allreduce = True
         self.timeline = Timeline(rank=trainer.global_rank)
         self.trace = None
 
@@ -67,10 +69,9 @@ class PipelineTimeline(L.Callback):
         return self.start_step <= step < self.start_step + self.num_steps
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        clock = getattr(trainer.strategy, "step_clock", None)
-        recording = self._recording(trainer.global_step)
+        clock = _clock(trainer)
         if clock is not None:
-            clock.timeline = self.timeline if recording else None
+            clock.timeline = self.timeline if self._recording(trainer.global_step) else None
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -81,12 +82,7 @@ class PipelineTimeline(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._detach(trainer)
         assert self.timeline is not None
-        mine = self.timeline.chrome_events()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        else:
-            gathered = [mine]
+        gathered = all_gather_object(self.timeline.chrome_events())
         if not trainer.is_global_zero:
             return
         self.trace = merge_traces(gathered, _metadata(trainer))
@@ -95,7 +91,7 @@ class PipelineTimeline(L.Callback):
             return
         self._save(trainer, "trace.json", json.dumps(self.trace).encode())
         if self.gantt:
-            from lightning_spot.gantt import render_gantt
+            from lightning_spot.observe.gantt import render_gantt
 
             self._save(trainer, "timeline.png", render_gantt(self.trace))
         rank_zero_info(f"PipelineTimeline: steps {self.start_step}..{self.start_step + self.num_steps - 1} traced: "
@@ -110,7 +106,7 @@ class PipelineTimeline(L.Callback):
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _detach(trainer: L.Trainer) -> None:
-        clock = getattr(trainer.strategy, "step_clock", None)
+        clock = _clock(trainer)
         if clock is not None:
             clock.timeline = None
 
@@ -124,7 +120,19 @@ class PipelineTimeline(L.Callback):
         self.files.append(root.rstrip("/") + "/" + name)
 
 
+def _clock(trainer: L.Trainer) -> Optional[StepClock]:
+    host = pipeline_host(trainer.strategy)
+    return host.step_clock if host is not None else None
+
+
 def _metadata(trainer: L.Trainer) -> dict[str, Any]:
-    strategy = trainer.strategy
-    layout = strategy.checkpoint_layout() if hasattr(strategy, "checkpoint_layout") and strategy.engine else {}  # type: ignore[attr-defined]
+    """The layout the trace was recorded on (rendered as the chart's title)."""
+    host = pipeline_host(trainer.strategy)
+    layout = host.pipeline_layout.to_dict() if host is not None and host.step_clock is not None else {}
     return {"layout": layout, "world_size": trainer.world_size}
+
+
+def merge_traces(per_rank: list[list[dict[str, Any]]], metadata: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One Chrome-trace JSON object from every rank's events (open it in ui.perfetto.dev or chrome://tracing)."""
+    events = [e for rank in per_rank for e in rank]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata or {}}

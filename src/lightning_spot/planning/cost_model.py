@@ -14,41 +14,16 @@ Communication speeds come from :class:`Hardware` (measured on the job's process 
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from lightning_spot.layout import LayoutError
-from lightning_spot.partition.balance import balanced_cuts, format_bytes
-from lightning_spot.partition.profile import LayerProfile, ModelProfile, sync_device
+from lightning_spot._units import divisors, format_bytes
+from lightning_spot.layout import Layout, LayoutError, PipelineLayout
+from lightning_spot.partition.balance import balanced_cuts
+from lightning_spot.planning.hardware import Hardware
+from lightning_spot.planning.profile import LayerProfile, ModelProfile
 
 PLANNED_SCHEDULES = ("1F1B", "GPipe")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the step-time and memory model needs to know about the devices and the network."""
-
-    memory_bytes: float | None = None
-    p2p_bytes_per_s: float = 10e9
-    p2p_latency_s: float = 30e-6
-    allreduce_bytes_per_s: float = 10e9
-    allreduce_latency_s: float = 50e-6
-    #: optimizer update speed, bytes of training state per second
-    optimizer_bytes_per_s: float = 100e9
-    #: parameters + gradients + optimizer state, per byte of parameters (Adam: 4)
-    state_factor: float = 4.0
-    #: > 1 when several processes share one device's compute (CPU cores)
-    compute_slowdown: float = 1.0
-    #: fixed cost per micro-batch and stage (Python, kernel launches, Lightning)
-    microbatch_overhead_s: float = 1e-3
-    #: fixed cost per step outside the schedule: Lightning's loop and hooks, handing the gradients
-    #: over, sharing the loss and logged values from the last stage (6 ms on the CPUs of
-    #: ``benchmarks/planner.py``'s traces; a rough default elsewhere)
-    step_overhead_s: float = 6e-3
 
 
 @dataclass
@@ -67,20 +42,22 @@ class Candidate:
     samples_per_second: float
     detail: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def layout(self) -> PipelineLayout:
+        """The layout this candidate stands for (planned schedules run one stage per rank)."""
+        grid = Layout(self.pipeline_stages, self.data_parallel)
+        return PipelineLayout(grid, self.schedule, self.pipeline_stages, tuple(self.cuts), self.microbatches)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
         ac = ", activation checkpointing" if self.activation_checkpointing else ""
         return (
-            f"P{self.pipeline_stages}xD{self.data_parallel}, {self.microbatches} micro-batches, {self.schedule}{ac}: "
+            f"{self.layout.grid}, {self.microbatches} micro-batches, {self.schedule}{ac}: "
             f"{self.predicted_step_seconds * 1000:.1f} ms/step ({self.samples_per_second:.1f} samples/s), "
             f"max {format_bytes(max(self.stage_bytes))} per device, cuts {self.cuts}"
         )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
@@ -201,12 +178,12 @@ def plan_layouts(
         raise LayoutError(f"pipeline_stages={pipeline_stages} does not divide the world size {world_size}")
     found: list[Candidate] = []
     smallest: tuple[float, str] | None = None
-    depths = [pipeline_stages] if pipeline_stages else [p for p in _divisors(world_size) if p <= n]
+    depths = [pipeline_stages] if pipeline_stages else [p for p in divisors(world_size) if p <= n]
     for p in depths:
         d = world_size // p
         if global_batch % d:
             continue
-        for m in _divisors(global_batch // d):
+        for m in divisors(global_batch // d):
             if m > max_microbatches:
                 break
             for schedule in schedules:
@@ -220,7 +197,8 @@ def plan_layouts(
                     except LayoutError:
                         need = _least_memory(profile, p, d, m, global_batch, schedule, ac, hardware)
                         if smallest is None or need < smallest[0]:
-                            smallest = (need, f"P{p}xD{d}, {m} micro-batches, {schedule}{', checkpointing' if ac else ''}")
+                            label = f"{Layout(p, d)} {schedule} M={m}{', activation checkpointing' if ac else ''}"
+                            smallest = (need, label)
     if not found:
         hint = f" The least memory any layout needs is {format_bytes(smallest[0])} per device ({smallest[1]})." if smallest else ""
         raise LayoutError(
@@ -237,69 +215,3 @@ def _least_memory(profile: ModelProfile, p: int, d: int, m: int, global_batch: i
     candidate = evaluate(profile, pipeline_stages=p, data_parallel=d, microbatches=m, global_batch=global_batch,
                          schedule=schedule, checkpointing=ac, hardware=unbounded)
     return float(max(candidate.stage_bytes))
-
-
-def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 25, repeats: int = 3) -> Hardware:
-    """Calibrate the optimizer update speed here, and point-to-point and all-reduce speed on the default
-    process group (a collective call; every rank gets rank 0's figures)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))
-    if dist.get_rank() == 0:  # alone: ranks updating at once would share the memory bandwidth
-        base = replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    buf = torch.zeros(megabytes * 2**18, device=device)  # 4-byte floats
-    small = torch.zeros(1, device=device)
-
-    def timed(fn: Any) -> float:
-        fn()
-        sync_device(device)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        sync_device(device)
-        return (time.perf_counter() - start) / repeats
-
-    def ping(t: torch.Tensor) -> None:
-        if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-
-    big_rtt, small_rtt = timed(lambda: ping(buf)), timed(lambda: ping(small))
-    big_ar, small_ar = timed(lambda: dist.all_reduce(buf)), timed(lambda: dist.all_reduce(small))
-    values = torch.tensor([big_rtt, small_rtt, big_ar, small_ar, base.optimizer_bytes_per_s], dtype=torch.float64, device=device)
-    dist.broadcast(values, 0)  # rank 0's view, so that every rank plans the same
-    big_rtt, small_rtt, big_ar, small_ar, optimizer_speed = values.tolist()
-    nbytes = buf.numel() * 4
-    latency = max(small_rtt / 2, 1e-6)
-    ring = 2 * (world - 1) / world
-    return replace(
-        base,
-        optimizer_bytes_per_s=optimizer_speed,
-        p2p_latency_s=latency,
-        p2p_bytes_per_s=nbytes / max(big_rtt / 2 - latency, 1e-9),
-        allreduce_latency_s=max(small_ar / (2 * (world - 1)), 1e-6),
-        allreduce_bytes_per_s=ring * nbytes / max(big_ar - small_ar, 1e-9),
-    )
-
-
-def _optimizer_speed(device: torch.device, state_factor: float, megabytes: int = 32, repeats: int = 3) -> float:
-    """Bytes of training state (parameters x ``state_factor``) an AdamW step updates per second here
-    (the fastest of ``repeats`` steps, after two that allocate and touch the state)."""
-    # layer-sized tensors of ordinary values: zeros or tiny steps make a CPU update ~1.6x slower (denormals)
-    weights = [torch.randn(megabytes * 2**15, device=device).requires_grad_() for _ in range(8)]
-    for weight in weights:
-        weight.grad = torch.randn_like(weight)
-    optimizer = torch.optim.AdamW(weights, lr=1e-3)
-    best = float("inf")
-    for i in range(2 + repeats):
-        sync_device(device)
-        start = time.perf_counter()
-        optimizer.step()
-        sync_device(device)
-        if i >= 2:
-            best = min(best, time.perf_counter() - start)
-    return state_factor * sum(w.numel() * w.element_size() for w in weights) / max(best, 1e-9)

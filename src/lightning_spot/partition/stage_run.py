@@ -154,7 +154,7 @@ class RemoteModule(nn.Module):
         super().__init__()
         self.fqn = fqn
         self.owner = owner
-        meta = original.to("meta") if _all_meta(original) else _meta_copy(original)
+        meta = original.to("meta") if _all_meta(original) else meta_copy(original)
         object.__setattr__(self, "_meta_module", meta)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -183,7 +183,7 @@ def _all_meta(module: nn.Module) -> bool:
     return all(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose parameters and buffers are meta tensors (allocates nothing)."""
     import copy
 

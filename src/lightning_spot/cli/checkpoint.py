@@ -18,6 +18,7 @@ import torch
 from lightning_spot.checkpoint.consolidate import latest_intact, load_full_state_dict
 from lightning_spot.checkpoint.read import CheckpointError, read_manifest
 from lightning_spot.checkpoint.storage import Storage, StorageError
+from lightning_spot.layout import LayoutError, PipelineLayout, layout_label
 
 
 def _storage(args: argparse.Namespace) -> Storage:
@@ -25,9 +26,11 @@ def _storage(args: argparse.Namespace) -> Storage:
     return Storage(args.url, options)
 
 
-def _layout(manifest: dict[str, Any]) -> str:
-    lay = manifest.get("layout", {})
-    return f"P{lay.get('pipeline_stages', '?')}xD{lay.get('data_parallel', '?')} ({lay.get('schedule', '?')})"
+def _describe(layout: dict[str, Any] | None) -> str:
+    try:
+        return PipelineLayout.from_dict(layout or {}).describe()
+    except LayoutError:
+        return f"unreadable ({layout!r})"
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -40,7 +43,7 @@ def _list(args: argparse.Namespace) -> int:
             if manifest is None:
                 rows.append((name, f"unreadable manifest: {problem}"))
                 continue
-            rows.append((name, f"step {manifest['step']:>8}  epoch {manifest['epoch']:>4}  {_layout(manifest):<22} "
+            rows.append((name, f"step {manifest['step']:>8}  epoch {manifest['epoch']:>4}  {layout_label(manifest.get('layout')):<22} "
                                f"{manifest['bytes'] / 2**20:9.2f} MiB  {manifest['created']}"))
         else:
             rows.append((name, "incomplete (no manifest: an interrupted save; not used for resuming)"))
@@ -56,16 +59,16 @@ def _inspect(args: argparse.Namespace) -> int:
     storage = _storage(args)
     rel, manifest = latest_intact(storage)
     if args.verify:
-        load_full_state_dict(storage.url_of(rel) if rel else storage.url, storage.options)
+        load_full_state_dict(storage.url_of(rel), storage.options)
     if args.json:
         print(json.dumps({k: v for k, v in manifest.items() if k not in ("lightning", "optimizer_values")}, indent=1))
         return 0
-    where = storage.url_of(rel) if rel else storage.url
+    where = storage.url_of(rel)
     data = manifest.get("data", {})
     print(f"checkpoint   {where}")
     print(f"format       {manifest['format']}   written {manifest['created']}")
     print(f"step         {manifest['step']} (epoch {manifest['epoch']}), saved because: {manifest.get('reason', '?')}")
-    print(f"layout       {_layout(manifest)}, stages {manifest['layout'].get('stages')}, cuts {manifest['layout'].get('cuts')}")
+    print(f"layout       {_describe(manifest.get('layout'))}")
     print(f"data         global batch {data.get('global_batch')}, samples consumed {data.get('samples_consumed')}")
     print(f"files        {len(manifest['files'])} files, {manifest['bytes'] / 2**20:.2f} MiB")
     timings = manifest.get("timings", {})

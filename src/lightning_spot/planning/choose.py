@@ -1,7 +1,8 @@
 """Decide the layout when the job starts: profile on rank 0, plan, share the decision with every rank.
 
-    choice = choose_layout(module, split, trainer, requested, world_size=8, device=dev, broadcast=strategy.broadcast)
-    choice.pipeline_stages, choice.microbatches, choice.schedule, choice.cuts
+    choice = choose_layout(module, split, trainer, requested, world_size=8, device=dev, autocast=..., cache_dir=None)
+    choice.layout            # PipelineLayout: P x D, schedule, stages, cuts, micro-batches (an int)
+    choice.activation_checkpointing
 
 Whatever the user fixed (``pipeline_stages=4``, ``schedule="GPipe"``, explicit cuts ...) is kept;
 ``"auto"`` values are planned from a profile of the model on one micro-batch of the real training
@@ -22,23 +23,28 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._pytree import tree_map
 
-from lightning_spot.layout import Layout, LayoutError
+from lightning_spot._dist import broadcast_object, rank
+from lightning_spot._units import divisors
+from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.balance import balanced_cuts
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
-from lightning_spot.partition.profile import ModelProfile, forward_inputs, profile_model
-from lightning_spot.planner import PLANNED_SCHEDULES, Candidate, Hardware, evaluate, measure_hardware, plan_layouts
+from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, Candidate, evaluate, plan_layouts
+from lightning_spot.planning.hardware import Hardware, default_hardware, measure_hardware
+from lightning_spot.planning.profile import ModelProfile, forward_inputs, profile_model
+from lightning_spot.runtime.schedules import resolve_schedule
 
 log = logging.getLogger(__name__)
 Partition = Union[Literal["auto", "uniform", "balanced"], Sequence[int]]
+MicrobatchesArg = Union[int, Literal["auto"]]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Requested:
     """The layout settings as the user gave them (``"auto"`` / ``None`` where they are to be chosen)."""
 
-    pipeline_stages: int | str
-    microbatches: int | str
+    pipeline_stages: StagesArg
+    microbatches: MicrobatchesArg
     schedule: str
     partition: Partition
     activation_checkpointing: bool | None
@@ -47,8 +53,6 @@ class Requested:
 
     def per_rank(self, schedule: str) -> int:
         """Stages per rank of ``schedule`` (1F1B when it is still "auto")."""
-        from lightning_spot.schedules import resolve_schedule
-
         return resolve_schedule("1F1B" if schedule == "auto" else schedule, self.stages_per_rank).stages_per_rank
 
     @property
@@ -62,45 +66,28 @@ class Requested:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayoutChoice:
-    pipeline_stages: int
-    microbatches: int | str
+    """The decision: the layout to build, whether to recompute activations, and the plan behind it."""
+
+    layout: PipelineLayout
+    activation_checkpointing: bool
+    #: the chosen :class:`Candidate` as a dict, when the planner chose; the next best ones
+    plan: dict[str, Any] | None = None
+    runners_up: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass
+class _Draft:
+    """A decision before the stages are cut and the micro-batch count settled (what rank 0 shares)."""
+
+    pipeline_stages: StagesArg
+    microbatches: MicrobatchesArg
     schedule: str
     activation_checkpointing: bool
     cuts: list[int] | None
     plan: dict[str, Any] | None = None
     runners_up: list[dict[str, Any]] = field(default_factory=list)
-
-
-def parse_bytes(value: float | str | None) -> float | None:
-    """``"80GB"``, ``"512MiB"``, ``2e9`` -> bytes."""
-    if value is None or isinstance(value, (int, float)):
-        return value
-    text = str(value).strip().upper().replace(" ", "")
-    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * factor
-    return float(text)
-
-
-def default_hardware(device: torch.device, memory: float | None, local_processes: int) -> Hardware:
-    """Memory per device and, on CPUs, how much the processes of a node slow each other down."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return Hardware(memory_bytes=memory or 0.9 * total, optimizer_bytes_per_s=500e9)
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024 / max(local_processes, 1)
-    except OSError:
-        pass
-    cores = os.cpu_count() or 1
-    slowdown = max(1.0, local_processes * torch.get_num_threads() / cores)
-    return Hardware(memory_bytes=memory or available, compute_slowdown=slowdown, optimizer_bytes_per_s=2e9,
-                    p2p_bytes_per_s=2e9, allreduce_bytes_per_s=1e9)
 
 
 def sample_batch(trainer: Any) -> tuple[int, Any] | None:
@@ -120,12 +107,37 @@ def _first_samples(batch: Any, size: int, count: int) -> Any:
     return tree_map(lambda t: t[:count] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t, batch)
 
 
-def _fallback(requested: Requested, split: ModelSplit, world_size: int) -> LayoutChoice:
-    per_rank = requested.per_rank(requested.schedule)
-    layout = Layout.for_world(world_size, requested.pipeline_stages, num_layers=split.num_layers // per_rank)  # type: ignore[arg-type]
+def _fallback(requested: Requested) -> _Draft:
     cuts = list(requested.partition) if not isinstance(requested.partition, str) else None
     schedule = "1F1B" if requested.schedule == "auto" else requested.schedule
-    return LayoutChoice(layout.pipeline_stages, requested.microbatches, schedule, bool(requested.activation_checkpointing), cuts)
+    return _Draft(
+        requested.pipeline_stages, requested.microbatches, schedule, bool(requested.activation_checkpointing), cuts
+    )
+
+
+def default_microbatches(grid: Layout, num_stages: int, global_batch: int | None) -> int:
+    """Micro-batches when nobody chose: the fewest that are at least 2 x P (and the stage count) and
+    divide each replica's share of the global batch (the share itself when none does)."""
+    target = max(2 * grid.pipeline_stages, num_stages)
+    if global_batch is None or global_batch % grid.data_parallel:
+        return target
+    local = global_batch // grid.data_parallel
+    fitting = [d for d in divisors(local) if d >= target]
+    return fitting[0] if fitting else local
+
+
+def _settle(draft: _Draft, requested: Requested, split: ModelSplit, world_size: int, global_batch: int | None) -> LayoutChoice:
+    """Cut the stages and fix the micro-batch count: the :class:`PipelineLayout` every rank builds."""
+    spec = resolve_schedule(draft.schedule, requested.stages_per_rank)
+    grid = Layout.for_world(world_size, draft.pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank)
+    plan = plan_stages(
+        split.num_layers, grid.pipeline_stages, stages_per_rank=spec.stages_per_rank, style=spec.style, cuts=draft.cuts
+    )
+    microbatches = draft.microbatches
+    if microbatches == "auto":
+        microbatches = default_microbatches(grid, plan.num_stages, global_batch)
+    layout = PipelineLayout(grid, spec.name, plan.num_stages, tuple(plan.cuts), microbatches)
+    return LayoutChoice(layout, draft.activation_checkpointing, draft.plan, tuple(draft.runners_up))
 
 
 def choose_layout(
@@ -136,24 +148,23 @@ def choose_layout(
     *,
     world_size: int,
     device: torch.device,
-    is_rank_zero: bool,
-    broadcast: Callable[[Any], Any],
     autocast: Callable[[], Any],
     cache_dir: Path | None,
 ) -> LayoutChoice:
     """The layout to build on every rank (a collective call: all ranks get rank 0's decision)."""
     if requested.pipeline_stages != "auto":  # clear errors if the fixed depth cannot fit, before any profiling
-        Layout.for_world(world_size, requested.pipeline_stages)  # type: ignore[arg-type]
-        plan_stages(split.num_layers, requested.pipeline_stages, stages_per_rank=requested.per_rank(requested.schedule))  # type: ignore[arg-type]
+        Layout.for_world(world_size, requested.pipeline_stages)
+        plan_stages(split.num_layers, requested.pipeline_stages, stages_per_rank=requested.per_rank(requested.schedule))
     if not requested.wants_plan:
-        return _fallback(requested, split, world_size)
-    sample = broadcast(sample_batch(trainer) if is_rank_zero else None)
+        return _settle(_fallback(requested), requested, split, world_size, None)
+    is_rank_zero = rank() == 0
+    sample = broadcast_object(sample_batch(trainer) if is_rank_zero else None)
     if sample is None:
-        return _fallback(requested, split, world_size)
+        return _settle(_fallback(requested), requested, split, world_size, None)
     global_batch, batch = sample
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     hardware = measure_hardware(device, default_hardware(device, requested.device_memory, local))  # collective
-    choice: LayoutChoice | Exception | None = None
+    draft: _Draft | Exception | None = None
     if is_rank_zero:
         samples = max(1, min(global_batch, global_batch // world_size))
         try:
@@ -163,31 +174,34 @@ def choose_layout(
                                     cache_dir=cache_dir, progress=True)
         except Exception as err:  # noqa: BLE001 - planning is an optimisation; the run itself reports contract errors
             log.warning("lightning-spot: could not profile the model (%s); using the simple layout rules", err)
-            choice = _fallback(requested, split, world_size)
+            draft = _fallback(requested)
         else:
             try:
-                choice = _decide(profile, requested, split, world_size, global_batch, hardware)
+                draft = _decide(profile, requested, world_size, global_batch, hardware)
             except LayoutError as err:  # e.g. nothing fits in memory: every rank raises the same error
-                choice = err
-    choice = broadcast(choice)
-    if isinstance(choice, Exception):
-        raise choice
-    return choice
+                draft = err
+    draft = broadcast_object(draft)
+    if isinstance(draft, Exception):
+        raise draft
+    assert draft is not None
+    return _settle(draft, requested, split, world_size, global_batch)
 
 
 def _decide(
-    profile: ModelProfile, requested: Requested, split: ModelSplit, world_size: int, global_batch: int, hardware: Hardware
-) -> LayoutChoice:
+    profile: ModelProfile, requested: Requested, world_size: int, global_batch: int, hardware: Hardware
+) -> _Draft:
     explicit_cuts = None if isinstance(requested.partition, str) else list(requested.partition)
     if requested.schedule not in ("auto", *PLANNED_SCHEDULES) or explicit_cuts is not None:
         # layouts the planner does not model: keep the simple rules, balance the cuts by time if asked
-        choice = _fallback(requested, split, world_size)
+        draft = _fallback(requested)
         if requested.partition == "balanced":
-            stages = choice.pipeline_stages * requested.per_rank(choice.schedule)
+            per_rank = requested.per_rank(draft.schedule)
+            grid = Layout.for_world(world_size, draft.pipeline_stages, num_layers=len(profile.layers) // per_rank)
+            stages = grid.pipeline_stages * per_rank
             times = [p.forward_s + p.backward_s for p in profile.layers]
-            choice.cuts = balanced_cuts(times, stages, first_extra=profile.first.forward_s + profile.first.backward_s,
-                                        last_extra=profile.last.forward_s + profile.last.backward_s)
-        return choice
+            draft.cuts = balanced_cuts(times, stages, first_extra=profile.first.forward_s + profile.first.backward_s,
+                                       last_extra=profile.last.forward_s + profile.last.backward_s)
+        return draft
     fixed_p = requested.pipeline_stages if isinstance(requested.pipeline_stages, int) else None
     candidates = plan_layouts(
         profile,
@@ -208,13 +222,14 @@ def _decide(
         candidates = fitting
     best = candidates[0]
     cuts = best.cuts if requested.partition in ("auto", "balanced") else None
-    return LayoutChoice(
+    return _Draft(
         best.pipeline_stages, best.microbatches, best.schedule, best.activation_checkpointing, cuts,
         plan=best.to_dict(), runners_up=[c.to_dict() for c in candidates[1:4]],
     )
 
 
 def describe_choice(choice: LayoutChoice) -> None:
+    """Log the plan and its runners-up (rank 0), when the planner chose."""
     if choice.plan is None:
         return
     best = Candidate(**choice.plan)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules
 
-from lightning_spot.timeline import Timeline
+from lightning_spot.runtime.clock import StepClock, Timeline
 
 
 @contextlib.contextmanager
@@ -42,13 +42,22 @@ def traced_p2p(timeline: Timeline) -> Iterator[None]:
         schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
 
 
-def traced_allreduce_hook(engine: Any, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+@dataclass(frozen=True)
+class AllreduceTrace:
+    """The state of :func:`traced_allreduce_hook`: the data-parallel group and the clock that traces."""
+
+    group: dist.ProcessGroup | None
+    clock: StepClock
+
+
+def traced_allreduce_hook(state: AllreduceTrace, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
     """DDP communication hook: the mean all-reduce of one gradient bucket (``dist.GradBucket``), timed
-    when a timeline is attached; returns a ``Future[Tensor]``. (No annotations: DDP checks them against
-    the real classes, which ``from __future__ import annotations`` turns into strings.)"""
-    group = engine.ctx.dp_group
+    when a timeline is attached; returns a ``Future[Tensor]``. (``bucket`` and the result have no
+    annotations: DDP checks them against the real classes, which ``from __future__ import annotations``
+    turns into strings.)"""
+    group = state.group
     size = dist.get_world_size(group)
-    timeline = engine.clock.timeline
+    timeline = state.clock.timeline
     start = time.perf_counter()
     buffer = bucket.buffer()
     future = dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]

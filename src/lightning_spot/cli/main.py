@@ -58,28 +58,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         lightning_cli(args)
         return 0
     if args[0] == "plan":
-        from lightning_spot.plan_cli import main as plan_main
+        from lightning_spot.cli.plan import main as plan_main
 
         return plan_main(args[1:])
     if args[0] == "run":
-        from lightning_spot.launch import main as run_main
+        from lightning_spot.cli.run import main as run_main
 
         return run_main(args[1:])
     if args[0] == "timeline":
-        from lightning_spot.timeline_cli import main as timeline_main
+        from lightning_spot.cli.timeline import main as timeline_main
 
         return timeline_main(args[1:])
     if args[0] == "report":
-        from lightning_spot.report_cli import main as report_main
+        from lightning_spot.cli.report import main as report_main
 
         return report_main(args[1:])
     if args[0] == "checkpoint":
-        from lightning_spot.checkpoint_cli import main as checkpoint_main
+        from lightning_spot.cli.checkpoint import main as checkpoint_main
 
         return checkpoint_main(args[1:])
     print(f"lightning-spot: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from lightning_spot.auto_layout import parse_bytes
+from lightning_spot._units import format_bytes, parse_bytes
 from lightning_spot.layout import LayoutError
-from lightning_spot.partition.balance import format_bytes
 from lightning_spot.partition.discovery import ModelContractError, discover
-from lightning_spot.partition.profile import profile_model
-from lightning_spot.planner import Hardware, plan_layouts
+from lightning_spot.planning.profile import profile_model
+from lightning_spot.planning.cost_model import plan_layouts
+from lightning_spot.planning.hardware import Hardware
 
 
 def _load(spec: str, init_args: dict[str, Any]) -> torch.nn.Module:

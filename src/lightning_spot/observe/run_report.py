@@ -14,16 +14,10 @@ from typing import Any
 
 from lightning_spot.checkpoint.journal import read_events, split_attempts, summarize
 from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.layout import layout_label
 
 #: events that say "this step was reached at this time" (checkpoint events carry the commit time instead)
 PROGRESS_KINDS = ("first_step", "progress", "preempted", "end")
-
-
-def layout_name(layout: dict[str, Any] | None) -> str:
-    if not layout:
-        return "?"
-    return (f"P{layout.get('pipeline_stages', '?')}xD{layout.get('data_parallel', '?')} "
-            f"{layout.get('schedule', '?')} M={layout.get('microbatches', '?')}")
 
 
 def _attempt_summary(index: int, events: list[dict[str, Any]], t0: float) -> dict[str, Any]:
@@ -47,7 +41,7 @@ def _attempt_summary(index: int, events: list[dict[str, Any]], t0: float) -> dic
     return {
         "attempt": index,
         "started": start["time"] - t0,
-        "layout": layout_name(start.get("layout")),
+        "layout": layout_label(start.get("layout")),
         "layout_detail": start.get("layout"),
         "resumed_from_step": start.get("resumed_step"),
         "first_step_after_seconds": round(first["time"] - start["time"], 3) if first else None,
@@ -124,7 +118,7 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(
                 f"  {r['cause']}: stopped at step {r['stopped_at_step']}, resumed from {r['resumed_from_step']} "
                 f"({r['steps_recomputed']} steps recomputed), {r['time_lost_seconds']:.1f}s lost, "
-                f"{layout_name(r['layout_before'])} -> {layout_name(r['layout_after'])}"
+                f"{layout_label(r['layout_before'])} -> {layout_label(r['layout_after'])}"
             )
     if report["samples_per_second_by_layout"]:
         lines += ["", "throughput per layout"]
@@ -134,7 +128,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:
     """Training step over wall-clock time, one colour per layout; checkpoints, preemptions and restarts marked."""
-    from lightning_spot.gantt import import_pyplot
+    from lightning_spot.observe.gantt import import_pyplot
 
     plt = import_pyplot()
     fig, ax = plt.subplots(figsize=(width, 4.2))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import fsspec
 
-from lightning_spot.timeline import merge_traces
+from lightning_spot.observe.timeline import merge_traces
 
 
 def main(argv: Sequence[str]) -> int:
@@ -40,7 +40,7 @@ def main(argv: Sequence[str]) -> int:
     fs.pipe_file(f"{root}/trace.json", json.dumps(merged).encode())
     print(f"merged {len(ranks)} ranks into {args.dir.rstrip('/')}/trace.json")
     if not args.no_png:
-        from lightning_spot.gantt import render_gantt
+        from lightning_spot.observe.gantt import render_gantt
 
         try:
             png = render_gantt(merged)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_spot.checkpoint.storage import Storage, StorageError
-from lightning_spot.run_report import build_report, format_report, render_run_timeline
+from lightning_spot.observe.run_report import build_report, format_report, render_run_timeline
 
 
 def main(argv: Sequence[str]) -> int:

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_spot._dist import broadcast_object
+
 _SYNC_KEYS = ("sync_dist", "sync_dist_group")
 _REDUCE = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
@@ -127,11 +129,9 @@ def reduce_records(
 
 def share_from_last_stage(payload: Any, pp_group: dist.ProcessGroup | None, src_group_rank: int) -> Any:
     """Broadcast a small Python object from the rank holding the last stage to its pipeline group."""
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
+    if pp_group is None:
         return payload
-    box = [payload]
-    dist.broadcast_object_list(box, group=pp_group, group_src=src_group_rank)
-    return box[0]
+    return broadcast_object(payload, pp_group, group_src=src_group_rank)
 
 
 def replay(module: Any, logged: dict[str, tuple[float, dict[str, Any]]], batch_size: int, device: torch.device) -> None:

@@ -1,0 +1,62 @@
+"""What ``SpotCheckpoint`` needs from the training strategy, as a small typed interface.
+
+    if not is_checkpoint_host(trainer.strategy): raise TypeError(...)
+    trainer.strategy.use_checkpoint_storage(options)      # the callback hands its storage options over
+    info = trainer.strategy.checkpoint_info(checkpoint)   # step, layout, data position for the manifest
+
+``SpotPipelineStrategy`` provides it; the checkpoint package never imports the strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from typing_extensions import TypeGuard
+
+from lightning_spot.layout import PipelineLayout
+from lightning_spot.runtime.clock import StepClock
+
+
+class CheckpointHost(Protocol):
+    """A strategy that writes and restores pipeline-sharded checkpoints."""
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def pipeline_layout(self) -> PipelineLayout:
+        """The layout of this run (known once the strategy is set up)."""
+        ...
+
+    @property
+    def restored_manifest(self) -> dict[str, Any] | None:
+        """The manifest of the checkpoint this run resumed from, if any."""
+        ...
+
+    @property
+    def last_global_batch(self) -> int | None:
+        """Samples in the last trained global batch."""
+        ...
+
+    @property
+    def step_clock(self) -> StepClock | None:
+        """This rank's pipeline clock (its ``timeline`` is set while a timeline records)."""
+        ...
+
+    def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Step, layout and data position of a Lightning checkpoint dict, for its manifest."""
+        ...
+
+    def use_checkpoint_storage(self, storage_options: dict[str, Any]) -> None:
+        """Read and write checkpoints with these fsspec options (also ``fit(ckpt_path=URL)``)."""
+        ...
+
+
+def is_checkpoint_host(strategy: object) -> TypeGuard[CheckpointHost]:
+    """Whether ``strategy`` offers the :class:`CheckpointHost` methods (checked on its class, so that
+    properties that need a set-up strategy are not evaluated)."""
+    cls = type(strategy)
+    return all(callable(getattr(cls, name, None)) for name in ("checkpoint_info", "use_checkpoint_storage")) and all(
+        hasattr(cls, name) for name in ("pipeline_layout", "last_global_batch", "step_clock")
+    )

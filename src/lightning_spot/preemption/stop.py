@@ -1,0 +1,73 @@
+"""The coordinated stop after a preemption notice: every rank saves the same step, then exits so that
+the launcher restarts the job.
+
+    late, preempted = agree([timer_expired, watcher.notice is not None], device)   # every step boundary
+    if preempted:
+        stop_for_preemption(watcher.notice, step=step, save=save_blocking, report=record)   # never returns
+
+What "save" means is the caller's business (``SpotCheckpoint`` commits a checkpoint); this module
+decides which notice counts, times the stop and exits with :data:`PREEMPTED_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+from lightning_spot.preemption.coordinate import earliest, gather
+from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE, Notice
+
+
+@dataclass(frozen=True)
+class PreemptionStop:
+    """A finished coordinated stop: the notice that counted (the earliest deadline), on which rank, at
+    which step, and how long saving took."""
+
+    rank: int
+    notice: Notice
+    step: int
+    save_seconds: float
+
+    def describe(self) -> str:
+        left = self.notice.seconds_left()
+        margin = f"; {left:.1f}s left before the deadline" if left is not None else ""
+        return (
+            f"preemption notice on rank {self.rank} ({self.notice.describe()}): checkpoint of step {self.step} "
+            f"committed in {self.save_seconds:.2f}s{margin}. Exiting with code {PREEMPTED_EXIT_CODE} so that the "
+            f"launcher restarts the job."
+        )
+
+    def event(self) -> dict[str, object]:
+        """The stop as a run-history event's fields."""
+        left = self.notice.seconds_left()
+        return {
+            "step": self.step,
+            "source": self.notice.source,
+            "detail": self.notice.detail,
+            "rank": self.rank,
+            "notice_time": self.notice.received,
+            "deadline": self.notice.deadline,
+            "save_seconds": round(self.save_seconds, 3),
+            "seconds_left": None if left is None else round(left, 3),
+        }
+
+
+def stop_for_preemption(
+    notice: Notice | None,
+    *,
+    step: int,
+    save: Callable[[str], None],
+    report: Callable[[PreemptionStop], None],
+) -> NoReturn:
+    """All ranks (collective): agree on the notice, ``save(reason)``, ``report`` the stop, then exit with
+    :data:`PREEMPTED_EXIT_CODE` (torchrun restarts the group)."""
+    start = time.time()
+    found = earliest(gather(notice))
+    if found is None:
+        raise RuntimeError("stop_for_preemption was called although no rank has a preemption notice")
+    rank, first = found
+    save(f"preempted: {first.source}")
+    report(PreemptionStop(rank, first, step, time.time() - start))
+    raise SystemExit(PREEMPTED_EXIT_CODE)

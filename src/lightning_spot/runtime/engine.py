@@ -1,0 +1,263 @@
+"""Build this rank's pipeline stages and run one training / evaluation / prediction step through them.
+
+    engine = PipelineEngine(module, split, layout, ctx)
+    loss = engine.train_step(batch, step_args, {})   # whole forward+backward schedule; grads stashed
+    engine.restore_grads(scale=1.0)                   # called from the strategy's backward
+
+The stages are :class:`~lightning_spot.runtime.stages.StageModule` s handed to
+``torch.distributed.pipelining``; the user's step function runs inside them through a
+:class:`~lightning_spot.runtime.step_runner.StepRunner`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_spot._units import divisors
+from lightning_spot.layout import LayoutError, PipelineLayout
+from lightning_spot.partition.cuts import plan_stages
+from lightning_spot.partition.discovery import ModelSplit
+from lightning_spot.partition.placement import place_stages
+from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
+from lightning_spot.runtime.logging_bridge import LogCapture, LogRecord, reduce_records, replay, share_from_last_stage
+from lightning_spot.runtime.schedules import resolve_schedule
+from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
+from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
+from lightning_spot.runtime.trace_hooks import AllreduceTrace, traced_allreduce_hook, traced_p2p
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this rank sits: its pipeline and replica position, their process groups, its device."""
+
+    pp_rank: int
+    dp_rank: int
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    device: torch.device
+
+
+class PipelineEngine:
+    """This rank's stages, their schedules (cached per batch shape) and the step logic."""
+
+    MAX_PROGRAMS = 8
+
+    def __init__(
+        self,
+        module: nn.Module,
+        split: ModelSplit,
+        layout: PipelineLayout,
+        ctx: ParallelContext,
+        *,
+        seed: int = 0,
+        ddp_kwargs: dict[str, Any] | None = None,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        self.module = module
+        self.layout = layout
+        self.spec = resolve_schedule(layout.schedule, layout.stages // layout.pipeline_stages)
+        self.plan = plan = plan_stages(
+            split.num_layers,
+            layout.pipeline_stages,
+            stages_per_rank=self.spec.stages_per_rank,
+            style=self.spec.style,
+            cuts=layout.cuts,
+        )
+        self.ctx = ctx
+        self.capture = LogCapture()
+        self.runner = StepRunner(module, plan.num_stages, self.capture)
+        self.activation_checkpointing = activation_checkpointing
+        placed = place_stages(
+            module, split, plan, pp_rank=ctx.pp_rank, device=ctx.device, seed=seed, checkpointing=activation_checkpointing
+        )
+        self.local_stages = sorted(placed)
+        self.stage_modules = {s: StageModule(placed[s], self.runner) for s in self.local_stages}
+        self.train_modules: dict[int, nn.Module] = dict(self.stage_modules)
+        self.params: list[nn.Parameter] = []
+        self.ddp_kwargs = ddp_kwargs or {}
+        self.holds_last = plan.num_stages - 1 in placed
+        self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
+        self._programs: OrderedDict[tuple, Any] = OrderedDict()
+        self._pending: Grads | None = None
+        self.last_microbatches: int | None = None
+        self.last_global_batch: int | None = None
+        self.samples_seen = 0
+        self.clock = self.runner.clock
+        #: this rank's seconds in the last training schedule: wall clock and compute
+        self.last_step_seconds = 0.0
+        self.last_compute_seconds = 0.0
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per replica and training step."""
+        return self.layout.microbatches
+
+    def wrap_data_parallel(self, trace_allreduce: bool = False) -> None:
+        """Sync gradients across replicas: DDP per stage (overlapped with the last backward), except for
+        schedules that compute weight gradients outside autograd's hooks (averaged after the step).
+
+        Call once the parameters have their final dtype and device. ``trace_allreduce`` routes DDP's
+        all-reduce through a communication hook that times it for the timeline.
+        """
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.layout.data_parallel == 1 or self.spec.splits_backward:
+            return
+        for s, m in self.stage_modules.items():
+            if any(p.requires_grad for p in m.parameters()):
+                ddp = DistributedDataParallel(
+                    m,
+                    process_group=self.ctx.dp_group,
+                    device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
+                    **no_forward_buffer_sync(),
+                    **self.ddp_kwargs,
+                )
+                self.train_modules[s] = ddp
+                if trace_allreduce:
+                    ddp.register_comm_hook(AllreduceTrace(self.ctx.dp_group, self.clock), traced_allreduce_hook)
+
+    # ----------------------------------------------------------------- schedules
+    def _build(self, mode: Mode, n_microbatches: int) -> Any:
+        modules = self.train_modules if mode == "train" else self.stage_modules
+        stages = [
+            SpotStage(
+                modules[s],
+                s,
+                self.plan.num_stages,
+                self.ctx.device,
+                group=self.ctx.pp_group,
+                runner=self.runner,
+            )
+            for s in self.local_stages
+        ]
+        spec = self.spec
+        if mode != "train" and not spec.is_multi_stage:
+            spec = resolve_schedule("GPipe")  # forward-only: no micro-batch minimum
+        try:
+            if spec.is_multi_stage:
+                return spec.cls(stages, n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=True)
+            return spec.cls(stages[0], n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=True)
+        except ValueError as err:
+            raise LayoutError(
+                f"schedule {spec.name} with {self.plan.num_stages} stages cannot run {n_microbatches} micro-batches: "
+                f"{err} Change `microbatches` (and the batch size, a multiple of data-parallel x microbatches)."
+            ) from err
+
+    def _program(self, mode: Mode, fn_name: str, n_microbatches: int, batch: Any) -> Any:
+        key = (mode, fn_name, n_microbatches, batch_signature(batch))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._build(mode, n_microbatches)
+            self._programs[key] = program
+            while len(self._programs) > self.MAX_PROGRAMS:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
+        return program
+
+    # --------------------------------------------------------------- micro-batches
+    def train_microbatches(self, local_size: int) -> int:
+        """The micro-batch count for a training batch of ``local_size`` samples on this replica."""
+        m = self.microbatches
+        if local_size % m:
+            D = self.layout.data_parallel
+            raise LayoutError(
+                f"Each of the {D} data-parallel replicas gets {local_size} samples, which cannot be cut into "
+                f"microbatches={m} equal micro-batches. Valid microbatches for this batch: {divisors(local_size)}; "
+                f"or use a global batch that is a multiple of {D * m}."
+            )
+        return m
+
+    def _eval_candidates(self, local_size: int) -> list[int]:
+        return [d for d in reversed(divisors(local_size)) if d <= self.microbatches] or [1]
+
+    # ----------------------------------------------------------------------- steps
+    def train_step(self, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Tensor:
+        local = batch_size_of(batch)
+        m = self.train_microbatches(local)
+        self.last_microbatches = m
+        self.last_global_batch = local * self.layout.data_parallel
+        program = self._program("train", "training_step", m, batch)
+        saved = take_grads(self.params)
+        losses: list[Tensor] = []
+        idx = torch.arange(local, device=self.ctx.device)
+        self.capture.clear()
+        clock = self.clock
+        clock.reset()
+        start = time.perf_counter()
+        tracing = traced_p2p(clock.timeline) if clock.timeline is not None else contextlib.nullcontext()
+        with self.runner.bind("training_step", "train", batch, args, kwargs), tracing:
+            program.step(idx, target=idx, losses=losses, return_outputs=False)
+        self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
+        if self.spec.splits_backward and self.ctx.dp_group is not None and self.layout.data_parallel > 1:
+            with clock.span("all-reduce", "allreduce", lane="allreduce"):
+                all_reduce_mean(self.params, self.ctx.dp_group)
+        self._pending = take_grads(self.params)
+        put_grads(self.params, saved)
+        self.samples_seen += local * self.layout.data_parallel
+        extra = [LogRecord("__loss__", torch.stack([l.detach().float() for l in losses]).mean(), float(local), {})] if self.holds_last else []
+        logged = self._share_logs(extra)
+        loss = logged.pop("__loss__")[0]
+        replay(self.module, logged, batch_size=local * self.layout.data_parallel, device=self.ctx.device)
+        return torch.tensor(loss, device=self.ctx.device)
+
+    def restore_grads(self, scale: float) -> None:
+        """Add the gradients of the last :meth:`train_step` (times ``scale``) to ``.grad``."""
+        if self._pending is None:
+            raise RuntimeError("spot_pipeline: backward() called without a preceding training step")
+        add_grads(self.params, self._pending, scale)
+        self._pending = None
+
+    def eval_step(self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        local = batch_size_of(batch)
+        idx = torch.arange(local, device=self.ctx.device)
+        self.capture.clear()
+        error: LayoutError | None = None
+        for m in self._eval_candidates(local):
+            try:
+                program = self._program(mode, fn_name, m, batch)
+                break
+            except LayoutError as err:
+                error = err
+        else:
+            assert error is not None
+            raise error
+        with self.runner.bind(fn_name, mode, batch, args, kwargs):
+            program.eval(idx, target=idx, return_outputs=False)
+            results = sorted(self.runner.results, key=lambda r: int(r[0][0])) if mode == "predict" else []
+        extra = [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []
+        logged = self._share_logs(extra)
+        total = int(logged.pop("__samples__")[0])
+        replay(self.module, logged, batch_size=total, device=self.ctx.device)
+        if mode != "predict":
+            return None
+        merged = _merge_outputs([r[1] for r in results]) if self.holds_last else None
+        return share_from_last_stage(merged, self.ctx.pp_group, self.last_stage_rank)
+
+    def _share_logs(self, extra: list[LogRecord]) -> dict[str, tuple[float, dict[str, Any]]]:
+        payload = None
+        if self.holds_last:
+            payload = reduce_records(self.capture.records + extra, self.ctx.dp_group, self.ctx.device)
+        self.capture.clear()
+        return share_from_last_stage(payload, self.ctx.pp_group, self.last_stage_rank)
+
+
+def _merge_outputs(outputs: list[Any]) -> Any:
+    """Concatenate per-micro-batch outputs along dim 0 (tensors, or tuples/dicts of tensors)."""
+    first = outputs[0]
+    if isinstance(first, Tensor) and first.dim() > 0:
+        return torch.cat(outputs).cpu()
+    if isinstance(first, Mapping):
+        return {k: _merge_outputs([o[k] for o in outputs]) for k in first}
+    if isinstance(first, (tuple, list)) and first and all(isinstance(t, Tensor) for t in first):
+        return type(first)(_merge_outputs([o[i] for o in outputs]) for i in range(len(first)))
+    return outputs

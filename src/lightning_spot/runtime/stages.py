@@ -1,0 +1,79 @@
+"""One pipeline stage as ``torch.distributed.pipelining`` sees it.
+
+    module = StageModule(placed_stage, runner)        # owns the stage's parameters; forward -> runner
+    stage = SpotStage(module, index, num_stages, device, group=pp_group, runner=runner)
+
+:class:`SpotStage` times every forward / backward / weight-gradient chunk on the runner's clock and
+marks torch's shape-inference pass, so that it has no user-visible effects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_spot.partition.placement import PlacedStage
+from lightning_spot.runtime.step_runner import StepRunner
+
+
+class StageModule(nn.Module):
+    """One pipeline stage as ``torch.distributed.pipelining`` sees it; owns the stage's parameters."""
+
+    def __init__(self, placed: PlacedStage, runner: StepRunner) -> None:
+        super().__init__()
+        self.stage = placed.stage
+        self.owned = nn.ModuleList(placed.modules)
+        self.loose = nn.ParameterList(placed.params)
+        object.__setattr__(self, "_runner", runner)
+
+    def forward(self, *args: Tensor) -> tuple[Tensor, ...]:
+        return self._runner.stage_forward(self.stage, args)
+
+
+class SpotStage(PipelineStage):
+    """A ``PipelineStage`` that tells the runner when torch runs its shape-inference pass."""
+
+    def __init__(self, *args: Any, runner: StepRunner, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._spot_runner = runner
+
+    def _quiet(self) -> contextlib.AbstractContextManager:
+        sync_off = self.submod.no_sync() if isinstance(self.submod, DistributedDataParallel) else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._spot_runner.inferring())
+        stack.enter_context(sync_off)
+        return stack
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self._quiet():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self._quiet():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+    # timed for the bubble figure and, when tracing, the timeline
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._spot_runner.clock.compute("forward", microbatch=fwd_chunk_id, stage=self.stage_index):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        with self._spot_runner.clock.compute("backward", microbatch=bwd_chunk_id, stage=self.stage_index,
+                                             input_only=not full):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._spot_runner.clock.compute("weight", microbatch=bwd_chunk_id, stage=self.stage_index):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """Replicas keep their own buffers between steps (no broadcast before every micro-batch)."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}

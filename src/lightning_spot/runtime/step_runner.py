@@ -1,0 +1,166 @@
+"""Run the user's step function for one stage and one micro-batch.
+
+    runner = StepRunner(module, num_stages=4, capture=LogCapture())
+    with runner.bind("training_step", "train", batch, args, kwargs):
+        outputs = runner.stage_forward(stage, (activation, sample_indices))   # stages but the last
+        loss = runner.loss_fn(outputs, sample_indices)                       # the last stage
+
+A stage's input is the micro-batch's sample indices (first stage) or the previous stage's
+activations plus those indices; its forward replays the user's step function up to the end of the
+stage's layers (see ``partition.stage_run``). On the last stage, the schedule's ``loss_fn`` replays
+the whole step function from the received activation on, so ``self.log`` and the loss come from
+unchanged user code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_spot.partition.discovery import ModelContractError
+from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
+from lightning_spot.partition.stage_run import StageExit, StageRun, running
+from lightning_spot.runtime.clock import StepClock
+from lightning_spot.runtime.logging_bridge import LogCapture
+
+Mode = Literal["train", "eval", "predict"]
+
+
+def batch_size_of(batch: Any) -> int:
+    leaves, _ = tree_flatten(batch)
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ModelContractError("spot_pipeline could not find a tensor in the batch to split into micro-batches.")
+
+
+def batch_signature(batch: Any) -> tuple:
+    leaves, spec = tree_flatten(batch)
+    return (str(spec), tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, Tensor)))
+
+
+def _as_tensors(out: Any, where: str) -> tuple[Tensor, ...]:
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    if not items or not all(isinstance(t, Tensor) for t in items):
+        raise ModelContractError(
+            f"{where} returned {type(out).__name__}; layers in the sequence must return a tensor or a tuple of "
+            f"tensors so that the output can be sent to the next pipeline stage."
+        )
+    return tuple(items)
+
+
+class StepRunner:
+    """Runs the user's step function for one stage and one micro-batch (shared by all local stages)."""
+
+    def __init__(self, module: nn.Module, num_stages: int, capture: LogCapture) -> None:
+        self.module = module
+        self.last_stage = num_stages - 1
+        self.capture = capture
+        self.fn_name = "training_step"
+        self.mode: Mode = "train"
+        self.batch: Any = None
+        self.local_size = 0
+        self.step_args: tuple = ()
+        self.step_kwargs: dict[str, Any] = {}
+        self.results: list[tuple[Tensor, Any]] = []
+        self._inferring = 0
+        self._losses_computed = 0
+        self.clock = StepClock()
+
+    @contextlib.contextmanager
+    def inferring(self) -> Iterator[None]:
+        """torch's shape inference runs a throw-away forward: mark it so no user-visible effects happen."""
+        self._inferring += 1
+        try:
+            yield
+        finally:
+            self._inferring -= 1
+
+    @contextlib.contextmanager
+    def bind(self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Iterator[None]:
+        self.fn_name, self.mode, self.batch = fn_name, mode, batch
+        self.local_size = batch_size_of(batch)
+        self.step_args, self.step_kwargs = args, kwargs
+        self.results = []
+        self._losses_computed = 0
+        try:
+            yield
+        finally:
+            self.batch = None
+
+    def _micro_batch(self, idx: Tensor) -> Any:
+        size = self.local_size
+
+        def take(t: Any) -> Any:
+            if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == size:
+                return t.index_select(0, idx.to(t.device))
+            return t
+
+        return tree_map(take, self.batch)
+
+    def _call(self, micro_batch: Any) -> Any:
+        if self.mode == "train" and has_loss_hook(self.module):
+            return run_loss_hook(self.module, micro_batch)
+        return getattr(self.module, self.fn_name)(micro_batch, *self.step_args, **self.step_kwargs)
+
+    def stage_forward(self, stage: int, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        idx = args[-1]
+        acts = args[:-1]
+        if self._inferring:
+            idx = torch.arange(idx.numel(), device=idx.device)
+        if stage == self.last_stage:
+            # the last stage's work happens in loss_fn, where the step's result is available
+            return tuple(t.view_as(t) for t in (*acts, idx))
+        run = StageRun(stage, first_stage=stage == 0, incoming=acts or None, exit_after=True)
+        with running(run), self.capture.capturing(self.module, weight=0.0, keep=False):
+            try:
+                self._call(self._micro_batch(idx))
+            except StageExit as stop:
+                out = stop.output
+            else:
+                raise ModelContractError(
+                    f"`{self.fn_name}` finished without running the layers of pipeline stage {stage}. The step must "
+                    f"call `self(x)` (or the layer sequence) and `forward` must run every layer of the sequence."
+                )
+        return (*_as_tensors(out, f"the last layer of stage {stage}"), idx.clone())
+
+    def loss_fn(self, output: Any, target: Tensor) -> Tensor:
+        outs = output if isinstance(output, tuple) else (output,)
+        acts = tuple(outs[:-1])
+        idx = target
+        if self._inferring:
+            # a dense zero gradient: torch derives the backward buffers' strides from it
+            parts = [(a.float() * torch.zeros(a.shape, device=a.device)).sum() for a in acts if a.requires_grad]
+            return torch.stack(parts).sum() if parts else torch.zeros((), device=idx.device)
+        run = StageRun(self.last_stage, first_stage=self.last_stage == 0, incoming=acts or None, exit_after=False)
+        microbatch, self._losses_computed = self._losses_computed, self._losses_computed + 1
+        # the last stage's layers run here (its forward_one_chunk only passes activations on)
+        timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
+        with timed, running(run), self.capture.capturing(self.module, weight=float(idx.numel()), keep=True):
+            result = self._call(self._micro_batch(idx))
+        if self.last_stage > 0 and not run.layers_started:
+            raise ModelContractError(
+                f"`{self.fn_name}` on the last pipeline stage never ran the layer sequence; it must compute its "
+                f"result from `self(x)`."
+            )
+        return self._consume(result, idx)
+
+    def _consume(self, result: Any, idx: Tensor) -> Tensor:
+        if self.mode == "train":
+            loss = result.get("loss") if isinstance(result, Mapping) else result
+            if not isinstance(loss, Tensor):
+                raise ModelContractError(
+                    "training_step must return the loss tensor (or a dict with 'loss') under spot_pipeline; "
+                    "skipping a step by returning None cannot be coordinated across pipeline stages."
+                )
+            if not loss.requires_grad:
+                raise ModelContractError("the loss returned by training_step does not depend on the model's output.")
+            return loss
+        if self.mode == "predict":
+            self.results.append((idx, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result)))
+        return torch.zeros((), device=idx.device)
