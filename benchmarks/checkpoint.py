@@ -64,8 +64,9 @@ import time
 import uuid
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -153,7 +154,12 @@ def run_train(job: dict[str, Any]) -> dict[str, Any]:
         "train_seconds_with_final_commit": timer.end - timer.start,
     }
     if spot is not None:
-        out["spot"] = {"url": spot.url, "saves": spot.saves, "summary": spot.summary(), "train_seconds": spot._train_seconds}
+        out["spot"] = {
+            "url": spot.url,
+            "saves": spot.saves,
+            "summary": spot.summary(),
+            "train_seconds": spot._train_seconds,
+        }
     return out
 
 
@@ -225,10 +231,21 @@ def part_a(args: argparse.Namespace, tmp: Path, log_dir: Path, s3: dict[str, Any
         for target in order:
             tag = f"a-{target}-{rep}"
             job: dict[str, Any] = {
-                "tag": tag, "target": target, "steps": args.steps, "warmup": 0, "every": args.every,
-                "keep_last": args.keep_last, "batch_size": args.batch_size, "microbatches": args.microbatches,
-                "d_model": args.d_model, "n_layer": args.n_layer, "n_head": args.n_head,
-                "block_size": args.block_size, "seed": args.seed, "root": str(tmp / tag), "result": str(tmp / tag),
+                "tag": tag,
+                "target": target,
+                "steps": args.steps,
+                "warmup": 0,
+                "every": args.every,
+                "keep_last": args.keep_last,
+                "batch_size": args.batch_size,
+                "microbatches": args.microbatches,
+                "d_model": args.d_model,
+                "n_layer": args.n_layer,
+                "n_head": args.n_head,
+                "block_size": args.block_size,
+                "seed": args.seed,
+                "root": str(tmp / tag),
+                "result": str(tmp / tag),
             }
             if target == "local":
                 job["dirpath"] = str(tmp / tag / "ckpt")
@@ -238,7 +255,12 @@ def part_a(args: argparse.Namespace, tmp: Path, log_dir: Path, s3: dict[str, Any
                 job["storage_options"] = s3["options"]
             t0 = time.monotonic()
             ranks = launch(job, P * D, log_dir, args.timeout)
-            row: dict[str, Any] = {"target": target, "repeat": rep, "job_seconds": time.monotonic() - t0, "ranks": ranks}
+            row: dict[str, Any] = {
+                "target": target,
+                "repeat": rep,
+                "job_seconds": time.monotonic() - t0,
+                "ranks": ranks,
+            }
             r0 = ranks[0]
             row["train_seconds"] = r0["train_seconds"]
             row["train_seconds_with_final_commit"] = r0["train_seconds_with_final_commit"]
@@ -294,7 +316,7 @@ def summarize_a(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             s["mean_stall_seconds"] = statistics.median(statistics.mean(r["stall_per_save"]) for r in runs)
         out[target] = s
     base = out["none"]
-    for target, s in out.items():
+    for s in out.values():
         s["overhead"] = s["train_seconds"] / base["train_seconds"] - 1
         s["overhead_with_final_commit"] = s["train_seconds_with_final_commit"] / base["train_seconds"] - 1
     return out
@@ -329,7 +351,9 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, value
 
 
-def part_b(args: argparse.Namespace, hp: dict[str, Any], targets: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+def part_b(
+    args: argparse.Namespace, hp: dict[str, Any], targets: list[tuple[str, str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
     """Save / restore of one rank's full state with lightning-spot vs plain fsspec, per target."""
     import torch
 
@@ -370,7 +394,13 @@ def part_b(args: argparse.Namespace, hp: dict[str, Any], targets: list[tuple[str
     rel = step_dirname(1)
     rows = []
     for name, base, options in targets:
-        times: dict[str, list[float]] = {"save": [], "plain_save": [], "restore": [], "plain_restore": [], "restore_full": []}
+        times: dict[str, list[float]] = {
+            "save": [],
+            "plain_save": [],
+            "restore": [],
+            "plain_restore": [],
+            "restore_full": [],
+        }
         blobs: dict[str, bytes] = {}  # the files of the first spot save: what the plain upload sends
         for rep in range(args.io_repeats):
             spot = Storage(f"{base}/spot-{rep}", options)
@@ -394,7 +424,9 @@ def part_b(args: argparse.Namespace, hp: dict[str, Any], targets: list[tuple[str
                 times["restore"].append(t)
                 if rep == 0:
                     assert weights.keys() == expected_weights.keys()
-                    assert all(torch.equal(weights[k], v) for k, v in expected_weights.items()), "restored weights differ"
+                    assert all(torch.equal(weights[k], v) for k, v in expected_weights.items()), (
+                        "restored weights differ"
+                    )
 
             def plain_restore() -> None:
                 t, got = _timed(lambda: spot.fs.cat(paths))
@@ -422,7 +454,7 @@ def part_b(args: argparse.Namespace, hp: dict[str, Any], targets: list[tuple[str
             t, _ = _timed(lambda: [zlib.crc32(b) for b in blobs.values()])
             crc.append(t)
         times["crc32_only"] = crc
-        del blobs
+        blobs.clear()
         med = {k: statistics.median(v) for k, v in times.items()}
         row = {
             "target": name,
@@ -468,29 +500,43 @@ def print_b(rows: list[dict[str, Any]]) -> None:
             f"{r['target']:<7} {'  (load_checkpoint: model+optim)':<34} {r['restore_full_mb_s']:>10.1f} "
             f"{r['plain_restore_mb_s']:>11.1f} {m['restore_full']:>8.3f} {m['plain_restore']:>8.3f} {r['restore_full_ratio']:>10.2f}x"
         )
-        print(f"{r['target']:<7} {'  (zlib.crc32 of the bytes alone)':<34} {r['crc32_mb_s']:>10.1f} {'':>11} {m['crc32_only']:>8.3f}")
+        print(
+            f"{r['target']:<7} {'  (zlib.crc32 of the bytes alone)':<34} {r['crc32_mb_s']:>10.1f} {'':>11} {m['crc32_only']:>8.3f}"
+        )
 
 
 # ================================================================================ main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: d_model 128 x 4 layers, 6 steps, save every 2")
-    p.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True, help="also measure S3 on a local moto server")
+    p.add_argument(
+        "--s3", action=argparse.BooleanOptionalAction, default=True, help="also measure S3 on a local moto server"
+    )
     p.add_argument("--json", metavar="PATH", help="also save the results as JSON")
     p.add_argument("--d-model", type=int, default=None, help="default 512 (--quick 128)")
     p.add_argument("--n-layer", type=int, default=None, help="default 8 (--quick 4)")
     p.add_argument("--n-head", type=int, default=8)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8, help="global batch; a multiple of D x microbatches")
-    p.add_argument("--microbatches", type=int, default=2, help="micro-batches per replica and step (>= 2 for 1F1B on P2)")
+    p.add_argument(
+        "--microbatches", type=int, default=2, help="micro-batches per replica and step (>= 2 for 1F1B on P2)"
+    )
     p.add_argument("--steps", type=int, default=None, help="training steps (default 40; --quick 6)")
-    p.add_argument("--every", type=int, default=None, help="SpotCheckpoint(every_n_train_steps=...) (default 10; --quick 2)")
+    p.add_argument(
+        "--every", type=int, default=None, help="SpotCheckpoint(every_n_train_steps=...) (default 10; --quick 2)"
+    )
     p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--train-repeats", type=int, default=None,
-                   help="training runs per target in (a), in alternating order; medians are shown (default 2; --quick 1)")
+    p.add_argument(
+        "--train-repeats",
+        type=int,
+        default=None,
+        help="training runs per target in (a), in alternating order; medians are shown (default 2; --quick 1)",
+    )
     p.add_argument("--io-repeats", type=int, default=None, help="repeats of each measurement in (b) (default 3)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per training run before its workers are killed")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds per training run before its workers are killed"
+    )
     p.add_argument("--log-dir", help="keep the workers' and moto's logs here (default: a temporary folder)")
     args = p.parse_args(argv)
     args.d_model = args.d_model or (128 if args.quick else 512)
@@ -539,7 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     moto = None
     s3: dict[str, Any] | None = None
     failed = False
-    results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "log_dir")}, "state": size}
+    results: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "log_dir")},
+        "state": size,
+    }
     try:
         if args.s3:
             import s3fs
@@ -561,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             "last upload; overhead: vs the run without checkpoints; stall: SpotCheckpoint.summary() (time the loop was "
             "blocked by saves / its training time), rank 0 and worst rank; write s/save: background write_checkpoint time"
         )
-        for target, s in summary_a.items():
+        for target in summary_a:
             if target != "none":
                 run = next(r for r in rows_a if r["target"] == target)
                 print(
@@ -576,7 +625,10 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
 
-        print(f"\n(b) save / restore of one rank's state ({size['total_mb']:.1f} MB of tensors), {args.io_repeats} repeats, medians", flush=True)
+        print(
+            f"\n(b) save / restore of one rank's state ({size['total_mb']:.1f} MB of tensors), {args.io_repeats} repeats, medians",
+            flush=True,
+        )
         targets = [("local", str(tmp / "io"), {})]
         if s3:
             targets.append(("s3", f"s3://{s3['bucket']}/io", s3["options"]))
@@ -598,7 +650,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * s['overhead_with_final_commit']:+.1f}% incl. final commit; {s['mean_write_seconds']:.2f}s background write/save)"
             for t, s in ckpt.items()
         )
-        io_detail = ", ".join(f"{r['target']} save {r['save_ratio']:.2f}x restore {r['restore_ratio']:.2f}x" for r in rows_b)
+        io_detail = ", ".join(
+            f"{r['target']} save {r['save_ratio']:.2f}x restore {r['restore_ratio']:.2f}x" for r in rows_b
+        )
         line = (
             f"checkpoint stall: {100 * worst_stall:.2f}% of training time (goal < {100 * STALL_GOAL:.0f}%); "
             f"save {worst_save:.2f}x and restore {worst_restore:.2f}x plain fsspec (goal within {RATIO_GOAL}x)"
@@ -609,7 +663,10 @@ def main(argv: list[str] | None = None) -> int:
             "restore": worst_restore <= RATIO_GOAL,
         }
         results["summary"] = {
-            "line": line, "stall_fraction": worst_stall, "save_ratio": worst_save, "restore_ratio": worst_restore,
+            "line": line,
+            "stall_fraction": worst_stall,
+            "save_ratio": worst_save,
+            "restore_ratio": worst_restore,
             "goals_met": verdict,
         }
         print("\n" + "=" * 100)

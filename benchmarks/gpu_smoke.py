@@ -30,7 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None, help="GPUs to use (default: all visible)")
     p.add_argument("--pipeline-stages", type=int, default=None, help="P (default: 2 if the GPU count is even, else 1)")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: a multiple of D x microbatches near 24)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="global batch (default: a multiple of D x microbatches near 24)"
+    )
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=8)
@@ -62,20 +64,34 @@ def main(argv: list[str] | None = None) -> int:
     from examples.gpt.train import main as train_main
 
     train_argv = [
-        "--accelerator", "gpu",
-        "--devices", str(n),
-        "--precision", args.precision,
-        "--pipeline-stages", str(P),
-        "--microbatches", str(M),
-        "--schedule", args.schedule,
-        "--batch-size", str(batch),
-        "--d-model", str(args.d_model),
-        "--n-layer", str(args.n_layer),
-        "--n-head", str(args.n_head),
-        "--block-size", str(args.block_size),
-        "--max-steps", str(args.max_steps),
-        "--val-every", str(args.val_every),
-        "--root", args.root,
+        "--accelerator",
+        "gpu",
+        "--devices",
+        str(n),
+        "--precision",
+        args.precision,
+        "--pipeline-stages",
+        str(P),
+        "--microbatches",
+        str(M),
+        "--schedule",
+        args.schedule,
+        "--batch-size",
+        str(batch),
+        "--d-model",
+        str(args.d_model),
+        "--n-layer",
+        str(args.n_layer),
+        "--n-head",
+        str(args.n_head),
+        "--block-size",
+        str(args.block_size),
+        "--max-steps",
+        str(args.max_steps),
+        "--val-every",
+        str(args.val_every),
+        "--root",
+        args.root,
     ]
     summary = train_main(train_argv)
 
@@ -88,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.schedule}, {args.precision}, global batch {batch} x {args.block_size} tokens, "
             f"d_model {args.d_model}, {args.n_layer} layers, {args.max_steps} steps"
         )
-        print(f"gpu_smoke: throughput {tps:,.0f} tokens/s ({sps:,.1f} samples/s), "
-              f"{summary.get('step_seconds', float('nan')) * 1000:.1f} ms/step")
+        print(
+            f"gpu_smoke: throughput {tps:,.0f} tokens/s ({sps:,.1f} samples/s), "
+            f"{summary.get('step_seconds', float('nan')) * 1000:.1f} ms/step"
+        )
         losses = {k: summary[k] for k in ("train_loss", "val_loss", "val_ppl") if k in summary}
         print("gpu_smoke: final " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))
         if "train_loss" not in summary or not math.isfinite(summary["train_loss"]):

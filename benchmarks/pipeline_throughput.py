@@ -145,7 +145,7 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     class HandStage(nn.Module):
         """[embeddings] + blocks[lo:hi] + [final norm + head]."""
 
-        def __init__(self) -> None:
+        def __init__(self, full: nn.Module) -> None:
             super().__init__()
             if first:
                 self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
@@ -162,7 +162,7 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
                 x = self.head(self.ln_f(x))
             return x
 
-    stage_mod = HandStage().to(device)
+    stage_mod = HandStage(full).to(device)
     del full
     submod: nn.Module = stage_mod
     if D > 1:
@@ -209,7 +209,7 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
         if step >= job["warmup"]:
             times.append(elapsed)
         if losses:
-            last_loss = float(torch.stack([l.detach() for l in losses]).mean())
+            last_loss = float(torch.stack([x.detach() for x in losses]).mean())
 
     # the loss lives on the last stage (dp rank 0 of it: global rank (P-1)*D); share it outside the timing
     box = [last_loss]
@@ -261,7 +261,9 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
     elif timeline == "on":  # every step traced
         from lightning_spot import PipelineTimeline
 
-        callbacks.append(PipelineTimeline(dirpath=job["result"] + ".timeline", start_step=0, num_steps=10**6, gantt=False))
+        callbacks.append(
+            PipelineTimeline(dirpath=job["result"] + ".timeline", start_step=0, num_steps=10**6, gantt=False)
+        )
     L.seed_everything(job["seed"], verbose=False)
     model = BenchGPT(**model_hparams(job))
     loader = DataLoader(synthetic_dataset(job), batch_size=job["batch_size"], shuffle=False, drop_last=True)
@@ -323,7 +325,8 @@ class JobFailed(RuntimeError):
 
 def run_ranks(world: int, env: dict[str, str], log_dir: Path, timeout: float) -> None:
     """``world`` worker processes of the calling script (the tests' launcher: timeout, cleanup by pid)."""
-    from tests.distributed import WorkerFailure, launch as launch_ranks
+    from tests.distributed import WorkerFailure
+    from tests.distributed import launch as launch_ranks
 
     env = {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     script = str(Path(sys.modules["__main__"].__file__).resolve())
@@ -382,7 +385,9 @@ def check(args: argparse.Namespace, layouts: list[tuple[int, int]]) -> None:
     problems = []
     for P, D in layouts:
         if args.batch_size % (D * args.microbatches):
-            problems.append(f"P{P}xD{D}: batch size {args.batch_size} is not a multiple of D x microbatches = {D * args.microbatches}")
+            problems.append(
+                f"P{P}xD{D}: batch size {args.batch_size} is not a multiple of D x microbatches = {D * args.microbatches}"
+            )
         if args.microbatches < P:
             problems.append(f"P{P}xD{D}: 1F1B needs microbatches >= P ({args.microbatches} < {P})")
         if args.n_layer < P:
@@ -461,9 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     for i, (rep, P, D, impl) in enumerate(jobs, 1):
         job = {
-            "impl": impl, "P": P, "D": D, "microbatches": args.microbatches, "batch_size": args.batch_size,
-            "d_model": args.d_model, "n_layer": args.n_layer, "n_head": args.n_head, "block_size": args.block_size,
-            "warmup": args.warmup, "steps": args.steps, "seed": args.seed,
+            "impl": impl,
+            "P": P,
+            "D": D,
+            "microbatches": args.microbatches,
+            "batch_size": args.batch_size,
+            "d_model": args.d_model,
+            "n_layer": args.n_layer,
+            "n_head": args.n_head,
+            "block_size": args.block_size,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "seed": args.seed,
             "result": str(tmp / f"P{P}xD{D}-{impl}.json"),
         }
         t0 = time.monotonic()

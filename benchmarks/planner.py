@@ -122,18 +122,32 @@ def worker() -> None:
             seen.update(trainer.strategy.pipeline_layout.to_dict())  # type: ignore[attr-defined]
 
     strategy = SpotPipelineStrategy(
-        pipeline_stages=job["P"], microbatches=job["M"], schedule=job["schedule"], partition=job["partition"],
-        activation_checkpointing=job["ac"], profile_cache=job["cache"],
+        pipeline_stages=job["P"],
+        microbatches=job["M"],
+        schedule=job["schedule"],
+        partition=job["partition"],
+        activation_checkpointing=job["ac"],
+        profile_cache=job["cache"],
     )
     timer = PipelineThroughput(warmup_steps=job["warmup"], prog_bar=False)
     extra: list[Any] = []
     if job.get("trace"):  # --trace DIR: a timeline of two timed steps per job, to see where the model is off
         from lightning_spot import PipelineTimeline
 
-        extra.append(PipelineTimeline(dirpath=f"{job['trace']}/{Path(job['result']).stem}", start_step=job["warmup"] + 1, num_steps=2))
+        extra.append(
+            PipelineTimeline(
+                dirpath=f"{job['trace']}/{Path(job['result']).stem}", start_step=job["warmup"] + 1, num_steps=2
+            )
+        )
     trainer = L.Trainer(
-        accelerator="cpu", devices=job["world"], strategy=strategy, max_steps=job["warmup"] + job["steps"],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=job["world"],
+        strategy=strategy,
+        max_steps=job["warmup"] + job["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[timer, RecordLayout(), *extra],
     )
     loader = DataLoader(dataset(job), batch_size=job["batch"], shuffle=False, drop_last=True)
@@ -211,9 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="spot-planner-bench-") as tmp:
         out = Path(tmp)
         base = {
-            "world": args.world, "batch": args.batch, "width": args.width,
-            "hidden": [int(h) for h in args.hidden.split(",")], "steps": args.steps, "warmup": args.warmup,
-            "seed": 1234, "cache": args.profile_cache or str(out / "profiles"), "trace": args.trace, "timeout": args.timeout, "ac": False,
+            "world": args.world,
+            "batch": args.batch,
+            "width": args.width,
+            "hidden": [int(h) for h in args.hidden.split(",")],
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "seed": 1234,
+            "cache": args.profile_cache or str(out / "profiles"),
+            "trace": args.trace,
+            "timeout": args.timeout,
+            "ac": False,
         }
         mbs = [int(m) for m in args.microbatches.split(",")]
         p_full = args.world
@@ -232,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED: {err}", file=sys.stderr)
             return 1
 
-    balanced = next(r for r in sweep if r["layout"] == f"P{p_full}xD1" and r["microbatches"] == m_ab and r["schedule"] == "1F1B")
+    balanced = next(
+        r for r in sweep if r["layout"] == f"P{p_full}xD1" and r["microbatches"] == m_ab and r["schedule"] == "1F1B"
+    )
     lines = [
         f"model: {len(base['hidden'])} residual MLP blocks, width {args.width}, hidden {base['hidden']}; "
         f"global batch {args.batch}; W={args.world}; {args.steps} timed steps (median of rank 0)",
@@ -251,14 +275,16 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{r['layout']} M={r['microbatches']} {r['schedule']}"
         d = r["predicted_detail"]
         lines.append(
-            f"    {name:<28}{str(r['cuts']):<12}{r['predicted'] * 1000:8.1f} ms {r['measured'] * 1000:8.1f} ms"
+            f"    {name:<28}{r['cuts']!s:<12}{r['predicted'] * 1000:8.1f} ms {r['measured'] * 1000:8.1f} ms"
             f"  {pct(r['predicted'], r['measured']):>7}   predicted pipeline {d['pipeline'] * 1000:.0f} + all-reduce "
             f"{d['allreduce'] * 1000:.0f} + optimizer {d['optimizer'] * 1000:.0f} ms (measured optimizer "
             f"{r['optimizer_seconds'] * 1000:.0f} ms)"
         )
     within = sum(e <= 0.15 for e in errors)
-    lines.append(f"    mean |error| {statistics.mean(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%; "
-                 f"{within}/{len(errors)} layouts within 15% (goal: all)")
+    lines.append(
+        f"    mean |error| {statistics.mean(errors) * 100:.1f}%, max {max(errors) * 100:.1f}%; "
+        f"{within}/{len(errors)} layouts within 15% (goal: all)"
+    )
     best = min(sweep, key=lambda r: r["measured"])
     ac = ", activation checkpointing" if auto["ac"] else ""
     lines += [

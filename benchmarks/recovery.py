@@ -47,7 +47,9 @@ def worker(config: dict[str, Any]) -> None:
     (out / "exits").mkdir(parents=True, exist_ok=True)
     import atexit
 
-    atexit.register(lambda: (out / "exits" / f"attempt{attempt}-rank{rank}.json").write_text(json.dumps({"time": time.time()})))
+    atexit.register(
+        lambda: (out / "exits" / f"attempt{attempt}-rank{rank}.json").write_text(json.dumps({"time": time.time()}))
+    )
 
     sys.path.insert(0, str(REPO))
     import lightning as L
@@ -66,15 +68,30 @@ def worker(config: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (config["samples"], config["block"] + 1), generator=g)
     data = torch.utils.data.DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=config["batch"])
-    model = Bare(d_model=config["d_model"], n_layer=config["n_layer"], n_head=8, block_size=config["block"],
-                 max_steps=config["steps"])
-    checkpoint = SpotCheckpoint(dirpath=config["run"], every_n_train_steps=config["every"], keep_last=2,
-                                heartbeat_seconds=1.0, preemption=PreemptionWatcher(cloud=None))
+    model = Bare(
+        d_model=config["d_model"],
+        n_layer=config["n_layer"],
+        n_head=8,
+        block_size=config["block"],
+        max_steps=config["steps"],
+    )
+    checkpoint = SpotCheckpoint(
+        dirpath=config["run"],
+        every_n_train_steps=config["every"],
+        keep_last=2,
+        heartbeat_seconds=1.0,
+        preemption=PreemptionWatcher(cloud=None),
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy=SpotPipelineStrategy(pipeline_stages=2, microbatches=2),
-        max_steps=config["steps"], callbacks=[checkpoint], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_steps=config["steps"],
+        callbacks=[checkpoint],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, data)
 
@@ -89,13 +106,30 @@ def _events(run: Path) -> list[dict[str, Any]]:
 
 
 def _torchrun(config: dict[str, Any], log: Path) -> subprocess.Popen:
-    env = {**os.environ, CONFIG_ENV: json.dumps(config), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        CONFIG_ENV: json.dumps(config),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONPATH": str(REPO),
+    }
     env.pop("LOCAL_RANK", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-         "--monitor-interval=0.2", str(Path(__file__).resolve())],
-        env=env, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--monitor-interval=0.2",
+            str(Path(__file__).resolve()),
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -172,12 +206,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
-    base = {"d_model": 128 if args.quick else 768, "n_layer": 2 if args.quick else 4, "block": 64, "batch": 8,
-            "samples": 4096, "every": 5, "steps": 12 if args.quick else 14, "step_seconds": 0.3 if args.quick else 0.0}
-    print(f"model: TinyGPT d_model={base['d_model']} x {base['n_layer']} layers, ~{_state_mb(base):.0f} MB of weights + "
-          f"AdamW state; torchrun, 2 CPU workers, P2xD1, SpotCheckpoint every {base['every']} steps to local disk")
+    base = {
+        "d_model": 128 if args.quick else 768,
+        "n_layer": 2 if args.quick else 4,
+        "block": 64,
+        "batch": 8,
+        "samples": 4096,
+        "every": 5,
+        "steps": 12 if args.quick else 14,
+        "step_seconds": 0.3 if args.quick else 0.0,
+    }
+    print(
+        f"model: TinyGPT d_model={base['d_model']} x {base['n_layer']} layers, ~{_state_mb(base):.0f} MB of weights + "
+        f"AdamW state; torchrun, 2 CPU workers, P2xD1, SpotCheckpoint every {base['every']} steps to local disk"
+    )
     runs, scratch = [], []
-    for i in range(args.repeats):
+    for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp_dir:
             tmp = Path(tmp_dir)
             config = {**base, "run": str(tmp / "run"), "out": str(tmp / "out")}
@@ -186,14 +230,20 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     first = statistics.median(s["first_step"] for s in scratch)
     print("\nseconds after the notice (SIGTERM to one worker):")
-    for key, label in [("saved", "checkpoint committed"), ("exited", "every rank exited (code 75)"),
-                       ("restarted", "restarted workers started"), ("resumed", "state restored, training restarts"),
-                       ("first_resumed_step", "first resumed step done")]:
+    for key, label in [
+        ("saved", "checkpoint committed"),
+        ("exited", "every rank exited (code 75)"),
+        ("restarted", "restarted workers started"),
+        ("resumed", "state restored, training restarts"),
+        ("first_resumed_step", "first resumed step done"),
+    ]:
         print(f"  {label:<36} {med[key]:8.2f}")
     print(f"  steps recomputed                      {med['steps_recomputed']:8.0f}")
-    print(f"\nrestart from scratch: {first:.2f}s from launch to the first step, then all {med['stopped_at_step']:.0f} "
-          f"steps again; with SpotCheckpoint: {med['first_resumed_step']:.2f}s from the notice to a resumed step, "
-          f"{med['steps_recomputed']:.0f} steps recomputed")
+    print(
+        f"\nrestart from scratch: {first:.2f}s from launch to the first step, then all {med['stopped_at_step']:.0f} "
+        f"steps again; with SpotCheckpoint: {med['first_resumed_step']:.2f}s from the notice to a resumed step, "
+        f"{med['steps_recomputed']:.0f} steps recomputed"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"config": base, "recoveries": runs, "from_scratch": scratch}, indent=1))
 

@@ -36,16 +36,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--timeout", type=float, default=300)
     args = p.parse_args(argv)
-    (P, D), = parse_layouts(args.layout)
+    ((P, D),) = parse_layouts(args.layout)
     tmp = Path(tempfile.mkdtemp(prefix="spot-timeline-bench-"))
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for rep in range(args.repeats):
-        order = MODES[rep % 3:] + MODES[: rep % 3]
+        order = MODES[rep % 3 :] + MODES[: rep % 3]
         for mode in order:
             job = {
-                "impl": "strategy", "P": P, "D": D, "microbatches": args.microbatches, "batch_size": 32,
-                "d_model": 256, "n_layer": 8, "n_head": 4, "block_size": 64, "warmup": args.warmup,
-                "steps": args.steps, "seed": 1234, "timeline": mode, "result": str(tmp / f"{mode}-{rep}.json"),
+                "impl": "strategy",
+                "P": P,
+                "D": D,
+                "microbatches": args.microbatches,
+                "batch_size": 32,
+                "d_model": 256,
+                "n_layer": 8,
+                "n_head": 4,
+                "block_size": 64,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "seed": 1234,
+                "timeline": mode,
+                "result": str(tmp / f"{mode}-{rep}.json"),
             }
             try:
                 result = launch(job, tmp / "logs", args.timeout)
@@ -53,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"FAILED: {err}", file=sys.stderr)
                 return 1
             times[mode].append(result["median_step_seconds"])
-            print(f"round {rep + 1} {mode:<7} {result['median_step_seconds'] * 1000:7.2f} ms/step (median of {args.steps})", flush=True)
+            print(
+                f"round {rep + 1} {mode:<7} {result['median_step_seconds'] * 1000:7.2f} ms/step (median of {args.steps})",
+                flush=True,
+            )
     base = statistics.median(times["absent"])
     print(f"\n{args.layout}, TinyGPT, 1F1B, {args.microbatches} micro-batches; median over {args.repeats} rounds")
     for mode in MODES:

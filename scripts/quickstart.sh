@@ -2,7 +2,8 @@
 # Set up a virtual environment (once) and run the demo or the test suite.
 #
 #   bash scripts/quickstart.sh demo    # train the example GPT on 4 CPU processes (P2 x D2)
-#   bash scripts/quickstart.sh test    # the whole test suite
+#   bash scripts/quickstart.sh test    # lint, format and type checks, then the whole test suite
+#   bash scripts/quickstart.sh check   # only the lint, format and type checks (ruff, mypy)
 #
 # torch is installed first, pinned, so that pip never pulls a multi-GB CUDA build by accident.
 # Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0" PIP_INDEX_URL=...), VENV, PYTHON.
@@ -25,10 +26,17 @@ setup() {
     echo "quickstart: installing $TORCH_SPEC"
     "$py" -m pip install --quiet "$TORCH_SPEC"
   fi
-  if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse, matplotlib" >/dev/null 2>&1; then
+  if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse, matplotlib, ruff, mypy" >/dev/null 2>&1; then
     echo "quickstart: installing lightning-spot with its test extras"
     "$py" -m pip install --quiet -e ".[test]"
   fi
+}
+
+checks() {
+  echo "quickstart: ruff check, ruff format --check, mypy"
+  "$VENV/bin/python" -m ruff check .
+  "$VENV/bin/python" -m ruff format --check --quiet .
+  "$VENV/bin/python" -m mypy
 }
 
 case "$what" in
@@ -36,12 +44,17 @@ case "$what" in
     setup
     exec "$VENV/bin/python" examples/gpt/train.py "$@"
     ;;
+  check)
+    setup
+    checks
+    ;;
   test)
     setup
+    checks
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;
   *)
-    echo "usage: bash scripts/quickstart.sh {demo|test} [extra args]" >&2
+    echo "usage: bash scripts/quickstart.sh {demo|test|check} [extra args]" >&2
     exit 2
     ;;
 esac

@@ -24,7 +24,9 @@ class WorkerFailure(AssertionError):
     """A launched worker failed or the job timed out; carries every rank's output."""
 
     def __init__(self, message: str, logs: list[str]) -> None:
-        super().__init__(message + "\n" + "\n".join(f"----- rank {r} -----\n{log[-6000:]}" for r, log in enumerate(logs)))
+        super().__init__(
+            message + "\n" + "\n".join(f"----- rank {r} -----\n{log[-6000:]}" for r, log in enumerate(logs))
+        )
         self.logs = logs
 
 
@@ -85,7 +87,11 @@ def launch(
             files.append(out)
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, *argv], env=rank_env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                    [sys.executable, *argv],
+                    env=rank_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
                     start_new_session=True,
                 )
             )
@@ -129,8 +135,15 @@ def run_command(argv: Sequence[str], timeout: float = 240, env: dict[str, str] |
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
     full_env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen(list(argv), cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        list(argv),
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

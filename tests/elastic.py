@@ -17,7 +17,9 @@ from tests.distributed import REPO
 class Agent:
     """One torchrun agent with ``nproc`` workers, logging to ``log``."""
 
-    def __init__(self, name: str, port: int, nproc: int, script_args: list[str], log: Path, nnodes: str = "1:2") -> None:
+    def __init__(
+        self, name: str, port: int, nproc: int, script_args: list[str], log: Path, nnodes: str = "1:2"
+    ) -> None:
         self.name = name
         self.log_path = log
         self.log = open(log, "w")
@@ -31,13 +33,24 @@ class Agent:
         env.pop("LOCAL_RANK", None)
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "torch.distributed.run",
-                f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--max-restarts=3",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spot-test",
-                "--rdzv-conf=join_timeout=120,last_call_timeout=3", "--monitor-interval=0.5",
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nnodes}",
+                f"--nproc-per-node={nproc}",
+                "--max-restarts=3",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=spot-test",
+                "--rdzv-conf=join_timeout=120,last_call_timeout=3",
+                "--monitor-interval=0.5",
                 *script_args,
             ],
-            env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def signal(self, signum: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -35,7 +35,7 @@ class SlowFileSystem(LocalFileSystem):
 
 class FlakyFileSystem(LocalFileSystem):
     protocol = ("flakyfile",)
-    failed: set[str] = set()
+    failed: ClassVar[set[str]] = set()
     lock = threading.Lock()
 
     def _fail_first(self, path: str) -> None:

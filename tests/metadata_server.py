@@ -33,13 +33,17 @@ def make_handler(cloud: str, trigger: Path) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def do_PUT(self) -> None:  # noqa: N802
-            if cloud == "aws" and self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+        def do_PUT(self) -> None:
+            if (
+                cloud == "aws"
+                and self.path == "/latest/api/token"
+                and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+            ):
                 self._send(200, TOKEN)
             else:
                 self._send(404)
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             preempted = trigger.exists()
             if cloud == "aws" and self.path == "/latest/meta-data/spot/instance-action":
                 if self.headers.get("X-aws-ec2-metadata-token") != TOKEN:
@@ -48,7 +52,11 @@ def make_handler(cloud: str, trigger: Path) -> type[BaseHTTPRequestHandler]:
                     self._send(404)
                 else:
                     when = datetime.now(timezone.utc) + timedelta(seconds=120)
-                    self._send(200, json.dumps({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}), "application/json")
+                    self._send(
+                        200,
+                        json.dumps({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}),
+                        "application/json",
+                    )
             elif cloud == "gcp" and self.path == "/computeMetadata/v1/instance/preempted":
                 if self.headers.get("Metadata-Flavor") != "Google":
                     self._send(403)
@@ -61,9 +69,19 @@ def make_handler(cloud: str, trigger: Path) -> type[BaseHTTPRequestHandler]:
                 events = []
                 if preempted:
                     not_before = email.utils.formatdate(time.time() + 30, usegmt=True)
-                    events.append({"EventId": "A1B2", "EventType": "Preempt", "ResourceType": "VirtualMachine",
-                                   "Resources": ["vm0"], "EventStatus": "Scheduled", "NotBefore": not_before})
-                self._send(200, json.dumps({"DocumentIncarnation": 1 + len(events), "Events": events}), "application/json")
+                    events.append(
+                        {
+                            "EventId": "A1B2",
+                            "EventType": "Preempt",
+                            "ResourceType": "VirtualMachine",
+                            "Resources": ["vm0"],
+                            "EventStatus": "Scheduled",
+                            "NotBefore": not_before,
+                        }
+                    )
+                self._send(
+                    200, json.dumps({"DocumentIncarnation": 1 + len(events), "Events": events}), "application/json"
+                )
             else:
                 self._send(404)
 

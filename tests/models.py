@@ -90,9 +90,7 @@ class MetaInitPipelineModel(TinyPipelineModel):
 
     def __init__(self, num_layers: int = 4, optimizer: str = "adam", lr: float = 0.05, scheduler: bool = False) -> None:
         L.LightningModule.__init__(self)
-        self.save_hyperparameters(
-            {"num_layers": num_layers, "optimizer": optimizer, "lr": lr, "scheduler": scheduler}
-        )
+        self.save_hyperparameters({"num_layers": num_layers, "optimizer": optimizer, "lr": lr, "scheduler": scheduler})
         self.num_layers = num_layers
 
     def configure_model(self) -> None:
@@ -171,7 +169,10 @@ class SaveFinalState(L.Callback):
 
         os.makedirs(self.dirpath, exist_ok=True)
         torch.save(
-            {"state_dict": pl_module.state_dict(), "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}},
+            {
+                "state_dict": pl_module.state_dict(),
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
         )
 

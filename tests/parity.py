@@ -16,7 +16,9 @@ from tests.models import MetaInitPipelineModel, make_dataset, make_loader, make_
 WORKER = "tests/workers/run_scenarios.py"
 
 
-def run_scenarios(world_size: int, scenarios: list[dict[str, Any]], tmp: Path, timeout: float = 400) -> dict[str, list[dict]]:
+def run_scenarios(
+    world_size: int, scenarios: list[dict[str, Any]], tmp: Path, timeout: float = 400
+) -> dict[str, list[dict]]:
     """Launch all ``scenarios`` in one ``world_size``-process job; return each scenario's per-rank results."""
     tmp.mkdir(parents=True, exist_ok=True)
     spec = tmp / "scenarios.json"

@@ -7,8 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from lightning_spot import Layout, LayoutError, ModelContractError, SpotPipelineStrategy, discover, plan_stages
@@ -58,7 +56,12 @@ def test_unknown_schedule_lists_the_valid_ones() -> None:
 
 @pytest.mark.parametrize(
     ("name", "canonical", "per_rank"),
-    [("gpipe", "GPipe", 1), ("1f1b", "1F1B", 1), ("interleaved_1f1b", "Interleaved1F1B", 2), ("ZBV", "ZBVZeroBubble", 2)],
+    [
+        ("gpipe", "GPipe", 1),
+        ("1f1b", "1F1B", 1),
+        ("interleaved_1f1b", "Interleaved1F1B", 2),
+        ("ZBV", "ZBVZeroBubble", 2),
+    ],
 )
 def test_schedule_names_are_case_insensitive(name: str, canonical: str, per_rank: int) -> None:
     spec = resolve_schedule(name)
@@ -128,7 +131,9 @@ def errors_on_every_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[
         ("manual-optimization", r"ModelContractError: .*needs automatic optimization"),
     ],
 )
-def test_trainer_reports_bad_input_on_every_rank(errors_on_every_rank: list[dict[str, str]], name: str, pattern: str) -> None:
+def test_trainer_reports_bad_input_on_every_rank(
+    errors_on_every_rank: list[dict[str, str]], name: str, pattern: str
+) -> None:
     for rank_errors in errors_on_every_rank:
         assert rank_errors[name] != "no error"
         assert re.search(pattern, rank_errors[name], flags=re.S), rank_errors[name]

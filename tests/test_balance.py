@@ -15,7 +15,9 @@ def brute_force(times, stages, first_extra=0.0, last_extra=0.0, stage_bytes=None
     best = None
     for cuts in itertools.combinations(range(1, len(times)), stages - 1):
         bounds = [0, *cuts, len(times)]
-        if capacity is not None and any(stage_bytes(s, a, b) > capacity for s, (a, b) in enumerate(zip(bounds, bounds[1:]))):
+        if capacity is not None and any(
+            stage_bytes(s, a, b) > capacity for s, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        ):
             continue
         worst = max(stage_times(times, cuts, first_extra=first_extra, last_extra=last_extra))
         best = worst if best is None else min(best, worst)

@@ -126,7 +126,9 @@ def test_kill_during_upload_leaves_the_previous_checkpoint(tmp_path: Path) -> No
 def test_transient_storage_errors_are_retried(tmp_path: Path) -> None:
     """The first write of every file fails with a connection reset; the checkpoints still commit."""
     run = tmp_path / "run"
-    results = run_scenarios(1, [{**_scenario("flaky", f"flakyfile://{run}", 4), "strategy": {"pipeline_stages": 1}}], tmp_path)
+    results = run_scenarios(
+        1, [{**_scenario("flaky", f"flakyfile://{run}", 4), "strategy": {"pipeline_stages": 1}}], tmp_path
+    )
     assert results["flaky"][0]["spot"]["saves"][-1]["step"] == 4
     assert sorted(p.parent.name for p in run.glob("step-*/manifest.json")) == ["step-000000002", "step-000000004"]
     log = (tmp_path / "logs" / "rank0.log").read_text()
@@ -137,7 +139,10 @@ def test_unusable_storage_fails_before_training(tmp_path: Path, s3_endpoint: str
     from tests.distributed import free_port
 
     cases = {
-        "unreachable": ("s3://bucket/run", {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "k", "secret": "s"}),
+        "unreachable": (
+            "s3://bucket/run",
+            {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "k", "secret": "s"},
+        ),
         "no-bucket": ("s3://no-such-bucket-here/run", {"endpoint_url": s3_endpoint, "key": "k", "secret": "s"}),
     }
     expected = {
@@ -146,10 +151,17 @@ def test_unusable_storage_fails_before_training(tmp_path: Path, s3_endpoint: str
     }
     for case, (url, options) in cases.items():
         spec = tmp_path / f"{case}.json"
-        spec.write_text(json.dumps([{**_scenario(case, url, 4, storage_options=options), "strategy": {"pipeline_stages": 1}}]))
+        spec.write_text(
+            json.dumps([{**_scenario(case, url, 4, storage_options=options), "strategy": {"pipeline_stages": 1}}])
+        )
         start = time.monotonic()
         with pytest.raises(WorkerFailure) as failure:
-            launch(1, ["tests/workers/run_scenarios.py", str(spec), str(tmp_path / "out")], log_dir=tmp_path / case, timeout=120)
+            launch(
+                1,
+                ["tests/workers/run_scenarios.py", str(spec), str(tmp_path / "out")],
+                log_dir=tmp_path / case,
+                timeout=120,
+            )
         assert time.monotonic() - start < 90
         log = failure.value.logs[0]
         assert expected[case] in log, log[-3000:]

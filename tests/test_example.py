@@ -10,12 +10,24 @@ from tests.distributed import run_command as run_with_lightning_launcher
 
 
 def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> None:
-    common = [sys.executable, "examples/gpt/train.py", "--devices", "2", "--val-every", "4",
-              "--checkpoint-every", "4", "--root", str(tmp_path)]
+    common = [
+        sys.executable,
+        "examples/gpt/train.py",
+        "--devices",
+        "2",
+        "--val-every",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--root",
+        str(tmp_path),
+    ]
     out = run_with_lightning_launcher([*common, "--max-steps", "8", "--microbatches", "2"])
-    line = re.search(r"done: layout (\S+), train_loss ([\d.]+), val_loss ([\d.]+), val_ppl ([\d.]+), ([\d.]+) samples/s", out)
+    line = re.search(
+        r"done: layout (\S+), train_loss ([\d.]+), val_loss ([\d.]+), val_ppl ([\d.]+), ([\d.]+) samples/s", out
+    )
     assert line, out[-3000:]
-    layout, train_loss, val_loss, val_ppl, samples = line.groups()
+    layout, train_loss, _val_loss, val_ppl, samples = line.groups()
     assert layout == "P2xD1"
     assert float(train_loss) < 5.2  # ln(256) = 5.55 at the start: it learned something
     assert 1.0 < float(val_ppl) < 256
@@ -31,9 +43,25 @@ def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> 
 def test_example_lightning_cli_config(tmp_path: Path) -> None:
     exe = str(Path(sys.executable).parent / "lightning-spot")
     out = run_with_lightning_launcher(
-        [exe, "fit", "--config", "examples/gpt/config.yaml", "--trainer.devices", "2", "--trainer.max_steps", "6",
-         "--trainer.val_check_interval", "3", "--model.max_steps", "6", "--trainer.default_root_dir", str(tmp_path)]
+        [
+            exe,
+            "fit",
+            "--config",
+            "examples/gpt/config.yaml",
+            "--trainer.devices",
+            "2",
+            "--trainer.max_steps",
+            "6",
+            "--trainer.val_check_interval",
+            "3",
+            "--model.max_steps",
+            "6",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
     )
     assert re.search(r"spot_pipeline plan: P\dxD\d, \d+ micro-batches", out), out[-3000:]  # planned: all "auto"
-    assert re.search(r"throughput \(P\dxD\d [^)]*\): [\d.]+ samples/s, \d+ tokens/s, .*bubble [\d.]+% on rank 0", out), out[-3000:]
+    assert re.search(
+        r"throughput \(P\dxD\d [^)]*\): [\d.]+ samples/s, \d+ tokens/s, .*bubble [\d.]+% on rank 0", out
+    ), out[-3000:]
     assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").is_file()

@@ -14,7 +14,9 @@ from tests.models import make_model
 def _place(pp_rank: int, pp_size: int = 2, model=None):
     model = model or make_model()
     split = discover(model)
-    placed = place_stages(model, split, plan_stages(split.num_layers, pp_size), pp_rank=pp_rank, device=torch.device("cpu"))
+    placed = place_stages(
+        model, split, plan_stages(split.num_layers, pp_size), pp_rank=pp_rank, device=torch.device("cpu")
+    )
     return model, placed
 
 
@@ -22,7 +24,14 @@ def test_each_rank_keeps_only_its_stage_under_original_names() -> None:
     first, _ = _place(0)
     last, _ = _place(1)
     assert sorted(first.state_dict()) == sorted(
-        ["embed.weight", "embed.bias", "layers.0.fc.weight", "layers.0.fc.bias", "layers.1.fc.weight", "layers.1.fc.bias"]
+        [
+            "embed.weight",
+            "embed.bias",
+            "layers.0.fc.weight",
+            "layers.0.fc.bias",
+            "layers.1.fc.weight",
+            "layers.1.fc.bias",
+        ]
     )
     assert sorted(last.state_dict()) == sorted(
         ["layers.2.fc.weight", "layers.2.fc.bias", "layers.3.fc.weight", "layers.3.fc.bias", "head.weight", "head.bias"]
@@ -64,9 +73,12 @@ def test_later_stage_receives_the_activation_and_rejects_meta_arguments() -> Non
 
     layer = MaskedBlock(torch.nn.Linear(16, 16))
     instrument_layer(layer, "layers.2", 1, first=True, last=True)
-    with running(StageRun(stage=1, first_stage=False, incoming=(incoming,), exit_after=False)):
-        with pytest.raises(ModelContractError, match="Only the first positional argument travels between stages"):
-            layer(torch.empty(3, 16, device="meta"), torch.ones(3, 16, device="meta"))
+    run = StageRun(stage=1, first_stage=False, incoming=(incoming,), exit_after=False)
+    with (
+        running(run),
+        pytest.raises(ModelContractError, match="Only the first positional argument travels between stages"),
+    ):
+        layer(torch.empty(3, 16, device="meta"), torch.ones(3, 16, device="meta"))
 
 
 def test_meta_module_without_reset_parameters_is_named() -> None:
@@ -81,5 +93,8 @@ def test_meta_module_without_reset_parameters_is_named() -> None:
     with torch.device("meta"):
         model = make_model()
         model.layers[0] = Scale()
-    with pytest.raises(ModelContractError, match=r"Module `layers.0` \(Scale\) was created on the meta device but defines no `reset_parameters"):
+    with pytest.raises(
+        ModelContractError,
+        match=r"Module `layers.0` \(Scale\) was created on the meta device but defines no `reset_parameters",
+    ):
         _place(0, model=model)

@@ -49,32 +49,48 @@ def test_slow_network_avoids_data_parallel_allreduce() -> None:
 
 def test_uneven_layers_get_balanced_cuts() -> None:
     profile = transformer(6)
-    heavy = LayerProfile(0.06, 0.12, profile.layers[0].param_bytes, profile.layers[0].saved_bytes, profile.layers[0].output_bytes)
+    heavy = LayerProfile(
+        0.06, 0.12, profile.layers[0].param_bytes, profile.layers[0].saved_bytes, profile.layers[0].output_bytes
+    )
     profile.layers = [heavy, *profile.layers[1:]]
-    candidate = evaluate(profile, pipeline_stages=2, data_parallel=1, microbatches=8, global_batch=64, hardware=FAST_NET)
+    candidate = evaluate(
+        profile, pipeline_stages=2, data_parallel=1, microbatches=8, global_batch=64, hardware=FAST_NET
+    )
     assert candidate.cuts == [1], "the heavy first layer gets a stage of its own"
-    uniform = evaluate(profile, pipeline_stages=2, data_parallel=1, microbatches=8, global_batch=64, hardware=FAST_NET,
-                       cuts=[3])
+    uniform = evaluate(
+        profile, pipeline_stages=2, data_parallel=1, microbatches=8, global_batch=64, hardware=FAST_NET, cuts=[3]
+    )
     assert candidate.predicted_step_seconds < uniform.predicted_step_seconds
 
 
 def test_1f1b_holds_fewer_microbatches_than_gpipe() -> None:
     assert [in_flight("1F1B", s, 4, 16) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight("GPipe", s, 4, 16) for s in range(4)] == [16] * 4
-    gpipe = evaluate(transformer(), pipeline_stages=4, data_parallel=1, microbatches=16, global_batch=128, schedule="GPipe")
-    one_f = evaluate(transformer(), pipeline_stages=4, data_parallel=1, microbatches=16, global_batch=128, schedule="1F1B")
+    gpipe = evaluate(
+        transformer(), pipeline_stages=4, data_parallel=1, microbatches=16, global_batch=128, schedule="GPipe"
+    )
+    one_f = evaluate(
+        transformer(), pipeline_stages=4, data_parallel=1, microbatches=16, global_batch=128, schedule="1F1B"
+    )
     assert max(one_f.stage_bytes) < max(gpipe.stage_bytes)
 
 
 def test_bubble_shrinks_with_more_microbatches() -> None:
     profile = transformer()
-    few = predict_step_seconds(profile.scaled(16), [2, 4, 6], data_parallel=1, microbatches=4, checkpointing=False, hardware=FAST_NET)[0]
-    many = predict_step_seconds(profile.scaled(4), [2, 4, 6], data_parallel=1, microbatches=16, checkpointing=False, hardware=FAST_NET)[0]
+    few = predict_step_seconds(
+        profile.scaled(16), [2, 4, 6], data_parallel=1, microbatches=4, checkpointing=False, hardware=FAST_NET
+    )[0]
+    many = predict_step_seconds(
+        profile.scaled(4), [2, 4, 6], data_parallel=1, microbatches=16, checkpointing=False, hardware=FAST_NET
+    )[0]
     assert many < few  # same global batch, smaller bubble
 
 
 def test_nothing_fits_is_a_clear_error() -> None:
-    with pytest.raises(LayoutError, match=r"No layout of 2 devices fits a global batch of 64 samples in 1\.0 GiB per device\. The least memory any layout needs is"):
+    with pytest.raises(
+        LayoutError,
+        match=r"No layout of 2 devices fits a global batch of 64 samples in 1\.0 GiB per device\. The least memory any layout needs is",
+    ):
         plan_layouts(transformer(), world_size=2, global_batch=64, hardware=Hardware(memory_bytes=2**30))
 
 
@@ -83,13 +99,39 @@ def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
 
     from lightning_spot.cli import main
 
-    argv = ["plan", "--model", "examples.gpt.model:TinyGPT", "--init-args", '{"n_layer": 4, "d_model": 64}',
-            "--world-size", "4", "--device-memory", "3MB", "--global-batch", "32",
-            "--input-shape", "4x64", "--input-dtype", "int64", "--input-high", "256", "--device", "cpu"]
+    argv = [
+        "plan",
+        "--model",
+        "examples.gpt.model:TinyGPT",
+        "--init-args",
+        '{"n_layer": 4, "d_model": 64}',
+        "--world-size",
+        "4",
+        "--device-memory",
+        "3MB",
+        "--global-batch",
+        "32",
+        "--input-shape",
+        "4x64",
+        "--input-dtype",
+        "int64",
+        "--input-high",
+        "256",
+        "--device",
+        "cpu",
+    ]
     assert main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    for key in ("pipeline_stages", "data_parallel", "microbatches", "schedule", "cuts", "stage_seconds", "stage_bytes",
-                "predicted_step_seconds"):
+    for key in (
+        "pipeline_stages",
+        "data_parallel",
+        "microbatches",
+        "schedule",
+        "cuts",
+        "stage_seconds",
+        "stage_bytes",
+        "predicted_step_seconds",
+    ):
         assert key in plan
     assert plan["pipeline_stages"] * plan["data_parallel"] == 4
     assert plan["pipeline_stages"] > 1, "3 MB cannot hold the whole model's training state"
@@ -103,5 +145,18 @@ def test_plan_command_explains_missing_inputs(capsys: pytest.CaptureFixture[str]
     from lightning_spot.cli import main
 
     with pytest.raises(SystemExit, match="needs forward inputs: define `example_input_array`"):
-        main(["plan", "--model", "examples.gpt.model:TinyGPT", "--world-size", "2", "--device-memory", "1GB",
-              "--global-batch", "8", "--device", "cpu"])
+        main(
+            [
+                "plan",
+                "--model",
+                "examples.gpt.model:TinyGPT",
+                "--world-size",
+                "2",
+                "--device-memory",
+                "1GB",
+                "--global-batch",
+                "8",
+                "--device",
+                "cpu",
+            ]
+        )

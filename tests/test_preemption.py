@@ -122,8 +122,13 @@ def _run_until_preempted(tmp: Path, config: Path, trigger: Callable[[], None], *
     from lightning_spot import PREEMPTED_EXIT_CODE
 
     return launch(
-        2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp / "logs", timeout=240,
-        expect_exit=PREEMPTED_EXIT_CODE, kill_when=fire, pids=pids,
+        2,
+        ["tests/workers/elastic_train.py", str(config)],
+        log_dir=tmp / "logs",
+        timeout=240,
+        expect_exit=PREEMPTED_EXIT_CODE,
+        kill_when=fire,
+        pids=pids,
     )
 
 
@@ -133,13 +138,22 @@ def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: P
     flag = tmp_path / "preempt-now"
     server = subprocess.Popen(
         [sys.executable, "tests/metadata_server.py", "--cloud", cloud, "--port", str(port), "--trigger", str(flag)],
-        cwd=REPO, start_new_session=True,
+        cwd=REPO,
+        start_new_session=True,
     )
     try:
         wait_for(lambda: port_open(port), 30, "the metadata server", [])
         config = _config(
-            tmp_path, max_steps=40, watch_rank=1, timeline=True,
-            watcher={"cloud": cloud, "poll_interval": 0.2, "endpoints": {cloud: f"http://127.0.0.1:{port}"}, "signals": []},
+            tmp_path,
+            max_steps=40,
+            watch_rank=1,
+            timeline=True,
+            watcher={
+                "cloud": cloud,
+                "poll_interval": 0.2,
+                "endpoints": {cloud: f"http://127.0.0.1:{port}"},
+                "signals": [],
+            },
         )
         logs = _run_until_preempted(tmp_path, config, flag.touch, pids=[])
     finally:
@@ -157,7 +171,9 @@ def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: P
         assert any(e.get("name") == "checkpoint copy" and e["args"]["step"] == last for e in trace["traceEvents"])
     if cloud == "gcp":  # the per-rank files merge into one trace and chart
         exe = str(Path(sys.executable).parent / "lightning-spot")
-        merged = subprocess.run([exe, "timeline", str(tmp_path / "out" / "timeline")], capture_output=True, text=True, timeout=120)
+        merged = subprocess.run(
+            [exe, "timeline", str(tmp_path / "out" / "timeline")], capture_output=True, text=True, timeout=120
+        )
         assert merged.returncode == 0, merged.stderr
         events = json.loads((tmp_path / "out" / "timeline" / "trace.json").read_text())["traceEvents"]
         assert {e["pid"] for e in events if e.get("cat") == "preemption"} == {0, 1}
@@ -182,8 +198,13 @@ def test_notice_during_a_background_save_finishes_that_save_first(tmp_path: Path
     from lightning_spot import PREEMPTED_EXIT_CODE
 
     launch(
-        2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp_path / "logs", timeout=240,
-        expect_exit=PREEMPTED_EXIT_CODE, kill_when=sigterm_during_upload, pids=pids,
+        2,
+        ["tests/workers/elastic_train.py", str(config)],
+        log_dir=tmp_path / "logs",
+        timeout=240,
+        expect_exit=PREEMPTED_EXIT_CODE,
+        kill_when=sigterm_during_upload,
+        pids=pids,
         env={"SPOT_TEST_SLOW_STEP": "4", "SPOT_TEST_MARKER": str(marker), "SPOT_TEST_SLOW_SECONDS": "3"},
     )
     committed = _committed(tmp_path)
@@ -192,12 +213,16 @@ def test_notice_during_a_background_save_finishes_that_save_first(tmp_path: Path
     assert manifest["reason"] == "preempted: SIGTERM"
 
 
-def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(tmp_path: Path, uninterrupted: dict) -> None:
+def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
+    tmp_path: Path, uninterrupted: dict
+) -> None:
     """SIGKILL one worker (no notice): its peers fail fast, torchrun restarts the group, which resumes."""
     config = _config(tmp_path)
     port = free_port()
     with agents_cleanup([]) as agents:
-        agents.append(Agent("node", port, 2, ["tests/workers/elastic_train.py", str(config)], tmp_path / "a.log", nnodes="1"))
+        agents.append(
+            Agent("node", port, 2, ["tests/workers/elastic_train.py", str(config)], tmp_path / "a.log", nnodes="1")
+        )
         wait_for(lambda: any(s >= 4 for s in _committed(tmp_path)), 240, "a checkpoint at step 4", agents)
         victim = int((tmp_path / "out" / "pids" / "rank1-attempt0.pid").read_text())
         os.kill(victim, signal.SIGKILL)
@@ -213,12 +238,35 @@ def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
 def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_spot.cli import main
 
-    assert main(["run", "--dry-run", "--nnodes", "1:4", "--nproc-per-node", "8", "--rdzv-endpoint", "head:29400",
-                 "train.py", "--lr", "0.1"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--dry-run",
+                "--nnodes",
+                "1:4",
+                "--nproc-per-node",
+                "8",
+                "--rdzv-endpoint",
+                "head:29400",
+                "train.py",
+                "--lr",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line
-    for part in ("-m torch.distributed.run", "--nproc-per-node=8", "--max-restarts=100", "--nnodes=1:4",
-                 "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "train.py --lr 0.1"):
+    for part in (
+        "-m torch.distributed.run",
+        "--nproc-per-node=8",
+        "--max-restarts=100",
+        "--nnodes=1:4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=head:29400",
+        "train.py --lr 0.1",
+    ):
         assert part in line
     assert main(["run", "--dry-run", "train.py"]) == 0 and "--standalone" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="need --rdzv-endpoint"):
@@ -228,6 +276,9 @@ def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureF
 def test_run_wrapper_trains_a_job(tmp_path: Path, uninterrupted: dict) -> None:
     config = _config(tmp_path, step_seconds=0.0)
     exe = str(Path(sys.executable).parent / "lightning-spot")
-    run_command([exe, "run", "--nproc-per-node", "2", "tests/workers/elastic_train.py", str(config)],
-                timeout=300, env={"OMP_NUM_THREADS": "1"})
+    run_command(
+        [exe, "run", "--nproc-per-node", "2", "tests/workers/elastic_train.py", str(config)],
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert_same_params(merged_state(_finals(tmp_path, 2)), uninterrupted)

@@ -51,8 +51,13 @@ def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
     assert second["samples_per_second"] == pytest.approx((50 - 31) / 14 * 32)
     assert first["ended"].startswith("preempted (SIGTERM)") and second["ended"] == "finished"
     text = format_report(report)
-    for needle in ("preemptions survived 1", "time lost to restarts 23.8s", "P2xD2 1F1B M=4 -> P2xD1 1F1B M=4",
-                   "throughput per layout", "stalled 0.20s"):
+    for needle in (
+        "preemptions survived 1",
+        "time lost to restarts 23.8s",
+        "P2xD2 1F1B M=4 -> P2xD1 1F1B M=4",
+        "throughput per layout",
+        "stalled 0.20s",
+    ):
         assert needle in text, text
 
 
@@ -61,11 +66,15 @@ def test_report_cli_text_json_and_png(tmp_path: Path) -> None:
     _history(tmp_path / "run")
     png = tmp_path / "run.png"
     exe = str(Path(sys.executable).parent / "lightning-spot")
-    out = subprocess.run([exe, "report", str(tmp_path / "run"), "--png", str(png)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [exe, "report", str(tmp_path / "run"), "--png", str(png)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "preempted (SIGTERM)" in out.stdout and "timeline written to" in out.stdout
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
-    as_json = subprocess.run([exe, "report", str(tmp_path / "run"), "--json"], capture_output=True, text=True, timeout=120)
+    as_json = subprocess.run(
+        [exe, "report", str(tmp_path / "run"), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert json.loads(as_json.stdout)["preemptions_survived"] == 1
 
 
@@ -80,4 +89,3 @@ def test_timeline_merge_without_rank_files_names_the_fix(tmp_path: Path) -> None
     exe = str(Path(sys.executable).parent / "lightning-spot")
     out = subprocess.run([exe, "timeline", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "no rank<N>.trace.json" in out.stderr and "PipelineTimeline" in out.stderr
-

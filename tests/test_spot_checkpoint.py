@@ -31,7 +31,14 @@ MORPHS: dict[str, tuple[tuple[int, dict], tuple[int, dict], str, str]] = {
 
 
 def _phase(name: str, strategy: dict, max_steps: int, spot: dict, **extra: Any) -> dict[str, Any]:
-    return {**COMMON, "name": name, "strategy": strategy, "trainer": {"max_steps": max_steps}, "spot_checkpoint": spot, **extra}
+    return {
+        **COMMON,
+        "name": name,
+        "strategy": strategy,
+        "trainer": {"max_steps": max_steps},
+        "spot_checkpoint": spot,
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +102,9 @@ def test_storage_holds_the_last_committed_checkpoints(name: str, morphs: dict) -
     assert manifest["data"] == {"global_batch": 16, "samples_consumed": 16 * TOTAL_STEPS}
     assert manifest["step"] == TOTAL_STEPS and manifest["epoch"] == 2
     files = storage.sizes("step-000000012")
-    assert {n: f["size"] for n, f in manifest["files"].items()} == {n: s for n, s in files.items() if n != "manifest.json"}
+    assert {n: f["size"] for n, f in manifest["files"].items()} == {
+        n: s for n, s in files.items() if n != "manifest.json"
+    }
     assert any(n.endswith(".distcp") for n in files) and ".metadata" in files
     assert all(f"rng-rank{r:05d}.json" in files for r in range(world))
 
@@ -136,10 +145,20 @@ def test_time_based_checkpoints_are_agreed_by_all_ranks(tmp_path: Path) -> None:
     from tests.distributed import launch
 
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "out": str(tmp_path / "out"), "run": str(tmp_path / "run"), "max_steps": 12, "step_seconds": 0.25,
-        "every": None, "every_minutes": 0.01, "keep_last": 20, "strategy": {"pipeline_stages": 2, "microbatches": 4},
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "out": str(tmp_path / "out"),
+                "run": str(tmp_path / "run"),
+                "max_steps": 12,
+                "step_seconds": 0.25,
+                "every": None,
+                "every_minutes": 0.01,
+                "keep_last": 20,
+                "strategy": {"pipeline_stages": 2, "microbatches": 4},
+            }
+        )
+    )
     launch(2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp_path / "logs", timeout=240)
     manifests = [json.loads(p.read_text()) for p in sorted((tmp_path / "run").glob("step-*/manifest.json"))]
     periodic = [m["step"] for m in manifests if m["reason"] == "periodic"]

@@ -6,7 +6,6 @@ compared with a single-process Lightning run on the same data: parameters within
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,13 +24,19 @@ def scenario(name: str, **overrides: Any) -> dict[str, Any]:
 
 WORLD_4 = [
     scenario("P2D2-1F1B-adam", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "1F1B"}),
-    scenario("P2D2-GPipe-sgd", strategy={"pipeline_stages": 2, "microbatches": 2, "schedule": "gpipe"}, model={"optimizer": "sgd"}),
+    scenario(
+        "P2D2-GPipe-sgd",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "schedule": "gpipe"},
+        model={"optimizer": "sgd"},
+    ),
     scenario(
         "P2D2-Interleaved1F1B-sgd",
         strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "Interleaved1F1B"},
         model={"optimizer": "sgd"},
     ),
-    scenario("P2D2-ZBVZeroBubble-adam", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "ZBVZeroBubble"}),
+    scenario(
+        "P2D2-ZBVZeroBubble-adam", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "ZBVZeroBubble"}
+    ),
     scenario("P4D1-1F1B-adam", strategy={"pipeline_stages": 4, "microbatches": 4, "schedule": "1f1b"}),
     scenario(
         "P2D2-clip-accumulate-lr-scheduler-shuffle",
@@ -57,7 +62,9 @@ WORLD_4 = [
         expect_cuts=[1],
     ),
     # everything "auto": the planner must pipeline a model that does not fit one device's memory
-    scenario("auto-planned-tight-memory", strategy={"device_memory": "14KB", "profile_cache": None}, expect_min_stages=2),
+    scenario(
+        "auto-planned-tight-memory", strategy={"device_memory": "14KB", "profile_cache": None}, expect_min_stages=2
+    ),
     # Lightning's own ModelCheckpoint writes sharded checkpoints; fit(ckpt_path=...) resumes on another layout
     scenario(
         "P2D2-ModelCheckpoint-epoch1",
@@ -94,7 +101,11 @@ WORLD_2 = [
         "P2D1-InterleavedZeroBubble-adam",
         strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "InterleavedZeroBubble"},
     ),
-    scenario("P2D1-DualPipeV-sgd", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "DualPipeV"}, model={"optimizer": "sgd"}),
+    scenario(
+        "P2D1-DualPipeV-sgd",
+        strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "DualPipeV"},
+        model={"optimizer": "sgd"},
+    ),
     scenario("P1D2-LoopedBFS-adam", strategy={"pipeline_stages": 1, "microbatches": 2, "schedule": "loopedbfs"}),
     scenario(
         "P2D1-loss-hook-dict-batches",
@@ -200,10 +211,10 @@ def test_meta_init_is_layout_independent(jobs: dict, tmp_path_factory) -> None:
     """Weights initialised per stage (configure_model on meta) do not depend on the layout."""
     ranks = _results(jobs, 4, tmp_path_factory)["P2D2-meta-init"]
     initial = merged_state(ranks, "initial")
-    from tests.models import MetaInitPipelineModel
     from lightning_spot.partition.cuts import plan_stages
     from lightning_spot.partition.discovery import discover
     from lightning_spot.partition.placement import place_stages
+    from tests.models import MetaInitPipelineModel
 
     torch.manual_seed(123)  # a different global seed must not matter
     with torch.device("meta"):

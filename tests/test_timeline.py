@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from lightning_spot.runtime.schedules import measured_bubble, theoretical_bubble
-from lightning_spot.runtime.schedules import SCHEDULE_NAMES, resolve_schedule
+from lightning_spot.runtime.schedules import SCHEDULE_NAMES, measured_bubble, resolve_schedule, theoretical_bubble
 from tests.parity import run_scenarios
 
 RECORDED = [1, 2]  # the traced global steps
@@ -24,7 +23,11 @@ def _scenario(schedule: str, **extra: Any) -> dict[str, Any]:
         "model": {"num_layers": 8},
         "loader": {"batch_size": 16, "n": 64},
         "trainer": {"max_steps": 3},
-        "timeline": {"start_step": RECORDED[0], "num_steps": len(RECORDED), "gantt": schedule in ("1F1B", "ZBVZeroBubble")},
+        "timeline": {
+            "start_step": RECORDED[0],
+            "num_steps": len(RECORDED),
+            "gantt": schedule in ("1F1B", "ZBVZeroBubble"),
+        },
         "throughput": {"warmup_steps": 0},
         **extra,
     }
@@ -35,11 +38,16 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every schedule on P2xD1, and 1F1B on P2xD2 with SpotCheckpoint (all-reduce and checkpoint events)."""
     tmp = tmp_path_factory.mktemp("timeline")
     two = run_scenarios(2, [_scenario(s) for s in SCHEDULE_NAMES], tmp / "w2", timeout=400)
-    ddp = _scenario("1F1B", name="P2D2-1F1B-checkpointed",
-                    spot_checkpoint={"dirpath": str(tmp / "w4" / "run"), "every_n_train_steps": 1})
+    ddp = _scenario(
+        "1F1B",
+        name="P2D2-1F1B-checkpointed",
+        spot_checkpoint={"dirpath": str(tmp / "w4" / "run"), "every_n_train_steps": 1},
+    )
     four = run_scenarios(4, [ddp], tmp / "w4", timeout=300)
-    return {"results": {**two, **four}, "dirs": {**{s: tmp / "w2" / "out" / s for s in SCHEDULE_NAMES},
-                                                 ddp["name"]: tmp / "w4" / "out" / ddp["name"]}}
+    return {
+        "results": {**two, **four},
+        "dirs": {**{s: tmp / "w2" / "out" / s for s in SCHEDULE_NAMES}, ddp["name"]: tmp / "w4" / "out" / ddp["name"]},
+    }
 
 
 def _trace(traced: dict[str, Any], name: str) -> dict[str, Any]:
@@ -61,8 +69,11 @@ def test_trace_has_every_microbatch_forward_and_backward_on_every_stage(traced: 
     stages = 2 * spec.stages_per_rank
     steps = [e for e in events if e["cat"] == "step"]
     assert sorted(e["args"]["step"] for e in steps if e["pid"] == 0) == RECORDED
-    compute = Counter((e["cat"], e["args"]["stage"], e["args"]["microbatch"]) for e in events
-                      if e["cat"] in ("forward", "backward", "weight") and "part" not in e["args"])
+    compute = Counter(
+        (e["cat"], e["args"]["stage"], e["args"]["microbatch"])
+        for e in events
+        if e["cat"] in ("forward", "backward", "weight") and "part" not in e["args"]
+    )
     last_stage_work = Counter(e["args"]["microbatch"] for e in events if e["args"].get("part") == "layers and loss")
     assert last_stage_work == {mb: len(RECORDED) for mb in range(MICROBATCHES)}, last_stage_work
     assert all(e["args"]["stage"] == stages - 1 for e in events if e["args"].get("part"))
@@ -84,15 +95,19 @@ def test_trace_has_every_microbatch_forward_and_backward_on_every_stage(traced: 
     # every traced action of a step lies inside that step on its rank
     for e in events:
         if e["cat"] in ("forward", "backward", "weight", "recv"):
-            assert any(s["pid"] == e["pid"] and s["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1
-                       for s in steps), e
+            assert any(
+                s["pid"] == e["pid"] and s["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"] + 1
+                for s in steps
+            ), e
 
 
 def test_ddp_allreduce_and_checkpoints_are_traced(traced: dict[str, Any]) -> None:
     events = _x(_trace(traced, "P2D2-1F1B-checkpointed"))
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
     allreduce = [e for e in events if e["cat"] == "allreduce"]
-    assert {e["pid"] for e in allreduce} == {0, 1, 2, 3} and all(e["tid"] == "allreduce" and e["args"]["bytes"] > 0 for e in allreduce)
+    assert {e["pid"] for e in allreduce} == {0, 1, 2, 3} and all(
+        e["tid"] == "allreduce" and e["args"]["bytes"] > 0 for e in allreduce
+    )
     copies = [e for e in events if e["name"] == "checkpoint copy"]
     uploads = [e for e in events if e["name"] == "checkpoint upload"]
     assert {e["args"]["step"] for e in copies} >= {2} and uploads, Counter(e["name"] for e in events)
@@ -131,7 +146,6 @@ def test_theoretical_bubble_formulas() -> None:
     assert theoretical_bubble("ZBVZeroBubble", 4, 2, 8) == pytest.approx(3 / 19 / 3)
     assert measured_bubble(0.30, 0.24) == pytest.approx(0.2)
     assert measured_bubble(0.0, 0.0) == 0.0
-
 
 
 def test_mfu_peak_lookup() -> None:

@@ -34,7 +34,12 @@ class ByteTextDataModule(L.LightningDataModule):
     """
 
     def __init__(
-        self, path: str = str(CORPUS), block_size: int = 64, batch_size: int = 32, stride: int = 32, shuffle: bool = True
+        self,
+        path: str = str(CORPUS),
+        block_size: int = 64,
+        batch_size: int = 32,
+        stride: int = 32,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -47,7 +52,9 @@ class ByteTextDataModule(L.LightningDataModule):
         self.val_set = ByteWindows(raw[split:], h.block_size, h.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle, drop_last=True)
+        return DataLoader(
+            self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle, drop_last=True
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)

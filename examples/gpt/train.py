@@ -20,9 +20,9 @@ import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere in the repo
 
-from examples.gpt.data import ByteTextDataModule  # noqa: E402
-from examples.gpt.model import TinyGPT  # noqa: E402
-from lightning_spot import PipelineThroughput, PipelineTimeline, SpotCheckpoint, SpotPipelineStrategy  # noqa: E402
+from examples.gpt.data import ByteTextDataModule
+from examples.gpt.model import TinyGPT
+from lightning_spot import PipelineThroughput, PipelineTimeline, SpotCheckpoint, SpotPipelineStrategy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,8 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=40, help="steps between checkpoints")
     p.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--timeline-steps", type=int, default=2,
-                   help="trace this many steps from step 10 into ROOT/pipeline_timeline (trace.json, timeline.png); 0: off")
+    p.add_argument(
+        "--timeline-steps",
+        type=int,
+        default=2,
+        help="trace this many steps from step 10 into ROOT/pipeline_timeline (trace.json, timeline.png); 0: off",
+    )
     return p.parse_args(argv)
 
 
@@ -58,7 +62,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
     model = TinyGPT(
-        block_size=args.block_size, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head, max_steps=args.max_steps
+        block_size=args.block_size,
+        d_model=args.d_model,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        max_steps=args.max_steps,
     )
     data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
     throughput = PipelineThroughput(tokens_per_sample=args.block_size)
@@ -88,7 +96,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     summary = {**throughput.summary(), **{k: float(v) for k, v in trainer.callback_metrics.items()}}
     if trainer.is_global_zero:
         if strategy.restored_manifest is not None:
-            print(f"resumed from step {strategy.restored_manifest['step']} (written on {strategy.restored_manifest['layout']})")
+            print(
+                f"resumed from step {strategy.restored_manifest['step']} (written on {strategy.restored_manifest['layout']})"
+            )
         print(
             f"done: layout {strategy.layout}, train_loss {summary.get('train_loss', float('nan')):.3f}, "
             f"val_loss {summary.get('val_loss', float('nan')):.3f}, val_ppl {summary.get('val_ppl', float('nan')):.2f}, "

@@ -1,10 +1,10 @@
 """``torch.distributed`` helpers that also work in a single process (no process group).
 
-    if is_initialized(): ...
-    rank(group), world_size(group)                # 0 and 1 without a process group
-    value = broadcast_object(value, group)         # the first rank's value everywhere
-    values = all_gather_object(value, group)       # every rank's value, on every rank
-    values = gather_object_to_first(value, group)  # every rank's value on the first rank, None elsewhere
+if is_initialized(): ...
+rank(group), world_size(group)                # 0 and 1 without a process group
+value = broadcast_object(value, group)         # the first rank's value everywhere
+values = all_gather_object(value, group)       # every rank's value, on every rank
+values = gather_object_to_first(value, group)  # every rank's value on the first rank, None elsewhere
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Small number helpers shared across the package: divisors and byte sizes.
 
-    divisors(12)              # [1, 2, 3, 4, 6, 12]
-    parse_bytes("80GB")       # 80e9
-    format_bytes(1.5 * 2**30) # "1.5 GiB"
+divisors(12)              # [1, 2, 3, 4, 6, 12]
+parse_bytes("80GB")       # 80e9
+format_bytes(1.5 * 2**30) # "1.5 GiB"
 """
 
 from __future__ import annotations

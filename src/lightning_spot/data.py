@@ -121,7 +121,9 @@ class ReplicaBatchSampler(Sampler[list[int]]):
             batch = list(batch)
             if self.divisor is not None and len(batch) % self.divisor:
                 m = self.divisor // self.dp_size
-                raise LayoutError(explain_indivisible_batch(len(batch), self.dp_size, m if m > 1 else None, self.world_size))
+                raise LayoutError(
+                    explain_indivisible_batch(len(batch), self.dp_size, m if m > 1 else None, self.world_size)
+                )
             if len(batch) < self.dp_size:
                 raise LayoutError(
                     f"A batch of {len(batch)} samples is smaller than the {self.dp_size} data-parallel replicas; "
@@ -153,8 +155,11 @@ class ShardedDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         if self.progress is None:
             return {}
-        return {"epoch": self.replica_sampler.epoch, "global_batches_done": int(self.progress()),
-                "global_batch_size": self.global_batch_size}
+        return {
+            "epoch": self.replica_sampler.epoch,
+            "global_batches_done": int(self.progress()),
+            "global_batch_size": self.global_batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -170,9 +175,13 @@ class ShardedDataLoader(DataLoader):
 
 
 def _layout_free_sampler(sampler: Any, seed: int) -> Any:
-    if isinstance(sampler, RandomSampler) and sampler.generator is None and not sampler.replacement:
-        if sampler._num_samples is None:
-            return EpochShuffleSampler(sampler.data_source, seed)
+    if (
+        isinstance(sampler, RandomSampler)
+        and sampler.generator is None
+        and not sampler.replacement
+        and sampler._num_samples is None
+    ):
+        return EpochShuffleSampler(sampler.data_source, seed)
     return sampler
 
 
@@ -219,7 +228,9 @@ def shard_dataloader(
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     sharded = ShardedDataLoader(
-        loader.dataset, batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size), **kwargs
+        loader.dataset,
+        batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size),
+        **kwargs,
     )
     sharded.progress = progress
     return sharded

@@ -14,9 +14,9 @@ import atexit
 import os
 import time
 from collections.abc import Generator, Sequence
-from pathlib import Path
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -107,7 +107,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         first_stage_modules: Sequence[str] = (),
         last_stage_modules: Sequence[str] = (),
         find_unused_parameters: bool = False,
-        accelerator: Optional["Accelerator"] = None,
+        accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -127,7 +127,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         if schedule != "auto":
             resolve_schedule(schedule, stages_per_rank)  # unknown names fail here, not after start-up
         if isinstance(partition, str) and partition not in ("auto", "uniform", "balanced"):
-            raise LayoutError(f"partition must be 'auto', 'uniform', 'balanced' or a list of cut indices, got {partition!r}")
+            raise LayoutError(
+                f"partition must be 'auto', 'uniform', 'balanced' or a list of cut indices, got {partition!r}"
+            )
         self._requested = Requested(
             pipeline_stages=pipeline_stages,
             microbatches=microbatches,
@@ -199,7 +201,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         return self.pipeline_layout.grid
 
     @property
-    def device_mesh(self) -> "DeviceMesh":
+    def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists once processes have initialised.")
         return self._device_mesh
@@ -225,7 +227,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _adopt_elastic_world(self) -> None:
         """Under torchrun, take this node's process count and the node count from the environment.
@@ -279,7 +281,7 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     # -------------------------------------------------------------------- setup
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -299,7 +301,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _check_supported(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
+    def _check_supported(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not module.automatic_optimization:
             raise ModelContractError(
                 "spot_pipeline runs forward and backward of all micro-batches inside one pipeline schedule, so it "
@@ -312,16 +314,28 @@ class SpotPipelineStrategy(ParallelStrategy):
                 f"stages). Use one of {list(_SUPPORTED_PRECISION)}, e.g. 'bf16-mixed'."
             )
 
-    def _build_engine(self, module: "pl.LightningModule") -> PipelineEngine:
+    def _build_engine(self, module: pl.LightningModule) -> PipelineEngine:
         previous = placement_of(module)
-        split = previous.split if previous is not None else discover(
-            module, self._layers, first_stage_modules=self._first_stage_modules, last_stage_modules=self._last_stage_modules
+        split = (
+            previous.split
+            if previous is not None
+            else discover(
+                module,
+                self._layers,
+                first_stage_modules=self._first_stage_modules,
+                last_stage_modules=self._last_stage_modules,
+            )
         )
         choice = module.__dict__.get("_spot_layout_choice") if previous is not None else None
         if choice is None:
             choice = choose_layout(
-                module, split, module.trainer, self._requested,
-                world_size=self.world_size, device=self.root_device, autocast=self.precision_plugin.forward_context,
+                module,
+                split,
+                module.trainer,
+                self._requested,
+                world_size=self.world_size,
+                device=self.root_device,
+                autocast=self.precision_plugin.forward_context,
                 cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
             )
         module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
@@ -390,6 +404,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         clock = self.engine.clock if self.engine is not None else None
         if clock is None or clock.timeline is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+
         # the closure runs training_step (the schedule) first; time only the update after it
         def timed_closure() -> Any:
             result = closure()
@@ -476,7 +491,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             fit_loop = trainer.fit_loop
 
             def progress() -> int:  # global batches trained in the current epoch (same on every layout)
-                return fit_loop.epoch_loop.batch_progress.current.processed
+                return fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
 
         return shard_dataloader(
             dataloader,
@@ -578,7 +593,10 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)

@@ -1,6 +1,6 @@
 """Worker for torchrun tests: train with SpotCheckpoint on whatever world torchrun gives; save the final state.
 
-    torchrun ... tests/workers/elastic_train.py CONFIG.json
+torchrun ... tests/workers/elastic_train.py CONFIG.json
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_spot import PipelineTimeline, PreemptionWatcher, SpotCheckpoint, SpotPipelineStrategy
 import tests.fakefs  # noqa: F401  registers slowfile://
+from lightning_spot import PipelineTimeline, PreemptionWatcher, SpotCheckpoint, SpotPipelineStrategy
 from tests.models import make_loader, make_model
 
 
@@ -43,8 +43,11 @@ def main() -> None:
         watch = {**watch, "cloud": None}  # only one rank polls: its notice must stop everyone
     watcher = PreemptionWatcher(**watch)
     checkpoint = SpotCheckpoint(
-        dirpath=config["run"], every_n_train_steps=config.get("every", 2), every_n_minutes=config.get("every_minutes"),
-        keep_last=config.get("keep_last", 3), heartbeat_seconds=0.5,
+        dirpath=config["run"],
+        every_n_train_steps=config.get("every", 2),
+        every_n_minutes=config.get("every_minutes"),
+        keep_last=config.get("keep_last", 3),
+        heartbeat_seconds=0.5,
         preemption=watcher,
     )
     callbacks: list[L.Callback] = [checkpoint, SlowSteps(config.get("step_seconds", 0.0))]
@@ -62,7 +65,9 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(make_model(scheduler=True), make_loader(**config.get("loader", {"batch_size": 16, "n": 80, "shuffle": True})))
+    trainer.fit(
+        make_model(scheduler=True), make_loader(**config.get("loader", {"batch_size": 16, "n": 80, "shuffle": True}))
+    )
     (out / "final").mkdir(parents=True, exist_ok=True)
     torch.save(
         {

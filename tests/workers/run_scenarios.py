@@ -1,6 +1,6 @@
 """Worker: run a list of training scenarios under spot_pipeline and save every rank's results.
 
-    python tests/workers/run_scenarios.py SCENARIOS.json OUT_DIR
+python tests/workers/run_scenarios.py SCENARIOS.json OUT_DIR
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_spot import SpotPipelineStrategy
 import tests.fakefs  # noqa: F401  registers the slowfile:// and flakyfile:// test filesystems
+from lightning_spot import SpotPipelineStrategy
 from tests.models import MetaInitPipelineModel, make_loader, make_model
 
 

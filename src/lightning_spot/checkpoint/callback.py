@@ -229,7 +229,7 @@ class SpotCheckpoint(L.Callback):
             self.save(trainer, reason="end" if ending and not due else "periodic")
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs  # type: ignore[operator]
+        last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
         if self.save_on_train_end and last_epoch and trainer.global_step != self._last_step:
             self.save(trainer, reason="end")
 
@@ -277,7 +277,9 @@ class SpotCheckpoint(L.Callback):
             now = time.perf_counter()
             timeline.add("checkpoint copy", "checkpoint", now - stall, now, step=info["step"], reason=reason)
         if background:
-            self._thread = threading.Thread(target=self._write_in_background, args=(rel, share, info, timeline), daemon=True)
+            self._thread = threading.Thread(
+                target=self._write_in_background, args=(rel, share, info, timeline), daemon=True
+            )
             self._thread.start()
         else:
             self._write(rel, share, info, timeline)
@@ -285,15 +287,22 @@ class SpotCheckpoint(L.Callback):
     def _write(self, rel: str, share: Any, info: dict[str, Any], timeline: Optional[Timeline] = None) -> None:
         assert self.storage is not None
         started = time.perf_counter()
-        manifest = write_checkpoint(self.storage, rel, share, info=info, group=self._group, thread_count=self.io_threads)
+        manifest = write_checkpoint(
+            self.storage, rel, share, info=info, group=self._group, thread_count=self.io_threads
+        )
         if timeline is not None:
-            timeline.add("checkpoint upload", "checkpoint", started, time.perf_counter(), lane="checkpoint", step=info["step"])
+            timeline.add(
+                "checkpoint upload", "checkpoint", started, time.perf_counter(), lane="checkpoint", step=info["step"]
+            )
         if manifest is not None:
             self.saves[-1]["write_seconds"] = manifest["timings"]["write_seconds"]
             self._apply_retention(rel)
             if self.journal is not None:
                 self.journal.record(
-                    "checkpoint", step=manifest["step"], reason=manifest.get("reason"), bytes=manifest["bytes"],
+                    "checkpoint",
+                    step=manifest["step"],
+                    reason=manifest.get("reason"),
+                    bytes=manifest["bytes"],
                     **manifest["timings"],
                 )
 

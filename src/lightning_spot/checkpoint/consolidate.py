@@ -1,8 +1,8 @@
 """Read a checkpoint outside of training: the consolidated model weights, in one process.
 
-    weights = load_full_state_dict("s3://bucket/runs/gpt")            # latest intact checkpoint of a run
-    weights = load_full_state_dict("s3://bucket/runs/gpt/step-000000200", storage_options={...})
-    model.load_state_dict(weights)                                     # an ordinary, unsplit model
+weights = load_full_state_dict("s3://bucket/runs/gpt")            # latest intact checkpoint of a run
+weights = load_full_state_dict("s3://bucket/runs/gpt/step-000000200", storage_options={...})
+model.load_state_dict(weights)                                     # an ordinary, unsplit model
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None
     or of the checkpoint ``url`` names. Every file is checked against its CRC32 as it is read; nothing
     is unpickled but DCP's metadata (allow-listed)."""
     storage = Storage(url, storage_options)
-    return newest_intact(storage, lambda rel, manifest: _read_model(storage.url_of(rel), storage.options, manifest["files"]))
+    return newest_intact(
+        storage, lambda rel, manifest: _read_model(storage.url_of(rel), storage.options, manifest["files"])
+    )
 
 
 def _read_model(url: str, options: dict[str, Any], expected: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -9,10 +9,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
-from typing_extensions import TypeGuard
 
 from lightning_spot.layout import PipelineLayout
 from lightning_spot.runtime.clock import StepClock

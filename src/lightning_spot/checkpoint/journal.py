@@ -42,7 +42,7 @@ class Journal:
     def _write(self, name: str, event: dict[str, Any]) -> None:
         try:
             self.storage.write_json(name, event)
-        except Exception as err:  # noqa: BLE001 - history is best effort; checkpoints are not
+        except Exception as err:
             log.warning("lightning-spot: could not record %s in the run history: %s", event["kind"], err)
 
     def flush(self) -> None:
@@ -94,15 +94,17 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         resumed = start.get("resumed_step") or 0
         first = next((e for e in after if e["kind"] == "first_step"), None)
         preempted = next((e for e in before if e["kind"] == "preempted"), None)
-        restarts.append({
-            "cause": f"preemption notice ({preempted['source']})" if preempted else "failure (no notice)",
-            "stopped_at_step": last_step,
-            "resumed_from_step": resumed,
-            "steps_recomputed": max(0, last_step - resumed),
-            "time_lost_seconds": round((first["time"] if first else start["time"]) - last_time, 3),
-            "layout_before": next((e.get("layout") for e in before if e["kind"] == "start"), None),
-            "layout_after": start.get("layout"),
-        })
+        restarts.append(
+            {
+                "cause": f"preemption notice ({preempted['source']})" if preempted else "failure (no notice)",
+                "stopped_at_step": last_step,
+                "resumed_from_step": resumed,
+                "steps_recomputed": max(0, last_step - resumed),
+                "time_lost_seconds": round((first["time"] if first else start["time"]) - last_time, 3),
+                "layout_before": next((e.get("layout") for e in before if e["kind"] == "start"), None),
+                "layout_after": start.get("layout"),
+            }
+        )
     saves = [e for e in events if e["kind"] == "checkpoint"]
     return {
         "attempts": len(attempts),

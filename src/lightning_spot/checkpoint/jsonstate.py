@@ -1,6 +1,6 @@
 """Lossless JSON for training state (no pickle): tensors, tuples, int keys and floats survive.
 
-    text = json.dumps(encode(state));  state == decode(json.loads(text))
+text = json.dumps(encode(state));  state == decode(json.loads(text))
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ def encode(obj: Any, where: str = "state") -> Any:
             raise TypeError(f"{where} is a tensor of {obj.numel()} elements; large tensors belong in the shards")
         t = obj.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"__tensor__": base64.b64encode(raw).decode(), "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        return {
+            "__tensor__": base64.b64encode(raw).decode(),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
-            return {("\\" + k if k.startswith("__") or k.startswith("\\") else k): encode(v, f"{where}.{k}") for k, v in obj.items()}
+            return {("\\" + k if k.startswith(("__", "\\")) else k): encode(v, f"{where}.{k}") for k, v in obj.items()}
         return {"__items__": [[encode(k, f"{where}[key]"), encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
     if isinstance(obj, tuple):
         return {"__tuple__": [encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}

@@ -108,7 +108,9 @@ def newest_intact(
             except LOAD_FAILURES as err:
                 problems = [describe_failure(err)]
         rejected.append(f"{where}: {'; '.join(problems[:5])}")
-        log.warning("lightning-spot: checkpoint %s is damaged (%s); trying an earlier one", where, "; ".join(problems[:5]))
+        log.warning(
+            "lightning-spot: checkpoint %s is damaged (%s); trying an earlier one", where, "; ".join(problems[:5])
+        )
     raise CheckpointError("No usable checkpoint under " + repr(storage.url) + ":\n  " + "\n  ".join(rejected))
 
 

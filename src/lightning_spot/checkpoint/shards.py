@@ -31,6 +31,11 @@ from lightning_spot.checkpoint.storage import ChecksumError
 Digests = dict[str, dict[str, Any]]
 
 
+def _inner_fs(wrapper: Any) -> Any:
+    """The fsspec filesystem inside torch's ``FsspecWriter`` / ``FsspecReader`` file-system wrapper."""
+    return wrapper.fs
+
+
 class _HashingStream:
     """A write-only stream wrapper that counts bytes and computes a running CRC32."""
 
@@ -74,7 +79,8 @@ class ChecksummingWriter(FsspecWriter):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, thread_count: int = 1) -> None:
         super().__init__(url, sync_files=False, thread_count=thread_count, **(storage_options or {}))
         self.digests: Digests = {}
-        self.fs = _HashingFileSystem(self.fs.fs, self.digests)
+        # torch types ``fs`` as its local FileSystem; at run time it is the fsspec one this wraps
+        self.fs = _HashingFileSystem(_inner_fs(self.fs), self.digests)  # type: ignore[assignment]
 
 
 _ALLOWED_MODULES = (
@@ -100,7 +106,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(
             f"refusing to load {module}.{name} from checkpoint metadata: only torch.distributed.checkpoint "
@@ -163,7 +171,7 @@ class SafeReader(FsspecReader):
         super().__init__(url, **(storage_options or {}))
         self._metadata_cache: dict[Any, Any] = {}
         if expected is not None:
-            self.fs = _VerifyingFileSystem(self.fs.fs, expected)
+            self.fs = _VerifyingFileSystem(_inner_fs(self.fs), expected)  # type: ignore[assignment]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         cached = self._metadata_cache.get(kwargs.get("rank"))

@@ -1,9 +1,9 @@
 """Checkpoint storage on any fsspec URL: retries with backoff, atomic commits, clear errors.
 
-    store = Storage("s3://bucket/runs/gpt", {"endpoint_url": "http://127.0.0.1:5000"})
-    store.check_access()                       # fails now, before training, if the bucket is wrong
-    store.write_json("step-000000200/manifest.json", manifest)   # one object: committed or absent
-    store.committed()                          # ["step-000000100", "step-000000200"], oldest first
+store = Storage("s3://bucket/runs/gpt", {"endpoint_url": "http://127.0.0.1:5000"})
+store.check_access()                       # fails now, before training, if the bucket is wrong
+store.write_json("step-000000200/manifest.json", manifest)   # one object: committed or absent
+store.committed()                          # ["step-000000100", "step-000000200"], oldest first
 """
 
 from __future__ import annotations
@@ -41,7 +41,14 @@ _TRANSIENT_NAMES = {
     "FSTimeoutError",
     "IncompleteRead",
 }
-_TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EAGAIN, errno.EPIPE, errno.EHOSTUNREACH}
+_TRANSIENT_ERRNOS = {
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ETIMEDOUT,
+    errno.EAGAIN,
+    errno.EPIPE,
+    errno.EHOSTUNREACH,
+}
 
 
 class StorageError(RuntimeError):
@@ -127,7 +134,7 @@ class Storage:
     def _fresh(self, path: str) -> None:
         try:
             self.fs.invalidate_cache(path)
-        except Exception:  # noqa: BLE001 - only a cache
+        except Exception:
             pass
 
     # ------------------------------------------------------------------ checks
@@ -187,6 +194,7 @@ class Storage:
         """
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
         target = self.path_of(rel)
+
         def put() -> None:
             if self.is_local:
                 self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
@@ -211,7 +219,11 @@ class Storage:
         path = self.path_of(rel_dir)
         self._fresh(path)
         entries = retry(lambda: self.fs.ls(path, detail=True), f"listing {self.url_of(rel_dir)}")
-        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries if e.get("type") != "directory"}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") != "directory"
+        }
 
     def open(self, rel: str, mode: str = "rb") -> Any:
         return self.fs.open(self.path_of(rel), mode)
@@ -247,5 +259,7 @@ class Storage:
 
 
 def _redact(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: ("***" if any(s in k.lower() for s in ("secret", "key", "token", "password")) else v) for k, v in options.items()}
-
+    return {
+        k: ("***" if any(s in k.lower() for s in ("secret", "key", "token", "password")) else v)
+        for k, v in options.items()
+    }

@@ -1,8 +1,8 @@
 """``lightning-spot checkpoint list|inspect|convert``: look at and export checkpoints of a run.
 
-    lightning-spot checkpoint list s3://bucket/runs/gpt --storage-options '{"endpoint_url": "..."}'
-    lightning-spot checkpoint inspect s3://bucket/runs/gpt [--verify] [--json]
-    lightning-spot checkpoint convert s3://bucket/runs/gpt model.pt     # torch.load-able, no lightning-spot needed
+lightning-spot checkpoint list s3://bucket/runs/gpt --storage-options '{"endpoint_url": "..."}'
+lightning-spot checkpoint inspect s3://bucket/runs/gpt [--verify] [--json]
+lightning-spot checkpoint convert s3://bucket/runs/gpt model.pt     # torch.load-able, no lightning-spot needed
 """
 
 from __future__ import annotations
@@ -43,8 +43,13 @@ def _list(args: argparse.Namespace) -> int:
             if manifest is None:
                 rows.append((name, f"unreadable manifest: {problem}"))
                 continue
-            rows.append((name, f"step {manifest['step']:>8}  epoch {manifest['epoch']:>4}  {layout_label(manifest.get('layout')):<22} "
-                               f"{manifest['bytes'] / 2**20:9.2f} MiB  {manifest['created']}"))
+            rows.append(
+                (
+                    name,
+                    f"step {manifest['step']:>8}  epoch {manifest['epoch']:>4}  {layout_label(manifest.get('layout')):<22} "
+                    f"{manifest['bytes'] / 2**20:9.2f} MiB  {manifest['created']}",
+                )
+            )
         else:
             rows.append((name, "incomplete (no manifest: an interrupted save; not used for resuming)"))
     if not rows:
@@ -72,7 +77,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"data         global batch {data.get('global_batch')}, samples consumed {data.get('samples_consumed')}")
     print(f"files        {len(manifest['files'])} files, {manifest['bytes'] / 2**20:.2f} MiB")
     timings = manifest.get("timings", {})
-    print(f"timings      training stalled {timings.get('stall_seconds')} s, written in {timings.get('write_seconds')} s")
+    print(
+        f"timings      training stalled {timings.get('stall_seconds')} s, written in {timings.get('write_seconds')} s"
+    )
     print(f"versions     {', '.join(f'{k} {v}' for k, v in manifest.get('versions', {}).items())}")
     if args.verify:
         print("verified     the model's files match the sizes and CRC32 in the manifest")
@@ -89,8 +96,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-spot checkpoint", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lightning-spot checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (
         ("list", "list the checkpoints of a run directory"),
@@ -111,4 +119,3 @@ def main(argv: Sequence[str]) -> int:
     except (CheckpointError, StorageError, FileNotFoundError) as err:
         print(f"lightning-spot checkpoint: {err}", file=sys.stderr)
         return 1
-

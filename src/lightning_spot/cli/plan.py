@@ -23,9 +23,9 @@ import torch
 from lightning_spot._units import format_bytes, parse_bytes
 from lightning_spot.layout import LayoutError
 from lightning_spot.partition.discovery import ModelContractError, discover
-from lightning_spot.planning.profile import profile_model
 from lightning_spot.planning.cost_model import plan_layouts
 from lightning_spot.planning.hardware import Hardware
+from lightning_spot.planning.profile import profile_model
 
 
 def _load(spec: str, init_args: dict[str, Any]) -> torch.nn.Module:
@@ -61,7 +61,9 @@ def _inputs(model: torch.nn.Module, args: argparse.Namespace) -> tuple:
 
 
 def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="lightning-spot plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="lightning-spot plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="package.module:ClassName of the LightningModule")
     p.add_argument("--init-args", default="{}", help="JSON keyword arguments for the class")
     p.add_argument("--layers", default="layers", help="attribute path of the layer sequence")
@@ -82,8 +84,14 @@ def main(argv: Sequence[str]) -> int:
         split = discover(model, args.layers)
         inputs = _inputs(model, args)
         device = torch.device(args.device)
-        profile = profile_model(model, split, tuple(t.to(device) for t in inputs), device=device,
-                                samples=int(inputs[0].shape[0]), progress=not args.json)
+        profile = profile_model(
+            model,
+            split,
+            tuple(t.to(device) for t in inputs),
+            device=device,
+            samples=int(inputs[0].shape[0]),
+            progress=not args.json,
+        )
         hw = Hardware(memory_bytes=parse_bytes(args.device_memory))
         if args.p2p_gbps:
             hw = Hardware(**{**hw.__dict__, "p2p_bytes_per_s": args.p2p_gbps * 1e9})
@@ -95,16 +103,27 @@ def main(argv: Sequence[str]) -> int:
         return 1
     best, runners = candidates[0], candidates[1:4]
     if args.json:
-        print(json.dumps({**best.to_dict(), "runner_ups": [c.to_dict() for c in runners],
-                          "profile": {"samples": profile.samples, "device": profile.device, "layers": len(profile.layers)}}))
+        print(
+            json.dumps(
+                {
+                    **best.to_dict(),
+                    "runner_ups": [c.to_dict() for c in runners],
+                    "profile": {"samples": profile.samples, "device": profile.device, "layers": len(profile.layers)},
+                }
+            )
+        )
         return 0
-    print(f"best layout for {args.world_size} devices of {format_bytes(hw.memory_bytes)}, global batch {args.global_batch}:")
+    print(
+        f"best layout for {args.world_size} devices of {format_bytes(hw.memory_bytes)}, global batch {args.global_batch}:"
+    )
     print(f"  {best.describe()}")
     bounds = [0, *best.cuts, len(profile.layers)]
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         extra = " + before the sequence" if s == 0 else ""
         extra += " + after the sequence and the loss" if s == len(bounds) - 2 else ""
-        print(f"  stage {s}: layers {a}-{b - 1}{extra}: {best.stage_seconds[s] * 1000:.1f} ms/step, {format_bytes(best.stage_bytes[s])}")
+        print(
+            f"  stage {s}: layers {a}-{b - 1}{extra}: {best.stage_seconds[s] * 1000:.1f} ms/step, {format_bytes(best.stage_bytes[s])}"
+        )
     print(f"  predicted step: {best.predicted_step_seconds * 1000:.1f} ms ({best.samples_per_second:.1f} samples/s)")
     for c in runners:
         print(f"  runner-up: {c.describe()}")

@@ -17,8 +17,9 @@ from lightning_spot.observe.run_report import build_report, format_report, rende
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-spot report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lightning-spot report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("url", help="the run directory: SpotCheckpoint's dirpath (any fsspec URL)")
     parser.add_argument("--png", type=Path, help="also draw the run's timeline into this PNG file")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -22,23 +22,36 @@ ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for the parsed ``lightning-spot run`` arguments."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}",
-           f"--max-restarts={args.max_restarts}", f"--monitor-interval={args.monitor_interval}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--max-restarts={args.max_restarts}",
+        f"--monitor-interval={args.monitor_interval}",
+    ]
     if args.rdzv_endpoint is None and args.nnodes in ("1", "1:1"):
         cmd.append("--standalone")
     else:
         if args.rdzv_endpoint is None:
             raise SystemExit("lightning-spot run: several nodes need --rdzv-endpoint HOST:PORT (a node that stays up)")
-        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
-                f"--rdzv-id={args.rdzv_id}"]
+        cmd += [
+            f"--nnodes={args.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--rdzv-id={args.rdzv_id}",
+        ]
     return [*cmd, args.script, *args.script_args]
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-spot run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lightning-spot run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for an elastic job (default 1)")
-    parser.add_argument("--nproc-per-node", default="gpu", help="workers per node: a number, 'gpu' or 'cpu' (default gpu)")
+    parser.add_argument(
+        "--nproc-per-node", default="gpu", help="workers per node: a number, 'gpu' or 'cpu' (default gpu)"
+    )
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (needed for several nodes)")
     parser.add_argument("--rdzv-id", default="lightning-spot", help="job id shared by all nodes")
     parser.add_argument("--max-restarts", type=int, default=100, help="restarts after failures and preemptions")

@@ -18,8 +18,9 @@ from lightning_spot.observe.timeline import merge_traces
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-spot timeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lightning-spot timeline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("dir", help="the PipelineTimeline directory (any fsspec URL)")
     parser.add_argument("--no-png", action="store_true", help="only merge, do not draw")
     parser.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
@@ -32,8 +33,11 @@ def main(argv: Sequence[str]) -> int:
         names = []
     ranks = sorted((int(m.group(1)), n) for n in names if (m := re.fullmatch(r"rank(\d+)\.trace\.json", n)))
     if not ranks:
-        print(f"lightning-spot timeline: no rank<N>.trace.json under {args.dir} (PipelineTimeline writes them when "
-              f"fit stops with an exception; a finished fit writes trace.json and timeline.png itself)", file=sys.stderr)
+        print(
+            f"lightning-spot timeline: no rank<N>.trace.json under {args.dir} (PipelineTimeline writes them when "
+            f"fit stops with an exception; a finished fit writes trace.json and timeline.png itself)",
+            file=sys.stderr,
+        )
         return 1
     traces = [json.loads(fs.cat_file(f"{root}/{name}")) for _, name in ranks]
     merged = merge_traces([t["traceEvents"] for t in traces], traces[0].get("metadata"))

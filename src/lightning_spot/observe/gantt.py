@@ -25,9 +25,15 @@ COLOURS = {
     "preemption": "#000000",
 }
 LABELS = {
-    "forward": "forward", "backward": "backward", "weight": "weight gradient", "recv": "waiting to receive",
-    "send": "waiting on a send", "allreduce": "gradient all-reduce", "optimizer": "optimizer step",
-    "checkpoint": "checkpoint", "preemption": "preemption stop",
+    "forward": "forward",
+    "backward": "backward",
+    "weight": "weight gradient",
+    "recv": "waiting to receive",
+    "send": "waiting on a send",
+    "allreduce": "gradient all-reduce",
+    "optimizer": "optimizer step",
+    "checkpoint": "checkpoint",
+    "preemption": "preemption stop",
 }
 
 
@@ -71,12 +77,27 @@ def render_gantt(trace: dict[str, Any], title: str = "", width: float = 14.0) ->
         y, height = (row + 0.22, 0.16) if side_lane else (row - 0.4, 0.6)
         start, dur = (e["ts"] - t0) / 1000, e["dur"] / 1000
         cat = e["cat"]
-        ax.broken_barh([(start, dur)], (y, height), facecolors=COLOURS[cat], edgecolor="white", linewidth=0.3,
-                       label=None if cat in seen else LABELS[cat])
+        ax.broken_barh(
+            [(start, dur)],
+            (y, height),
+            facecolors=COLOURS[cat],
+            edgecolor="white",
+            linewidth=0.3,
+            label=None if cat in seen else LABELS[cat],
+        )
         seen.add(cat)
         mb = e.get("args", {}).get("microbatch")
         if mb is not None and cat in ("forward", "backward", "weight"):
-            ax.text(start + dur / 2, y + height / 2, str(mb), ha="center", va="center", fontsize=6, color="white", clip_on=True)
+            ax.text(
+                start + dur / 2,
+                y + height / 2,
+                str(mb),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+                clip_on=True,
+            )
     for e in steps:  # step boundaries, from the rank that recorded them
         ax.axvline((e["ts"] - t0) / 1000, color="#888888", linewidth=0.6, linestyle=":")
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
@@ -86,8 +107,14 @@ def render_gantt(trace: dict[str, Any], title: str = "", width: float = 14.0) ->
     order = [LABELS[c] for c in COLOURS if c in seen]
     handles, labels = ax.get_legend_handles_labels()
     pairs = sorted(zip(labels, handles), key=lambda lh: order.index(lh[0]))
-    ax.legend([h for _, h in pairs], [l for l, _ in pairs], loc="center left", bbox_to_anchor=(1.005, 0.5),
-              fontsize=8, frameon=False)
+    ax.legend(
+        [h for _, h in pairs],
+        [label for label, _ in pairs],
+        loc="center left",
+        bbox_to_anchor=(1.005, 0.5),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout()
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=130)

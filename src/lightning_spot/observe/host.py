@@ -1,9 +1,9 @@
 """What the observability callbacks read from the strategy, as a small typed interface.
 
-    host = pipeline_host(trainer.strategy)     # None under strategies other than spot_pipeline
-    if host is not None:
-        host.step_clock.timeline = timeline     # trace this rank's pipeline
-        host.pipeline_stats()                   # layout and bubble of the last step
+host = pipeline_host(trainer.strategy)     # None under strategies other than spot_pipeline
+if host is not None:
+    host.step_clock.timeline = timeline     # trace this rank's pipeline
+    host.pipeline_stats()                   # layout and bubble of the last step
 """
 
 from __future__ import annotations

@@ -145,8 +145,13 @@ def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:
 
     for a, b in zip(report["attempts"], report["attempts"][1:]):
         end = max([t for t, _ in a["points"]] + [a["started"]])
-        ax.axvspan(end, b["started"] + (b["first_step_after_seconds"] or 0.0), color="#DDDDDD", zorder=0,
-                   label=once("restart (time lost)"))
+        ax.axvspan(
+            end,
+            b["started"] + (b["first_step_after_seconds"] or 0.0),
+            color="#DDDDDD",
+            zorder=0,
+            label=once("restart (time lost)"),
+        )
     for a in report["attempts"]:
         colour = colours[layouts.index(a["layout"]) % len(colours)]
         if a["points"]:
@@ -154,13 +159,24 @@ def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:
             ax.plot(xs, ys, "-o", color=colour, markersize=2.5, label=once(a["layout"]))
         if a["checkpoint_points"]:
             xs, ys = zip(*a["checkpoint_points"])
-            ax.plot(xs, ys, linestyle="none", marker="|", color="#555555", markersize=9, label=once("checkpoint committed"))
+            ax.plot(
+                xs, ys, linestyle="none", marker="|", color="#555555", markersize=9, label=once("checkpoint committed")
+            )
         if a["preempted_at"]:
-            ax.plot(*a["preempted_at"], marker="X", color="#D93025", markersize=9, label=once("preemption (checkpoint, exit)"))
+            ax.plot(
+                *a["preempted_at"],
+                marker="X",
+                color="#D93025",
+                markersize=9,
+                label=once("preemption (checkpoint, exit)"),
+            )
     ax.set_xlabel("seconds since the run started")
     ax.set_ylabel("training step")
-    ax.set_title(f"{report['run']}: {len(report['attempts'])} attempts, {report['preemptions_survived']} preemptions survived, "
-                 f"{report['time_lost_seconds']:.0f}s lost", fontsize=9)
+    ax.set_title(
+        f"{report['run']}: {len(report['attempts'])} attempts, {report['preemptions_survived']} preemptions survived, "
+        f"{report['time_lost_seconds']:.0f}s lost",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()

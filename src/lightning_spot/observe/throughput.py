@@ -84,7 +84,9 @@ class PipelineThroughput(L.Callback):
         replicas = host.pipeline_layout.data_parallel if host is not None else trainer.world_size
         return batch_size_of(batch) * replicas
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         sync_device(trainer.strategy.root_device)
         self._start = time.perf_counter()
 
@@ -151,9 +153,21 @@ class PipelineThroughput(L.Callback):
 
 #: dense bf16 peak FLOP/s of one device, by a part of its CUDA name (first match wins)
 PEAK_BF16_FLOPS = (
-    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12),
-    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
-    ("A10G", 70e12), ("A10", 125e12), ("V100", 125e12), ("T4", 65e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
 )
 
 

@@ -46,7 +46,9 @@ class PipelineTimeline(L.Callback):
         storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
         if start_step < 0 or num_steps < 1:
-            raise ValueError(f"PipelineTimeline needs start_step >= 0 and num_steps >= 1, got {start_step} and {num_steps}")
+            raise ValueError(
+                f"PipelineTimeline needs start_step >= 0 and num_steps >= 1, got {start_step} and {num_steps}"
+            )
         self.dirpath = dirpath
         self.start_step = start_step
         self.num_steps = num_steps
@@ -68,13 +70,17 @@ class PipelineTimeline(L.Callback):
     def _recording(self, step: int) -> bool:
         return self.start_step <= step < self.start_step + self.num_steps
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         clock = _clock(trainer)
         if clock is not None:
             clock.timeline = self.timeline if self._recording(trainer.global_step) else None
         self._step_start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step - 1  # the step that just ran
         if self.timeline is not None and self._recording(step):
             self.timeline.add(f"step {step}", "step", self._step_start, time.perf_counter(), lane="steps", step=step)
@@ -87,21 +93,28 @@ class PipelineTimeline(L.Callback):
             return
         self.trace = merge_traces(gathered, _metadata(trainer))
         if not any(e.get("ph") == "X" for e in self.trace["traceEvents"]):
-            rank_zero_info(f"PipelineTimeline: no step in [{self.start_step}, {self.start_step + self.num_steps}) ran; nothing to save")
+            rank_zero_info(
+                f"PipelineTimeline: no step in [{self.start_step}, {self.start_step + self.num_steps}) ran; nothing to save"
+            )
             return
         self._save(trainer, "trace.json", json.dumps(self.trace).encode())
         if self.gantt:
             from lightning_spot.observe.gantt import render_gantt
 
             self._save(trainer, "timeline.png", render_gantt(self.trace))
-        rank_zero_info(f"PipelineTimeline: steps {self.start_step}..{self.start_step + self.num_steps - 1} traced: "
-                       + ", ".join(self.files))
+        rank_zero_info(
+            f"PipelineTimeline: steps {self.start_step}..{self.start_step + self.num_steps - 1} traced: "
+            + ", ".join(self.files)
+        )
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._detach(trainer)
         if self.timeline is not None and self.timeline.events:
-            self._save(trainer, f"rank{trainer.global_rank}.trace.json",
-                       json.dumps(merge_traces([self.timeline.chrome_events()], _metadata(trainer))).encode())
+            self._save(
+                trainer,
+                f"rank{trainer.global_rank}.trace.json",
+                json.dumps(merge_traces([self.timeline.chrome_events()], _metadata(trainer))).encode(),
+            )
 
     # ---------------------------------------------------------------- helpers
     @staticmethod

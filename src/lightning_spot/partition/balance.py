@@ -19,7 +19,9 @@ from lightning_spot.layout import LayoutError
 StageBytes = Callable[[int, int, int], float]
 
 
-def stage_times(times: Sequence[float], cuts: Sequence[int], *, first_extra: float = 0.0, last_extra: float = 0.0) -> list[float]:
+def stage_times(
+    times: Sequence[float], cuts: Sequence[int], *, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[float]:
     """The time of each stage for the given ``cuts`` (extras: work outside the sequence on the first/last stage)."""
     bounds = [0, *cuts, len(times)]
     out = [sum(times[a:b]) for a, b in zip(bounds, bounds[1:])]

@@ -22,7 +22,6 @@ from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit
 from lightning_spot.partition.stage_run import RemoteModule, SkippedLayer, instrument_layer
 
-
 _MARK = "_spot_placement"
 
 
@@ -33,7 +32,7 @@ class Placement:
     split: ModelSplit
     plan: StagePlan
     pp_rank: int
-    stages: dict[int, "PlacedStage"]
+    stages: dict[int, PlacedStage]
 
 
 def placement_of(module: nn.Module) -> Placement | None:
@@ -170,10 +169,10 @@ def place_stages(
     _materialize(module, "", device, seed)
     module.to(device)
     # materialisation replaced parameter objects: collect the live ones again
-    for stage in placed.values():
-        if stage.params:
+    for owned in placed.values():
+        if owned.params:
             live = dict(module.named_parameters())
-            stage.params = [live[f] for f in split.first_direct_params]
+            owned.params = [live[f] for f in split.first_direct_params]
 
     for stage in local:
         rng = plan.layers_of(stage)

@@ -81,7 +81,9 @@ def _reject_meta(fqn: str, args: tuple, kwargs: dict) -> None:
         )
 
 
-def instrument_layer(layer: nn.Module, fqn: str, stage: int, *, first: bool, last: bool, checkpoint: bool = False) -> None:
+def instrument_layer(
+    layer: nn.Module, fqn: str, stage: int, *, first: bool, last: bool, checkpoint: bool = False
+) -> None:
     """Make an owned layer obey the active :class:`StageRun` (an instance-level ``forward`` override).
 
     Overriding ``forward`` on the instance keeps parameter names and ``state_dict`` keys unchanged.
@@ -116,7 +118,7 @@ def instrument_layer(layer: nn.Module, fqn: str, stage: int, *, first: bool, las
                 raise StageExit(out)
         return out
 
-    layer.forward = types.MethodType(forward, layer)  # type: ignore[method-assign]
+    layer.forward = types.MethodType(forward, layer)
 
 
 class SkippedLayer(nn.Module):

@@ -126,7 +126,9 @@ def default_microbatches(grid: Layout, num_stages: int, global_batch: int | None
     return fitting[0] if fitting else local
 
 
-def _settle(draft: _Draft, requested: Requested, split: ModelSplit, world_size: int, global_batch: int | None) -> LayoutChoice:
+def _settle(
+    draft: _Draft, requested: Requested, split: ModelSplit, world_size: int, global_batch: int | None
+) -> LayoutChoice:
     """Cut the stages and fix the micro-batch count: the :class:`PipelineLayout` every rank builds."""
     spec = resolve_schedule(draft.schedule, requested.stages_per_rank)
     grid = Layout.for_world(world_size, draft.pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank)
@@ -170,9 +172,18 @@ def choose_layout(
         try:
             args, kwargs = forward_inputs(module, _first_samples(batch, global_batch, samples))
             args, kwargs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-            profile = profile_model(module, split, args, kwargs, device=device, samples=samples, autocast=autocast,
-                                    cache_dir=cache_dir, progress=True)
-        except Exception as err:  # noqa: BLE001 - planning is an optimisation; the run itself reports contract errors
+            profile = profile_model(
+                module,
+                split,
+                args,
+                kwargs,
+                device=device,
+                samples=samples,
+                autocast=autocast,
+                cache_dir=cache_dir,
+                progress=True,
+            )
+        except Exception as err:
             log.warning("lightning-spot: could not profile the model (%s); using the simple layout rules", err)
             draft = _fallback(requested)
         else:
@@ -199,8 +210,12 @@ def _decide(
             grid = Layout.for_world(world_size, draft.pipeline_stages, num_layers=len(profile.layers) // per_rank)
             stages = grid.pipeline_stages * per_rank
             times = [p.forward_s + p.backward_s for p in profile.layers]
-            draft.cuts = balanced_cuts(times, stages, first_extra=profile.first.forward_s + profile.first.backward_s,
-                                       last_extra=profile.last.forward_s + profile.last.backward_s)
+            draft.cuts = balanced_cuts(
+                times,
+                stages,
+                first_extra=profile.first.forward_s + profile.first.backward_s,
+                last_extra=profile.last.forward_s + profile.last.backward_s,
+            )
         return draft
     fixed_p = requested.pipeline_stages if isinstance(requested.pipeline_stages, int) else None
     candidates = plan_layouts(
@@ -209,22 +224,37 @@ def _decide(
         global_batch=global_batch,
         hardware=hardware,
         schedules=PLANNED_SCHEDULES if requested.schedule == "auto" else (requested.schedule,),
-        checkpointing=(False, True) if requested.activation_checkpointing is None else (requested.activation_checkpointing,),
+        checkpointing=(False, True)
+        if requested.activation_checkpointing is None
+        else (requested.activation_checkpointing,),
         pipeline_stages=fixed_p,
     )
     if isinstance(requested.microbatches, int):
         fitting = [c for c in candidates if c.microbatches == requested.microbatches]
         if not fitting:
             d = world_size // candidates[0].pipeline_stages
-            fitting = [evaluate(profile, pipeline_stages=candidates[0].pipeline_stages, data_parallel=d,
-                                microbatches=requested.microbatches, global_batch=global_batch,
-                                schedule=candidates[0].schedule, hardware=hardware)]
+            fitting = [
+                evaluate(
+                    profile,
+                    pipeline_stages=candidates[0].pipeline_stages,
+                    data_parallel=d,
+                    microbatches=requested.microbatches,
+                    global_batch=global_batch,
+                    schedule=candidates[0].schedule,
+                    hardware=hardware,
+                )
+            ]
         candidates = fitting
     best = candidates[0]
     cuts = best.cuts if requested.partition in ("auto", "balanced") else None
     return _Draft(
-        best.pipeline_stages, best.microbatches, best.schedule, best.activation_checkpointing, cuts,
-        plan=best.to_dict(), runners_up=[c.to_dict() for c in candidates[1:4]],
+        best.pipeline_stages,
+        best.microbatches,
+        best.schedule,
+        best.activation_checkpointing,
+        cuts,
+        plan=best.to_dict(),
+        runners_up=[c.to_dict() for c in candidates[1:4]],
     )
 
 

@@ -14,6 +14,7 @@ Communication speeds come from :class:`Hardware` (measured on the job's process 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -77,14 +78,24 @@ def _stage_profile(profile: ModelProfile, stage: int, stages: int, a: int, b: in
 
 
 def stage_bytes(
-    profile: ModelProfile, stage: int, stages: int, a: int, b: int, *, schedule: str, microbatches: int,
-    checkpointing: bool, hardware: Hardware,
+    profile: ModelProfile,
+    stage: int,
+    stages: int,
+    a: int,
+    b: int,
+    *,
+    schedule: str,
+    microbatches: int,
+    checkpointing: bool,
+    hardware: Hardware,
 ) -> float:
     """Memory of a stage holding layers ``[a, b)`` (profile already scaled to the micro-batch size)."""
     layers = _stage_profile(profile, stage, stages, a, b)
     state = sum(p.param_bytes for p in layers) * hardware.state_factor
     if checkpointing:  # keep each layer's input; recompute one layer at a time in backward
-        per_microbatch = sum(p.output_bytes for p in profile.layers[max(a - 1, 0):b]) + max(p.saved_bytes for p in layers)
+        per_microbatch = sum(p.output_bytes for p in profile.layers[max(a - 1, 0) : b]) + max(
+            p.saved_bytes for p in layers
+        )
     else:
         per_microbatch = sum(p.saved_bytes for p in layers)
     buffers = 2 * (profile.layers[b - 1].output_bytes + (profile.layers[a - 1].output_bytes if a else 0))
@@ -98,7 +109,12 @@ def _stage_seconds(layers: list[LayerProfile], checkpointing: bool, hardware: Ha
 
 
 def predict_step_seconds(
-    profile: ModelProfile, cuts: list[int], *, data_parallel: int, microbatches: int, checkpointing: bool,
+    profile: ModelProfile,
+    cuts: list[int],
+    *,
+    data_parallel: int,
+    microbatches: int,
+    checkpointing: bool,
     hardware: Hardware,
 ) -> tuple[float, list[float], dict[str, float]]:
     """(step seconds, each stage's compute per step, breakdown) for one layout; ``profile`` at micro-batch size."""
@@ -119,41 +135,86 @@ def predict_step_seconds(
     allreduce = 0.0
     if data_parallel > 1:
         ring = 2 * (data_parallel - 1) / data_parallel
-        allreduce = max(ring * g / hardware.allreduce_bytes_per_s + 2 * (data_parallel - 1) * hardware.allreduce_latency_s for g in grads)
-    optimizer = max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s * hardware.compute_slowdown
+        allreduce = max(
+            ring * g / hardware.allreduce_bytes_per_s + 2 * (data_parallel - 1) * hardware.allreduce_latency_s
+            for g in grads
+        )
+    optimizer = (
+        max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s * hardware.compute_slowdown
+    )
     total = pipeline + allreduce + optimizer + hardware.step_overhead_s
-    return total, [t * microbatches for t in per_mb], {
-        "pipeline": pipeline, "allreduce": allreduce, "optimizer": optimizer, "overhead": hardware.step_overhead_s,
-    }
+    return (
+        total,
+        [t * microbatches for t in per_mb],
+        {
+            "pipeline": pipeline,
+            "allreduce": allreduce,
+            "optimizer": optimizer,
+            "overhead": hardware.step_overhead_s,
+        },
+    )
 
 
 def evaluate(
-    profile: ModelProfile, *, pipeline_stages: int, data_parallel: int, microbatches: int, global_batch: int,
-    schedule: str = "1F1B", checkpointing: bool = False, hardware: Hardware = Hardware(), cuts: list[int] | None = None,
+    profile: ModelProfile,
+    *,
+    pipeline_stages: int,
+    data_parallel: int,
+    microbatches: int,
+    global_batch: int,
+    schedule: str = "1F1B",
+    checkpointing: bool = False,
+    hardware: Hardware = Hardware(),
+    cuts: list[int] | None = None,
 ) -> Candidate:
     """Cost-balanced cuts (or the given ``cuts``) and the predicted step for one layout; raises if it does not fit."""
     samples = global_batch // (data_parallel * microbatches)
     scaled = profile.scaled(samples)
 
     def memory(stage: int, a: int, b: int) -> float:
-        return stage_bytes(scaled, stage, pipeline_stages, a, b, schedule=schedule, microbatches=microbatches,
-                           checkpointing=checkpointing, hardware=hardware)
+        return stage_bytes(
+            scaled,
+            stage,
+            pipeline_stages,
+            a,
+            b,
+            schedule=schedule,
+            microbatches=microbatches,
+            checkpointing=checkpointing,
+            hardware=hardware,
+        )
 
     if cuts is None:
         times = [_stage_seconds([p], checkpointing, hardware) - hardware.microbatch_overhead_s for p in scaled.layers]
         cuts = balanced_cuts(
-            times, pipeline_stages,
+            times,
+            pipeline_stages,
             first_extra=_stage_seconds([scaled.first], checkpointing, hardware) - hardware.microbatch_overhead_s,
             last_extra=_stage_seconds([scaled.last], checkpointing, hardware) - hardware.microbatch_overhead_s,
-            stage_bytes=memory, capacity=hardware.memory_bytes,
+            stage_bytes=memory,
+            capacity=hardware.memory_bytes,
         )
     bounds = [0, *cuts, len(scaled.layers)]
     step, stage_secs, detail = predict_step_seconds(
-        scaled, cuts, data_parallel=data_parallel, microbatches=microbatches, checkpointing=checkpointing, hardware=hardware
+        scaled,
+        cuts,
+        data_parallel=data_parallel,
+        microbatches=microbatches,
+        checkpointing=checkpointing,
+        hardware=hardware,
     )
     return Candidate(
-        pipeline_stages, data_parallel, microbatches, schedule, checkpointing, list(cuts), stage_secs,
-        [int(memory(s, a, b)) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))], step, global_batch / step, detail,
+        pipeline_stages,
+        data_parallel,
+        microbatches,
+        schedule,
+        checkpointing,
+        list(cuts),
+        stage_secs,
+        [int(memory(s, a, b)) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))],
+        step,
+        global_batch / step,
+        detail,
     )
 
 
@@ -190,17 +251,29 @@ def plan_layouts(
                 if (schedule == "1F1B" and m < p) or (schedule == "GPipe" and p == 1 and "1F1B" in schedules):
                     continue  # 1F1B needs M >= P; with one stage GPipe and 1F1B are the same
                 for ac in checkpointing:
+                    trial = functools.partial(
+                        evaluate,
+                        profile,
+                        pipeline_stages=p,
+                        data_parallel=d,
+                        microbatches=m,
+                        global_batch=global_batch,
+                        schedule=schedule,
+                        checkpointing=ac,
+                    )
                     try:
-                        found.append(evaluate(profile, pipeline_stages=p, data_parallel=d, microbatches=m,
-                                              global_batch=global_batch, schedule=schedule, checkpointing=ac,
-                                              hardware=hardware))
+                        found.append(trial(hardware=hardware))
                     except LayoutError:
-                        need = _least_memory(profile, p, d, m, global_batch, schedule, ac, hardware)
+                        need = float(max(trial(hardware=replace(hardware, memory_bytes=None)).stage_bytes))
                         if smallest is None or need < smallest[0]:
                             label = f"{Layout(p, d)} {schedule} M={m}{', activation checkpointing' if ac else ''}"
                             smallest = (need, label)
     if not found:
-        hint = f" The least memory any layout needs is {format_bytes(smallest[0])} per device ({smallest[1]})." if smallest else ""
+        hint = (
+            f" The least memory any layout needs is {format_bytes(smallest[0])} per device ({smallest[1]})."
+            if smallest
+            else ""
+        )
         raise LayoutError(
             f"No layout of {world_size} devices fits a global batch of {global_batch} samples in "
             f"{format_bytes(hardware.memory_bytes)} per device.{hint} Use more devices, devices with more memory, "
@@ -208,10 +281,3 @@ def plan_layouts(
         )
     found.sort(key=lambda c: (c.predicted_step_seconds, max(c.stage_bytes)))
     return found
-
-
-def _least_memory(profile: ModelProfile, p: int, d: int, m: int, global_batch: int, schedule: str, ac: bool, hw: Hardware) -> float:
-    unbounded = replace(hw, memory_bytes=None)
-    candidate = evaluate(profile, pipeline_stages=p, data_parallel=d, microbatches=m, global_batch=global_batch,
-                         schedule=schedule, checkpointing=ac, hardware=unbounded)
-    return float(max(candidate.stage_bytes))

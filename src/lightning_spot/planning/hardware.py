@@ -60,8 +60,13 @@ def default_hardware(device: torch.device, memory: float | None, local_processes
         pass
     cores = os.cpu_count() or 1
     slowdown = max(1.0, local_processes * torch.get_num_threads() / cores)
-    return Hardware(memory_bytes=memory or available, compute_slowdown=slowdown, optimizer_bytes_per_s=2e9,
-                    p2p_bytes_per_s=2e9, allreduce_bytes_per_s=1e9)
+    return Hardware(
+        memory_bytes=memory or available,
+        compute_slowdown=slowdown,
+        optimizer_bytes_per_s=2e9,
+        p2p_bytes_per_s=2e9,
+        allreduce_bytes_per_s=1e9,
+    )
 
 
 def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 25, repeats: int = 3) -> Hardware:
@@ -95,7 +100,9 @@ def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 2
 
     big_rtt, small_rtt = timed(lambda: ping(buf)), timed(lambda: ping(small))
     big_ar, small_ar = timed(lambda: dist.all_reduce(buf)), timed(lambda: dist.all_reduce(small))
-    values = torch.tensor([big_rtt, small_rtt, big_ar, small_ar, base.optimizer_bytes_per_s], dtype=torch.float64, device=device)
+    values = torch.tensor(
+        [big_rtt, small_rtt, big_ar, small_ar, base.optimizer_bytes_per_s], dtype=torch.float64, device=device
+    )
     dist.broadcast(values, 0)  # rank 0's view, so that every rank plans the same
     big_rtt, small_rtt, big_ar, small_ar, optimizer_speed = values.tolist()
     nbytes = buf.numel() * 4

@@ -13,6 +13,7 @@ sequence (embeddings) and after it (head, the loss proxy) are measured the same 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import statistics
@@ -66,10 +67,22 @@ class ModelProfile:
             return LayerProfile(
                 p.forward_fixed_s + (p.forward_s - p.forward_fixed_s) * r,
                 p.backward_fixed_s + (p.backward_s - p.backward_fixed_s) * r,
-                p.param_bytes, int(p.saved_bytes * r), int(p.output_bytes * r), p.forward_fixed_s, p.backward_fixed_s,
+                p.param_bytes,
+                int(p.saved_bytes * r),
+                int(p.output_bytes * r),
+                p.forward_fixed_s,
+                p.backward_fixed_s,
             )
 
-        return ModelProfile(samples, self.device, [scale(p) for p in self.layers], scale(self.first), scale(self.last), self.key, self.extra)
+        return ModelProfile(
+            samples,
+            self.device,
+            [scale(p) for p in self.layers],
+            scale(self.first),
+            scale(self.last),
+            self.key,
+            self.extra,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -143,7 +156,11 @@ def _evict_caches(device: torch.device) -> None:
 
 
 def _measure(
-    run: Callable[[], Any], params: list[Tensor], device: torch.device, repeats: int, context: Any,
+    run: Callable[[], Any],
+    params: list[Tensor],
+    device: torch.device,
+    repeats: int,
+    context: Any,
     started: list[float] | None = None,
 ) -> LayerProfile:
     """Time ``run`` (a forward returning tensors) and its backward; count saved and output bytes.
@@ -213,12 +230,11 @@ def forward_inputs(module: nn.Module, batch: Any, step: str = "training_step") -
     raise ModelContractError(f"`{step}` never called `self(...)`, so there is no forward to profile.")
 
 
-
 def _layer_calls(meta_module: nn.Module, seq: nn.Module, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
     """(args, kwargs) each layer of the sequence is called with, from a forward on the meta device."""
     calls: list[tuple[tuple, dict]] = [((), {})] * len(seq._modules)
     handles = []
-    for i, layer in enumerate(seq._modules.values()):
+    for i, layer in enumerate(m for m in seq._modules.values() if m is not None):
 
         def hook(mod: nn.Module, a: tuple, k: dict, i: int = i) -> None:
             calls[i] = (a, k)
@@ -274,9 +290,21 @@ def profile_model(
     profile = _profile_once(module, split, forward_args, forward_kwargs, device, samples, repeats, autocast, progress)
     small = max(1, samples // 4)
     if small < samples:
-        cut = (lambda t: t[:small] if isinstance(t, Tensor) and t.dim() and t.shape[0] == samples else t)
-        fewer = _profile_once(module, split, tree_map(cut, forward_args), tree_map(cut, forward_kwargs), device, small,
-                              repeats, autocast, progress)
+
+        def cut(t: Any) -> Any:
+            return t[:small] if isinstance(t, Tensor) and t.dim() and t.shape[0] == samples else t
+
+        fewer = _profile_once(
+            module,
+            split,
+            tree_map(cut, forward_args),
+            tree_map(cut, forward_kwargs),
+            device,
+            small,
+            repeats,
+            autocast,
+            progress,
+        )
         profile = _fit_fixed_time(profile, fewer)
     profile.key = key
     if cached is not None:
@@ -287,20 +315,34 @@ def profile_model(
 
 def _fit_fixed_time(big: ModelProfile, small: ModelProfile) -> ModelProfile:
     """Per layer, the time at zero samples of the line through the two measurements (clamped to [0, t])."""
+
     def fit(b: LayerProfile, s: LayerProfile) -> LayerProfile:
         def fixed(t_big: float, t_small: float) -> float:
             slope = (t_big - t_small) / (big.samples - small.samples)
             return min(max(t_big - slope * big.samples, 0.0), t_big)
 
-        return replace(b, forward_fixed_s=fixed(b.forward_s, s.forward_s), backward_fixed_s=fixed(b.backward_s, s.backward_s))
+        return replace(
+            b, forward_fixed_s=fixed(b.forward_s, s.forward_s), backward_fixed_s=fixed(b.backward_s, s.backward_s)
+        )
 
-    return replace(big, layers=[fit(b, s) for b, s in zip(big.layers, small.layers)],
-                   first=fit(big.first, small.first), last=fit(big.last, small.last))
+    return replace(
+        big,
+        layers=[fit(b, s) for b, s in zip(big.layers, small.layers)],
+        first=fit(big.first, small.first),
+        last=fit(big.last, small.last),
+    )
 
 
 def _profile_once(
-    module: nn.Module, split: ModelSplit, forward_args: tuple, forward_kwargs: dict, device: torch.device,
-    samples: int, repeats: int, autocast: Callable[[], Any], progress: bool,
+    module: nn.Module,
+    split: ModelSplit,
+    forward_args: tuple,
+    forward_kwargs: dict,
+    device: torch.device,
+    samples: int,
+    repeats: int,
+    autocast: Callable[[], Any],
+    progress: bool,
 ) -> ModelProfile:
 
     meta = meta_copy(module)
@@ -324,8 +366,9 @@ def _profile_once(
         needs_grad = i > 0 or first_trainable
         real_args = (_real_like(args[0], device, requires_grad=needs_grad), *(_real_like(a, device) for a in args[1:]))
         real_kwargs = {k: _real_like(v, device) for k, v in kwargs.items()}
-        layers.append(_measure(lambda: layer(*real_args, **real_kwargs), list(layer.parameters()), device, repeats, autocast))
-        del layer
+        call = functools.partial(layer, *real_args, **real_kwargs)
+        layers.append(_measure(call, list(layer.parameters()), device, repeats, autocast))
+        del layer, call
 
     first = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=True)
     last = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=False)
@@ -355,7 +398,7 @@ def _profile_outside(
         parent._modules[leaf] = real
         params += list(real.parameters())
     seq = clone.get_submodule(split.layers_path)
-    layer_list = list(seq._modules.values())
+    layer_list = [m for m in seq._modules.values() if m is not None]
     if before:
         for fqn in split.first_direct_params:  # loose parameters on the first stage
             *parents, leaf = fqn.split(".")

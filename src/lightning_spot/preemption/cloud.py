@@ -52,7 +52,9 @@ def poll_aws(endpoint: str, timeout: float = 2.0) -> Notice | None:
     )
     if status != 200:
         raise OSError(f"IMDSv2 token request failed with HTTP {status}")
-    status, body = _request(f"{endpoint}/latest/meta-data/spot/instance-action", {"X-aws-ec2-metadata-token": token}, timeout=timeout)
+    status, body = _request(
+        f"{endpoint}/latest/meta-data/spot/instance-action", {"X-aws-ec2-metadata-token": token}, timeout=timeout
+    )
     if status == 404:
         return None
     if status != 200:
@@ -62,7 +64,9 @@ def poll_aws(endpoint: str, timeout: float = 2.0) -> Notice | None:
 
 
 def poll_gcp(endpoint: str, timeout: float = 2.0) -> Notice | None:
-    status, body = _request(f"{endpoint}/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"}, timeout=timeout)
+    status, body = _request(
+        f"{endpoint}/computeMetadata/v1/instance/preempted", {"Metadata-Flavor": "Google"}, timeout=timeout
+    )
     if status != 200:
         raise OSError(f"instance/preempted returned HTTP {status}")
     if body.strip().upper() != "TRUE":
@@ -92,7 +96,9 @@ POLLERS: dict[str, Callable[[str, float], Notice | None]] = {"aws": poll_aws, "g
 def detect_cloud(dmi: Path = Path("/sys/class/dmi/id")) -> str | None:
     """The cloud this machine runs on, from its DMI strings (no network), or ``None``."""
     text = " ".join(
-        (dmi / name).read_text(errors="ignore") for name in ("sys_vendor", "product_name", "bios_vendor") if (dmi / name).is_file()
+        (dmi / name).read_text(errors="ignore")
+        for name in ("sys_vendor", "product_name", "bios_vendor")
+        if (dmi / name).is_file()
     ).lower()
     if "amazon" in text:
         return "aws"
@@ -126,7 +132,9 @@ class CloudPoller(threading.Thread):
             except (OSError, ValueError, KeyError) as err:
                 failures += 1
                 if failures in (1, 10, 100):
-                    log.warning("lightning-spot: %s preemption notices unavailable at %s (%s)", self.cloud, self.endpoint, err)
+                    log.warning(
+                        "lightning-spot: %s preemption notices unavailable at %s (%s)", self.cloud, self.endpoint, err
+                    )
                 notice = None
             if notice is not None:
                 self.on_notice(notice)

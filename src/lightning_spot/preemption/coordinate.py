@@ -1,7 +1,7 @@
 """Agree across all ranks at a step boundary: a notice at any rank stops every rank together.
 
-    late, preempted = agree([timer_expired, watcher.notice is not None], device)   # one all-reduce (MAX)
-    first = earliest(gather(watcher.notice))
+late, preempted = agree([timer_expired, watcher.notice is not None], device)   # one all-reduce (MAX)
+first = earliest(gather(watcher.notice))
 """
 
 from __future__ import annotations

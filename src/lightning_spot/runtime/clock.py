@@ -20,7 +20,16 @@ from typing import Any
 
 #: the kinds of event a trace holds, in drawing order (the Gantt colours follow this)
 CATEGORIES = (
-    "forward", "backward", "weight", "recv", "send", "allreduce", "optimizer", "checkpoint", "preemption", "step",
+    "forward",
+    "backward",
+    "weight",
+    "recv",
+    "send",
+    "allreduce",
+    "optimizer",
+    "checkpoint",
+    "preemption",
+    "step",
 )
 COMPUTE = ("forward", "backward", "weight")
 
@@ -40,10 +49,18 @@ class Timeline:
 
     def add(self, name: str, cat: str, start: float, end: float, lane: str = "pipeline", **args: Any) -> None:
         """Record an action that ran from ``start`` to ``end`` (``perf_counter`` readings); thread-safe."""
-        self.events.append({
-            "name": name, "cat": cat, "ph": "X", "ts": self.micros(start), "dur": max(0.0, (end - start) * 1e6),
-            "pid": self.rank, "tid": lane, "args": args,
-        })
+        self.events.append(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "ts": self.micros(start),
+                "dur": max(0.0, (end - start) * 1e6),
+                "pid": self.rank,
+                "tid": lane,
+                "args": args,
+            }
+        )
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, lane: str = "pipeline", **args: Any) -> Iterator[None]:
@@ -55,8 +72,10 @@ class Timeline:
 
     def chrome_events(self) -> list[dict[str, Any]]:
         """The events, plus the metadata that names this rank's process in trace viewers."""
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
-                {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}}]
+        meta = [
+            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
+        ]
         return meta + sorted(self.events, key=lambda e: e["ts"])
 
 

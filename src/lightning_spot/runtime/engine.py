@@ -78,7 +78,13 @@ class PipelineEngine:
         self.runner = StepRunner(module, plan.num_stages, self.capture)
         self.activation_checkpointing = activation_checkpointing
         placed = place_stages(
-            module, split, plan, pp_rank=ctx.pp_rank, device=ctx.device, seed=seed, checkpointing=activation_checkpointing
+            module,
+            split,
+            plan,
+            pp_rank=ctx.pp_rank,
+            device=ctx.device,
+            seed=seed,
+            checkpointing=activation_checkpointing,
         )
         self.local_stages = sorted(placed)
         self.stage_modules = {s: StageModule(placed[s], self.runner) for s in self.local_stages}
@@ -204,7 +210,11 @@ class PipelineEngine:
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
         self.samples_seen += local * self.layout.data_parallel
-        extra = [LogRecord("__loss__", torch.stack([l.detach().float() for l in losses]).mean(), float(local), {})] if self.holds_last else []
+        extra = (
+            [LogRecord("__loss__", torch.stack([x.detach().float() for x in losses]).mean(), float(local), {})]
+            if self.holds_last
+            else []
+        )
         logged = self._share_logs(extra)
         loss = logged.pop("__loss__")[0]
         replay(self.module, logged, batch_size=local * self.layout.data_parallel, device=self.ctx.device)
@@ -234,7 +244,9 @@ class PipelineEngine:
         with self.runner.bind(fn_name, mode, batch, args, kwargs):
             program.eval(idx, target=idx, return_outputs=False)
             results = sorted(self.runner.results, key=lambda r: int(r[0][0])) if mode == "predict" else []
-        extra = [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []
+        extra = (
+            [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []
+        )
         logged = self._share_logs(extra)
         total = int(logged.pop("__samples__")[0])
         replay(self.module, logged, batch_size=total, device=self.ctx.device)

@@ -78,7 +78,11 @@ def clip_grad_norm_global(
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     if math.isinf(norm_type):
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        local = (
+            torch.stack([g.detach().abs().max().float() for g in grads]).max()
+            if grads
+            else torch.zeros((), device=device)
+        )
         total = local.clone()
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)

@@ -63,14 +63,14 @@ class LogCapture:
 
         had = "log" in module.__dict__
         saved = module.__dict__.get("log")
-        module.log = log  # type: ignore[method-assign]
+        module.__dict__["log"] = log  # an instance attribute shadows LightningModule.log
         try:
             yield
         finally:
             if had:
-                module.log = saved  # type: ignore[method-assign]
+                module.__dict__["log"] = saved
             else:
-                del module.log
+                del module.__dict__["log"]
 
     def clear(self) -> None:
         self.records.clear()

@@ -11,6 +11,7 @@ how each places stages on ranks, and the idle fraction (bubble) each should leav
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from lightning_spot.layout import LayoutError

@@ -24,6 +24,8 @@ from lightning_spot.runtime.step_runner import StepRunner
 class StageModule(nn.Module):
     """One pipeline stage as ``torch.distributed.pipelining`` sees it; owns the stage's parameters."""
 
+    _runner: StepRunner  # kept outside the module tree (not a submodule)
+
     def __init__(self, placed: PlacedStage, runner: StepRunner) -> None:
         super().__init__()
         self.stage = placed.stage
@@ -43,7 +45,9 @@ class SpotStage(PipelineStage):
         self._spot_runner = runner
 
     def _quiet(self) -> contextlib.AbstractContextManager:
-        sync_off = self.submod.no_sync() if isinstance(self.submod, DistributedDataParallel) else contextlib.nullcontext()
+        sync_off = (
+            self.submod.no_sync() if isinstance(self.submod, DistributedDataParallel) else contextlib.nullcontext()
+        )
         stack = contextlib.ExitStack()
         stack.enter_context(self._spot_runner.inferring())
         stack.enter_context(sync_off)
@@ -64,8 +68,9 @@ class SpotStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-        with self._spot_runner.clock.compute("backward", microbatch=bwd_chunk_id, stage=self.stage_index,
-                                             input_only=not full):
+        with self._spot_runner.clock.compute(
+            "backward", microbatch=bwd_chunk_id, stage=self.stage_index, input_only=not full
+        ):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -73,7 +78,7 @@ class SpotStage(PipelineStage):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
-def no_forward_buffer_sync() -> dict[str, bool]:
+def no_forward_buffer_sync() -> dict[str, Any]:
     """Replicas keep their own buffers between steps (no broadcast before every micro-batch)."""
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}

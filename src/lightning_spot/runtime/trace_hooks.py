@@ -35,7 +35,8 @@ def traced_p2p(timeline: Timeline) -> Iterator[None]:
         if works:
             timeline.add(f"wait {kind}", kind, start, time.perf_counter())
 
-    schedules._batch_p2p, schedules._wait_batch_p2p = traced_batch, traced_wait
+    # torch's private p2p helpers, swapped for traced ones while this rank records a timeline
+    schedules._batch_p2p, schedules._wait_batch_p2p = traced_batch, traced_wait  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -50,7 +51,7 @@ class AllreduceTrace:
     clock: StepClock
 
 
-def traced_allreduce_hook(state: AllreduceTrace, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+def traced_allreduce_hook(state: AllreduceTrace, bucket):
     """DDP communication hook: the mean all-reduce of one gradient bucket (``dist.GradBucket``), timed
     when a timeline is attached; returns a ``Future[Tensor]``. (``bucket`` and the result have no
     annotations: DDP checks them against the real classes, which ``from __future__ import annotations``
@@ -60,12 +61,19 @@ def traced_allreduce_hook(state: AllreduceTrace, bucket):  # type: ignore[no-unt
     timeline = state.clock.timeline
     start = time.perf_counter()
     buffer = bucket.buffer()
-    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()  # type: ignore[union-attr]
+    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
     def finish(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         if timeline is not None:
-            timeline.add("all-reduce", "allreduce", start, time.perf_counter(), lane="allreduce",
-                         bucket=bucket.index(), bytes=buffer.numel() * buffer.element_size())
+            timeline.add(
+                "all-reduce",
+                "allreduce",
+                start,
+                time.perf_counter(),
+                lane="allreduce",
+                bucket=bucket.index(),
+                bytes=buffer.numel() * buffer.element_size(),
+            )
         return done.value()[0].div_(size)
 
     return future.then(finish)
