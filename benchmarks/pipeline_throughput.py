@@ -1,8 +1,14 @@
 """Training throughput of ``spot_pipeline`` against a hand-written ``torch.distributed.pipelining`` loop.
 
-For every P x D layout, the same GPT-style model (the example ``TinyGPT``: d_model 256, 8 blocks,
-block size 64 by default) is trained on the same synthetic random tokens, with the same global
-batch, the same number of micro-batches and the same schedule (1F1B), in two ways:
+For every model and P x D layout, the same model is trained on the same synthetic data, with the
+same global batch, the same number of micro-batches and the same schedule (1F1B), in two ways.
+The models (``--model``):
+
+* ``gpt``: the example ``TinyGPT`` (d_model 256, 8 blocks, block size 64 by default), global batch 32;
+* ``mlp``: a latency-bound stack of 8 x (Linear 512->512 + GELU), MSE loss, Adam, global batch 64,
+  where the fixed cost per step and micro-batch weighs most.
+
+The two ways:
 
 * ``strategy``: ``lightning.Trainer(strategy=SpotPipelineStrategy(...))`` with the
   ``PipelineThroughput`` callback; the figure is ``callback.summary()`` (mean over the timed steps).
@@ -24,11 +30,13 @@ Usage::
     python benchmarks/pipeline_throughput.py --impl hand --layouts P4xD1
     python benchmarks/pipeline_throughput.py --repeats 3                     # median of 3 runs per job
 
-``OMP_NUM_THREADS`` is set to 1 in the workers unless it is already set. With more workers than
-cores the processes oversubscribe the CPU; the comparison is still like for like. On a small shared
-machine one run's step times can differ from the next by 10% or more: use ``--repeats`` (the table
-shows the median run; implementations alternate order between rounds) and more ``--steps`` before
-reading anything into a difference of a few percent.
+The workers run in the environment users have: nothing sets ``OMP_NUM_THREADS``. The strategy sizes
+its thread pools itself (``lightning_spot.runtime.process``); the hand-written loop calls
+``torch.set_num_threads`` with the same rule (the CPUs / the processes), as a careful hand-written
+script does. On a small shared machine one run's step times can differ from the next by 10% or more:
+use ``--repeats`` (the table shows the median run; implementations alternate order between rounds)
+and more ``--steps`` before reading anything into a difference of a few percent. The table's
+overhead columns are the strategy's extra milliseconds per step, and that divided by the micro-batches.
 
 The strategy trains ``TinyGPT`` with a bare ``training_step`` (cross-entropy only, no perplexity
 metric and no ``self.log``) so that both sides do the same arithmetic; the strategy figure then
@@ -56,9 +64,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # for examples.gpt.model when run from anywhere
 
 JOB_ENV = "SPOT_BENCH_JOB"
-DEFAULT_LAYOUTS = "P4xD1,P2xD2,P1xD4,P2xD1,P1xD2"
+DEFAULT_LAYOUTS = "P2xD1,P2xD2,P4xD1"
 QUICK_LAYOUTS = "P2xD1,P1xD2"
 IMPLS = ("hand", "strategy")
+MODELS = ("gpt", "mlp")
+#: the global batch of each model unless --batch-size is given
+BATCH_SIZES = {"gpt": 32, "mlp": 64}
+MLP_WIDTH = 512
 
 
 # =============================================================================== model
@@ -74,14 +86,43 @@ def model_hparams(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def synthetic_dataset(job: dict[str, Any]):
-    """Random byte tokens, exactly one epoch of ``warmup + steps`` global batches."""
+    """Exactly one epoch of ``warmup + steps`` global batches: random byte tokens, or random vectors (MLP)."""
     import torch
     from torch.utils.data import TensorDataset
 
     g = torch.Generator().manual_seed(job["seed"])
     n = job["batch_size"] * (job["warmup"] + job["steps"])
+    if job.get("model") == "mlp":
+        return TensorDataset(torch.randn(n, MLP_WIDTH, generator=g), torch.randn(n, MLP_WIDTH, generator=g))
     tokens = torch.randint(0, 256, (n, job["block_size"] + 1), generator=g)
     return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def make_mlp(job: dict[str, Any]):
+    """The latency-bound MLP as a LightningModule: ``layers`` is its pipeline-able sequence."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class MLPStack(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(
+                *[nn.Sequential(nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.GELU()) for _ in range(job["n_layer"])]
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.mse_loss(self(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    return MLPStack()
 
 
 def make_optimizer(named_params, hparams: dict[str, Any], total_steps: int):
@@ -125,8 +166,10 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     from torch.nn.parallel import DistributedDataParallel
 
     from examples.gpt.model import TinyGPT
+    from lightning_spot.runtime.process import suggested_threads
 
     P, D, M = job["P"], job["D"], job["microbatches"]
+    torch.set_num_threads(suggested_threads(int(os.environ["LOCAL_WORLD_SIZE"])))
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     assert world == P * D
@@ -137,8 +180,12 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     device = torch.device("cpu")
 
     torch.manual_seed(job["seed"])
-    full = TinyGPT(**model_hparams(job))
-    full.configure_model()
+    if job.get("model") == "mlp":
+        full = make_mlp(job)
+    else:
+        full = TinyGPT(**model_hparams(job))
+        full.configure_model()
+    mlp = job.get("model") == "mlp"
     bounds = even_bounds(job["n_layer"], P)
     first, last = pp_rank == 0, pp_rank == P - 1
 
@@ -147,13 +194,15 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
 
         def __init__(self, full: nn.Module) -> None:
             super().__init__()
-            if first:
+            if first and not mlp:
                 self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
             self.layers = nn.Sequential(*list(full.layers)[bounds[pp_rank] : bounds[pp_rank + 1]])
-            if last:
+            if last and not mlp:
                 self.ln_f, self.head = full.ln_f, full.head
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if mlp:
+                return self.layers(x)
             if first:
                 pos = torch.arange(x.size(1), device=x.device)
                 x = self.tok_emb(x) + self.pos_emb(pos)
@@ -177,12 +226,18 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
         submod = DistributedDataParallel(stage_mod, process_group=dp_group, **no_sync_buffers)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if mlp:
+            return F.mse_loss(logits, target)
         return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
     stage = PipelineStage(submod, pp_rank, P, device, group=pp_group)
     schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn)
     total = job["warmup"] + job["steps"]
-    optimizer, scheduler = make_optimizer(stage_mod.named_parameters(), model_hparams(job), total)
+    if mlp:
+        optimizer = torch.optim.Adam(stage_mod.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    else:
+        optimizer, scheduler = make_optimizer(stage_mod.named_parameters(), model_hparams(job), total)
 
     data = synthetic_dataset(job)
     B = job["batch_size"]
@@ -265,7 +320,7 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
             PipelineTimeline(dirpath=job["result"] + ".timeline", start_step=0, num_steps=10**6, gantt=False)
         )
     L.seed_everything(job["seed"], verbose=False)
-    model = BenchGPT(**model_hparams(job))
+    model = make_mlp(job) if job.get("model") == "mlp" else BenchGPT(**model_hparams(job))
     loader = DataLoader(synthetic_dataset(job), batch_size=job["batch_size"], shuffle=False, drop_last=True)
     callback = Throughput(warmup_steps=job["warmup"], prog_bar=False)
     strategy = SpotPipelineStrategy(pipeline_stages=P, microbatches=M, schedule="1F1B")
@@ -328,7 +383,6 @@ def run_ranks(world: int, env: dict[str, str], log_dir: Path, timeout: float) ->
     from tests.distributed import WorkerFailure
     from tests.distributed import launch as launch_ranks
 
-    env = {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     script = str(Path(sys.modules["__main__"].__file__).resolve())
     try:
         launch_ranks(world, [script], log_dir=log_dir, timeout=timeout, env=env)
@@ -337,7 +391,7 @@ def run_ranks(world: int, env: dict[str, str], log_dir: Path, timeout: float) ->
 
 
 def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]:
-    tag = f"P{job['P']}xD{job['D']}-{job['impl']}"
+    tag = f"{job.get('model', 'gpt')}-P{job['P']}xD{job['D']}-{job['impl']}"
     result_path = Path(job["result"])
     result_path.unlink(missing_ok=True)
     run_ranks(job["P"] * job["D"], {JOB_ENV: json.dumps(job)}, log_dir / tag, timeout)
@@ -359,12 +413,15 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default=None, help=f"comma-separated PxD layouts (default {DEFAULT_LAYOUTS})")
+    p.add_argument("--model", choices=("both", *MODELS), default="both", help="gpt, mlp or both (default)")
     p.add_argument("--impl", choices=("both", *IMPLS), default="both")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32, help="global batch; a multiple of D x microbatches")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="global batch (default: gpt 32, mlp 64); a multiple of D x M"
+    )
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per replica and step (>= P for 1F1B)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 4; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12; --quick 4)")
@@ -378,20 +435,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.layouts = args.layouts or (QUICK_LAYOUTS if args.quick else DEFAULT_LAYOUTS)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 4)
     args.steps = args.steps if args.steps is not None else (4 if args.quick else 12)
+    args.models = MODELS if args.model == "both" else (args.model,)
     return args
+
+
+def batch_size(args: argparse.Namespace, model: str) -> int:
+    return args.batch_size or BATCH_SIZES[model]
 
 
 def check(args: argparse.Namespace, layouts: list[tuple[int, int]]) -> None:
     problems = []
-    for P, D in layouts:
-        if args.batch_size % (D * args.microbatches):
-            problems.append(
-                f"P{P}xD{D}: batch size {args.batch_size} is not a multiple of D x microbatches = {D * args.microbatches}"
-            )
+    for model in args.models:
+        B = batch_size(args, model)
+        for P, D in layouts:
+            if B % (D * args.microbatches):
+                problems.append(
+                    f"{model} P{P}xD{D}: batch size {B} is not a multiple of D x microbatches = {D * args.microbatches}"
+                )
+    for P, _ in layouts:
         if args.microbatches < P:
-            problems.append(f"P{P}xD{D}: 1F1B needs microbatches >= P ({args.microbatches} < {P})")
+            problems.append(f"P{P}: 1F1B needs microbatches >= P ({args.microbatches} < {P})")
         if args.n_layer < P:
-            problems.append(f"P{P}xD{D}: {args.n_layer} layers cannot fill {P} stages")
+            problems.append(f"P{P}: {args.n_layer} layers cannot fill {P} stages")
     if args.steps < 1:
         problems.append("--steps must be >= 1")
     if args.repeats < 1:
@@ -401,43 +466,49 @@ def check(args: argparse.Namespace, layouts: list[tuple[int, int]]) -> None:
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (layout, impl): the run with the median samples/s when jobs were repeated."""
+    """One row per (model, layout, impl): the run with the median samples/s when jobs were repeated."""
     out = []
-    keys = list(dict.fromkeys((r["layout"], r["impl"]) for r in rows))
-    for layout, impl in keys:
-        runs = [r for r in rows if r["layout"] == layout and r["impl"] == impl]
+    keys = list(dict.fromkeys((r["model"], r["layout"], r["impl"]) for r in rows))
+    for model, layout, impl in keys:
+        runs = [r for r in rows if (r["model"], r["layout"], r["impl"]) == (model, layout, impl)]
         ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["samples_per_sec"])
         out.append(ok[(len(ok) - 1) // 2] if ok else runs[0])
     return out
 
 
-def print_table(rows: list[dict[str, Any]], layouts: list[tuple[int, int]]) -> list[str]:
-    header = f"{'layout':<7} {'impl':<9} {'samples/s':>10} {'ms/step':>9} {'median ms':>10} {'loss':>7} {'strategy/hand':>14}"
+def print_table(
+    rows: list[dict[str, Any]], models: tuple[str, ...], layouts: list[tuple[int, int]], M: int
+) -> list[str]:
+    header = (
+        f"{'model':<5} {'layout':<7} {'hand ms/step':>13} {'strategy ms/step':>17} {'ratio':>7} "
+        f"{'overhead ms/step':>17} {'ms/micro-batch':>15} {'loss hand/strategy':>19}"
+    )
     print(header)
     print("-" * len(header))
-    overheads = []
-    for P, D in layouts:
-        name = f"P{P}xD{D}"
-        by_impl = {r["impl"]: r for r in rows if r["layout"] == name}
-        for impl in IMPLS:
-            r = by_impl.get(impl)
-            if r is None:
+    ratios = []
+    for model in models:
+        for P, D in layouts:
+            name = f"P{P}xD{D}"
+            by_impl = {r["impl"]: r for r in rows if r["layout"] == name and r["model"] == model}
+            h, st = by_impl.get("hand"), by_impl.get("strategy")
+            failed = [f"{impl}: {r['error'].splitlines()[0][:60]}" for impl, r in by_impl.items() if "error" in r]
+            if failed:
+                print(f"{model:<5} {name:<7} FAILED {'; '.join(failed)}")
                 continue
-            if "error" in r:
-                print(f"{name:<7} {impl:<9} {'FAILED':>10}  {r['error'].splitlines()[0][:80]}")
-                continue
-            ratio = ""
-            h = by_impl.get("hand")
-            if impl == "strategy" and h and "error" not in h:
-                speed = r["samples_per_sec"] / h["samples_per_sec"]
-                over = (r["step_seconds"] / h["step_seconds"] - 1) * 100
-                ratio = f"{speed:.3f} ({over:+.1f}%)"
-                overheads.append(f"{name} {over:+.1f}%")
+
+            def ms(r: dict[str, Any] | None) -> float:
+                return r["step_seconds"] * 1000 if r else float("nan")
+
+            ratio = ms(st) / ms(h) if h and st else float("nan")
+            extra = ms(st) - ms(h)
+            losses = f"{(h or {}).get('final_loss', float('nan')):.3f}/{(st or {}).get('final_loss', float('nan')):.3f}"
             print(
-                f"{name:<7} {impl:<9} {r['samples_per_sec']:>10.1f} {r['step_seconds'] * 1000:>9.1f} "
-                f"{r.get('median_step_seconds', float('nan')) * 1000:>10.1f} {r.get('final_loss', float('nan')):>7.3f} {ratio:>14}"
+                f"{model:<5} {name:<7} {ms(h):>13.1f} {ms(st):>17.1f} {ratio:>7.3f} {extra:>17.1f} {extra / M:>15.2f} "
+                f"{losses:>19}"
             )
-    return overheads
+            if h and st:
+                ratios.append(f"{model} {name} {ratio:.3f}")
+    return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,27 +521,30 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     # with --repeats, every other round runs the implementations in the opposite order
     jobs = [
-        (rep, P, D, impl)
+        (rep, model, P, D, impl)
         for rep in range(args.repeats)
+        for model in args.models
         for P, D in layouts
         for impl in (impls if rep % 2 == 0 else tuple(reversed(impls)))
     ]
     print(
-        f"model: TinyGPT d_model={args.d_model} n_layer={args.n_layer} n_head={args.n_head} block={args.block_size}; "
-        f"global batch {args.batch_size}, {args.microbatches} micro-batches per replica, schedule 1F1B; "
-        f"{args.warmup} warm-up + {args.steps} timed steps; cpu/gloo, {os.cpu_count()} cores, "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1 (set by this script)')}",
+        f"models: {', '.join(args.models)} (gpt: TinyGPT d_model={args.d_model} n_layer={args.n_layer} "
+        f"n_head={args.n_head} block={args.block_size}, global batch {batch_size(args, 'gpt')}; mlp: {args.n_layer} x "
+        f"(Linear {MLP_WIDTH}->{MLP_WIDTH} + GELU), global batch {batch_size(args, 'mlp')}); {args.microbatches} "
+        f"micro-batches per replica, schedule 1F1B; {args.warmup} warm-up + {args.steps} timed steps; cpu/gloo, "
+        f"{os.cpu_count()} CPUs; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'not set')}",
         flush=True,
     )
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    for i, (rep, P, D, impl) in enumerate(jobs, 1):
+    for i, (rep, model, P, D, impl) in enumerate(jobs, 1):
         job = {
             "impl": impl,
+            "model": model,
             "P": P,
             "D": D,
             "microbatches": args.microbatches,
-            "batch_size": args.batch_size,
+            "batch_size": batch_size(args, model),
             "d_model": args.d_model,
             "n_layer": args.n_layer,
             "n_head": args.n_head,
@@ -478,26 +552,29 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "steps": args.steps,
             "seed": args.seed,
-            "result": str(tmp / f"P{P}xD{D}-{impl}.json"),
+            "result": str(tmp / f"{model}-P{P}xD{D}-{impl}.json"),
         }
         t0 = time.monotonic()
-        row: dict[str, Any] = {"layout": f"P{P}xD{D}", "impl": impl, "world_size": P * D, "repeat": rep}
+        row: dict[str, Any] = {"model": model, "layout": f"P{P}xD{D}", "impl": impl, "world_size": P * D, "repeat": rep}
         try:
             row.update(launch(job, log_dir, args.timeout))
             print(
-                f"[{i}/{len(jobs)}] P{P}xD{D} {impl:<8} {row['samples_per_sec']:7.1f} samples/s "
+                f"[{i}/{len(jobs)}] {model} P{P}xD{D} {impl:<8} {row['samples_per_sec']:7.1f} samples/s "
                 f"{row['step_seconds'] * 1000:7.1f} ms/step  (job {time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
         except JobFailed as err:
             row["error"] = str(err)
-            print(f"[{i}/{len(jobs)}] P{P}xD{D} {impl} FAILED:\n{err}", file=sys.stderr, flush=True)
+            print(f"[{i}/{len(jobs)}] {model} P{P}xD{D} {impl} FAILED:\n{err}", file=sys.stderr, flush=True)
         rows.append(row)
     print()
-    overheads = print_table(aggregate(rows), layouts)
-    print("\nstrategy/hand: samples/s ratio; (%) = extra time per step of the strategy over the hand-written loop")
-    if overheads:
-        print("strategy overhead vs hand-written pipelining: " + ", ".join(overheads))
+    ratios = print_table(aggregate(rows), args.models, layouts, args.microbatches)
+    print(
+        "\nratio: strategy ms/step / hand-written ms/step (goal <= 1.05); overhead: the strategy's extra ms per step, "
+        "and per micro-batch"
+    )
+    if ratios:
+        print("strategy/hand-written: " + ", ".join(ratios))
     print(f"total wall time {time.monotonic() - started:.0f}s")
     if args.json:
         payload = {

@@ -80,7 +80,6 @@ def launch(
                 "RANK": str(rank),
                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                 "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": "1",
                 **(env or {}),
             }
             out = open(log_dir / f"rank{rank}.log", "w")

@@ -27,6 +27,7 @@ class Agent:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             "PYTHONUNBUFFERED": "1",
+            # several agents on one machine stand in for nodes: each sizes its threads for a whole machine
             "OMP_NUM_THREADS": "1",
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a fresh store per round (see FIELD-NOTES)
         }

@@ -177,6 +177,28 @@ class SaveFinalState(L.Callback):
         )
 
 
+class ReportSetup(L.Callback):
+    """Writes every rank's process setup when training starts: threads, where they came from, OMP_NUM_THREADS."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+        import os
+
+        setup = getattr(trainer.strategy, "thread_setup", None)
+        os.makedirs(self.dirpath, exist_ok=True)
+        report = {
+            "threads": torch.get_num_threads(),
+            "source": setup.source if setup is not None else None,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices)),
+        }
+        with open(os.path.join(self.dirpath, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(report, f)
+
+
 class LossHookModel(TinyPipelineModel):
     """Batches are dicts and training_step does not follow the contract; the loss hooks do."""
 

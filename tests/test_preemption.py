@@ -279,6 +279,5 @@ def test_run_wrapper_trains_a_job(tmp_path: Path, uninterrupted: dict) -> None:
     run_command(
         [exe, "run", "--nproc-per-node", "2", "tests/workers/elastic_train.py", str(config)],
         timeout=300,
-        env={"OMP_NUM_THREADS": "1"},
     )
     assert_same_params(merged_state(_finals(tmp_path, 2)), uninterrupted)

@@ -9,10 +9,11 @@ trainer = L.Trainer(accelerator="gpu", devices=8, strategy="spot_pipeline")
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_spot._version import __version__ as __version__
+from lightning_spot._warnings import hide_inapplicable_warnings
 from lightning_spot.checkpoint import CheckpointError, SpotCheckpoint, StorageError
 from lightning_spot.checkpoint.consolidate import load_full_state_dict
 from lightning_spot.data import EpochShuffleSampler
-from lightning_spot.layout import Layout, LayoutError
+from lightning_spot.layout import Layout, LayoutError, PipelineLayout
 from lightning_spot.observe.throughput import PipelineThroughput
 from lightning_spot.observe.timeline import PipelineTimeline
 from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
@@ -22,6 +23,7 @@ from lightning_spot.runtime.schedules import SCHEDULE_NAMES, resolve_schedule
 from lightning_spot.strategy import SpotPipelineStrategy
 
 SpotPipelineStrategy.register_strategies(StrategyRegistry)
+hide_inapplicable_warnings()
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -33,6 +35,7 @@ __all__ = [
     "ModelContractError",
     "ModelSplit",
     "Notice",
+    "PipelineLayout",
     "PipelineThroughput",
     "PipelineTimeline",
     "PreemptionWatcher",

@@ -10,9 +10,7 @@ gradients, logging), ``data`` (global-batch sharding) and ``checkpoint`` (sharde
 
 from __future__ import annotations
 
-import atexit
 import os
-import time
 from collections.abc import Generator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -51,9 +49,17 @@ from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.discovery import ModelContractError, discover
 from lightning_spot.partition.placement import placement_of
 from lightning_spot.planning.choose import LayoutChoice, Requested, choose_layout, describe_choice
+from lightning_spot.planning.memory import PlanPlace
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import clip_grad_norm_global
+from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
+from lightning_spot.runtime.process import (
+    ThreadSetup,
+    destroy_process_group_at_exit,
+    set_up_threads,
+    threads_set_by_user,
+)
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 
 if TYPE_CHECKING:
@@ -155,6 +161,10 @@ class SpotPipelineStrategy(ParallelStrategy):
         self.trace_allreduce = False
         self.restored_manifest: Optional[dict[str, Any]] = None
         self._storage_options: dict[str, Any] = {}
+        self._run_url: Optional[str] = None
+        #: this process's CPU thread setup (set when processes start)
+        self.thread_setup: Optional[ThreadSetup] = None
+        self._user_threads = threads_set_by_user()
 
     # ------------------------------------------------------------------ registry
     @classmethod
@@ -255,6 +265,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        self.thread_setup = set_up_threads(self.num_processes, self._user_threads)
+        rank_zero_info(f"spot_pipeline: {self.thread_setup.describe()}")
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -263,7 +275,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        _destroy_process_group_at_exit()
+        destroy_process_group_at_exit()
 
     @contextmanager
     @override
@@ -337,6 +349,7 @@ class SpotPipelineStrategy(ParallelStrategy):
                 device=self.root_device,
                 autocast=self.precision_plugin.forward_context,
                 cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
+                plan_places=self._plan_places(),
             )
         module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
         describe_choice(choice)
@@ -534,10 +547,20 @@ class SpotPipelineStrategy(ParallelStrategy):
             "data": {"global_batch": engine.last_global_batch, "samples_consumed": engine.samples_seen},
         }
 
-    def use_checkpoint_storage(self, storage_options: dict[str, Any]) -> None:
+    def use_checkpoint_storage(self, storage_options: dict[str, Any], run_url: Optional[str] = None) -> None:
         """fsspec options for checkpoint URLs (``SpotCheckpoint`` hands over its own; also used by
-        ``fit(ckpt_path=URL)`` and ``ModelCheckpoint``)."""
+        ``fit(ckpt_path=URL)`` and ``ModelCheckpoint``) and the run directory, where plans are remembered."""
         self._storage_options = dict(storage_options)
+        self._run_url = run_url
+
+    def _plan_places(self) -> list[PlanPlace]:
+        """Where the plan of this job is remembered: its run directory (follows the job) and the local cache."""
+        places = []
+        if self._run_url:
+            places.append(PlanPlace(self._run_url.rstrip("/") + "/plans", self._storage_options))
+        if self._profile_cache:
+            places.append(PlanPlace(os.path.join(os.path.expanduser(self._profile_cache), "plans")))
+        return places
 
     @property
     def last_global_batch(self) -> Optional[int]:
@@ -598,9 +621,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         group: Optional[Any] = None,
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if group == ALREADY_REDUCED or not isinstance(tensor, Tensor):
+            return tensor  # values the logging bridge reduced over replicas and micro-batches already
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def teardown(self) -> None:
@@ -609,28 +632,3 @@ class SpotPipelineStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-_exit_hook_registered = False
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the process group in an ``atexit`` hook, while the interpreter is still whole.
-
-    A gloo worker thread drops its reference to the last collective's tensors only after the caller
-    has seen the result; if the process exits right after a collective (the ``SystemExit(75)`` of a
-    preemption stop does), that thread needs the GIL during interpreter finalization and the process
-    aborts with "terminate called without an active exception" (pytorch/pytorch#190489). Destroying
-    the group and yielding the GIL briefly while the interpreter is whole avoids that.
-    """
-    global _exit_hook_registered
-    if _exit_hook_registered:
-        return
-    _exit_hook_registered = True
-
-    def destroy() -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-            time.sleep(0.2)  # let gloo's threads take the GIL and release what they hold
-
-    atexit.register(destroy)

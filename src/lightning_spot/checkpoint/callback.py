@@ -125,8 +125,8 @@ class SpotCheckpoint(L.Callback):
         if stage != TrainerFn.FITTING.value:
             return
         host = _host(trainer)
-        host.use_checkpoint_storage(self.storage_options)
         url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
+        host.use_checkpoint_storage(self.storage_options, url)
         self.storage = Storage(url, self.storage_options)
         problem = None
         try:

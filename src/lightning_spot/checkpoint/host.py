@@ -1,7 +1,7 @@
 """What ``SpotCheckpoint`` needs from the training strategy, as a small typed interface.
 
     if not is_checkpoint_host(trainer.strategy): raise TypeError(...)
-    trainer.strategy.use_checkpoint_storage(options)      # the callback hands its storage options over
+    trainer.strategy.use_checkpoint_storage(options, url)  # the callback hands its storage over
     info = trainer.strategy.checkpoint_info(checkpoint)   # step, layout, data position for the manifest
 
 ``SpotPipelineStrategy`` provides it; the checkpoint package never imports the strategy.
@@ -47,8 +47,9 @@ class CheckpointHost(Protocol):
         """Step, layout and data position of a Lightning checkpoint dict, for its manifest."""
         ...
 
-    def use_checkpoint_storage(self, storage_options: dict[str, Any]) -> None:
-        """Read and write checkpoints with these fsspec options (also ``fit(ckpt_path=URL)``)."""
+    def use_checkpoint_storage(self, storage_options: dict[str, Any], run_url: str | None = None) -> None:
+        """Read and write checkpoints with these fsspec options (also ``fit(ckpt_path=URL)``); ``run_url`` is
+        the run directory (the strategy keeps its plan there, so that a restart elsewhere finds it)."""
         ...
 
 

@@ -30,7 +30,8 @@ from lightning_spot.partition.balance import balanced_cuts
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, Candidate, evaluate, plan_layouts
-from lightning_spot.planning.hardware import Hardware, default_hardware, measure_hardware
+from lightning_spot.planning.hardware import Hardware, default_hardware
+from lightning_spot.planning.memory import PlanMemory, PlanPlace, keep_or_switch, plan_key, reuse_or_measure
 from lightning_spot.planning.profile import ModelProfile, forward_inputs, profile_model
 from lightning_spot.runtime.schedules import resolve_schedule
 
@@ -75,6 +76,8 @@ class LayoutChoice:
     #: the chosen :class:`Candidate` as a dict, when the planner chose; the next best ones
     plan: dict[str, Any] | None = None
     runners_up: tuple[dict[str, Any], ...] = ()
+    #: why this plan (kept from the last start, changed, or new), for the log
+    reason: str = ""
 
 
 @dataclass
@@ -88,6 +91,7 @@ class _Draft:
     cuts: list[int] | None
     plan: dict[str, Any] | None = None
     runners_up: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
 
 
 def sample_batch(trainer: Any) -> tuple[int, Any] | None:
@@ -139,7 +143,7 @@ def _settle(
     if microbatches == "auto":
         microbatches = default_microbatches(grid, plan.num_stages, global_batch)
     layout = PipelineLayout(grid, spec.name, plan.num_stages, tuple(plan.cuts), microbatches)
-    return LayoutChoice(layout, draft.activation_checkpointing, draft.plan, tuple(draft.runners_up))
+    return LayoutChoice(layout, draft.activation_checkpointing, draft.plan, tuple(draft.runners_up), draft.reason)
 
 
 def choose_layout(
@@ -152,8 +156,13 @@ def choose_layout(
     device: torch.device,
     autocast: Callable[[], Any],
     cache_dir: Path | None,
+    plan_places: Sequence[PlanPlace] = (),
 ) -> LayoutChoice:
-    """The layout to build on every rank (a collective call: all ranks get rank 0's decision)."""
+    """The layout to build on every rank (a collective call: all ranks get rank 0's decision).
+
+    Profiles and hardware measurements are cached in ``cache_dir``; the plan is remembered in
+    ``plan_places`` and kept at the next start-up unless a new one is clearly better (``memory``).
+    """
     if requested.pipeline_stages != "auto":  # clear errors if the fixed depth cannot fit, before any profiling
         Layout.for_world(world_size, requested.pipeline_stages)
         plan_stages(split.num_layers, requested.pipeline_stages, stages_per_rank=requested.per_rank(requested.schedule))
@@ -165,7 +174,7 @@ def choose_layout(
         return _settle(_fallback(requested), requested, split, world_size, None)
     global_batch, batch = sample
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    hardware = measure_hardware(device, default_hardware(device, requested.device_memory, local))  # collective
+    hardware, reused = reuse_or_measure(device, default_hardware(device, requested.device_memory, local), cache_dir)
     draft: _Draft | Exception | None = None
     if is_rank_zero:
         samples = max(1, min(global_batch, global_batch // world_size))
@@ -187,10 +196,19 @@ def choose_layout(
             log.warning("lightning-spot: could not profile the model (%s); using the simple layout rules", err)
             draft = _fallback(requested)
         else:
+            memory = PlanMemory(plan_places)
+            key = plan_key(module, split.layers_path, device, global_batch, requested)
             try:
-                draft = _decide(profile, requested, world_size, global_batch, hardware)
+                draft = _decide(profile, requested, world_size, global_batch, hardware, memory.recall(key))
             except LayoutError as err:  # e.g. nothing fits in memory: every rank raises the same error
                 draft = err
+            else:
+                if draft.plan is not None:
+                    memory.remember(key, Candidate(**draft.plan))
+                    measured = "reused" if reused else "measured now"
+                    draft.reason += (
+                        f" (hardware {measured}; plans kept in {', '.join(p.url for p in plan_places) or 'no place'})"
+                    )
     draft = broadcast_object(draft)
     if isinstance(draft, Exception):
         raise draft
@@ -199,7 +217,12 @@ def choose_layout(
 
 
 def _decide(
-    profile: ModelProfile, requested: Requested, world_size: int, global_batch: int, hardware: Hardware
+    profile: ModelProfile,
+    requested: Requested,
+    world_size: int,
+    global_batch: int,
+    hardware: Hardware,
+    previous: Candidate | None = None,
 ) -> _Draft:
     explicit_cuts = None if isinstance(requested.partition, str) else list(requested.partition)
     if requested.schedule not in ("auto", *PLANNED_SCHEDULES) or explicit_cuts is not None:
@@ -245,7 +268,8 @@ def _decide(
                 )
             ]
         candidates = fitting
-    best = candidates[0]
+    previous_now = _reevaluate(previous, profile, world_size, global_batch, hardware) if previous else None
+    best, reason = keep_or_switch(candidates[0], previous, previous_now)
     cuts = best.cuts if requested.partition in ("auto", "balanced") else None
     return _Draft(
         best.pipeline_stages,
@@ -254,8 +278,36 @@ def _decide(
         best.activation_checkpointing,
         cuts,
         plan=best.to_dict(),
-        runners_up=[c.to_dict() for c in candidates[1:4]],
+        runners_up=[c.to_dict() for c in candidates[:4] if c is not best][:3],
+        reason=reason,
     )
+
+
+def _reevaluate(
+    previous: Candidate, profile: ModelProfile, world_size: int, global_batch: int, hardware: Hardware
+) -> Candidate | None:
+    """The previous plan's pipeline on this world, with today's profile and hardware (``None``: it does not fit)."""
+    p, m = previous.pipeline_stages, previous.microbatches
+    if world_size % p or global_batch % ((world_size // p) * m) or (previous.schedule == "1F1B" and m < p):
+        return None
+    if len(previous.cuts) != p - 1 or any(not 0 < c < len(profile.layers) for c in previous.cuts):
+        return None
+    try:
+        again = evaluate(
+            profile,
+            pipeline_stages=p,
+            data_parallel=world_size // p,
+            microbatches=m,
+            global_batch=global_batch,
+            schedule=previous.schedule,
+            checkpointing=previous.activation_checkpointing,
+            hardware=hardware,
+            cuts=list(previous.cuts),
+        )
+    except LayoutError:
+        return None
+    fits = hardware.memory_bytes is None or max(again.stage_bytes) <= hardware.memory_bytes
+    return again if fits else None
 
 
 def describe_choice(choice: LayoutChoice) -> None:
@@ -264,5 +316,7 @@ def describe_choice(choice: LayoutChoice) -> None:
         return
     best = Candidate(**choice.plan)
     lines = [f"spot_pipeline plan: {best.describe()}"]
+    if choice.reason:
+        lines.append(f"  why: {choice.reason}")
     lines += [f"  runner-up: {Candidate(**c).describe()}" for c in choice.runners_up]
     rank_zero_info("\n".join(lines))

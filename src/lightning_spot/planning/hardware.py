@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_spot._dist import world_size
+
 
 def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPUs), so that a clock reading means something."""
@@ -72,7 +74,7 @@ def default_hardware(device: torch.device, memory: float | None, local_processes
 def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 25, repeats: int = 3) -> Hardware:
     """Calibrate the optimizer update speed here, and point-to-point and all-reduce speed on the default
     process group (a collective call; every rank gets rank 0's figures)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if world_size() < 2:
         return replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))
     if dist.get_rank() == 0:  # alone: ranks updating at once would share the memory bandwidth
         base = replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))

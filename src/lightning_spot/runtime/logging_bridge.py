@@ -4,7 +4,8 @@ The user's step function runs once per micro-batch and reaches its ``self.log`` 
 last stage. :class:`LogCapture` records those calls instead of forwarding them; after the schedule,
 :func:`reduce_records` combines them over micro-batches and over the last stage's data-parallel
 replicas, :func:`share_from_last_stage` sends the result to every stage, and :func:`replay` logs it
-on each rank through the real ``LightningModule.log`` (already synchronised, so ``sync_dist`` off).
+on each rank through the real ``LightningModule.log``, marked as synchronised already
+(``sync_dist_group=ALREADY_REDUCED``: the strategy's ``reduce`` returns such values unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from torch import Tensor
 from lightning_spot._dist import broadcast_object
 
 _SYNC_KEYS = ("sync_dist", "sync_dist_group")
+#: the ``sync_dist_group`` of values this bridge logs: reduced over micro-batches and replicas already, so the
+#: strategy's ``reduce`` hands them back unchanged (and Lightning does not ask for ``sync_dist=True``)
+ALREADY_REDUCED = "lightning_spot:already-reduced"
 _REDUCE = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -139,4 +143,5 @@ def replay(module: Any, logged: dict[str, tuple[float, dict[str, Any]]], batch_s
     for name, (value, options) in logged.items():
         opts = dict(options)
         opts.setdefault("batch_size", batch_size)
-        module.log(name, torch.tensor(value, device=device), sync_dist=False, **opts)
+        synced = not opts.get("rank_zero_only", False)  # Lightning refuses sync_dist with rank_zero_only
+        module.log(name, torch.tensor(value, device=device), sync_dist=synced, sync_dist_group=ALREADY_REDUCED, **opts)
