@@ -10,15 +10,18 @@ The models (``--model``):
 
 The two ways:
 
-* ``strategy``: ``lightning.Trainer(strategy=SpotPipelineStrategy(...))`` with the
-  ``PipelineThroughput`` callback; the figure is ``callback.summary()`` (mean over the timed steps).
+* ``strategy``: ``lightning.Trainer(strategy=SpotPipelineStrategy(...))`` with a callback that only
+  notes when each step starts.
 * ``hand``: a hand-written loop: stage modules built by hand (embeddings + blocks k..l + head),
   ``PipelineStage`` + ``Schedule1F1B``, DDP over the data-parallel group for D > 1, AdamW and the
   same LR schedule; each step times ``schedule.step`` + ``optimizer.step`` + ``zero_grad`` +
   ``scheduler.step``.
 
 Both report rank 0's step times (rank 0 holds the first stage, whose last backward ends the
-step). The script is its own launcher: run without ``LOCAL_RANK`` it starts, for each
+step), measured from the start of one step to the start of the next: everything a training loop
+does per step, between steps included.
+
+The script is its own launcher: run without ``LOCAL_RANK`` it starts, for each
 (layout, implementation), W = P x D worker processes of itself on CPU/gloo (the env-var protocol
 Lightning uses for externally launched processes), collects rank 0's JSON result and prints a table.
 
@@ -242,13 +245,13 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     data = synthetic_dataset(job)
     B = job["batch_size"]
     local = B // D
-    times: list[float] = []
+    starts: list[float] = []
     last_loss = float("nan")
     for step in range(total):
+        starts.append(time.perf_counter())
         lo = step * B + dp_rank * local
         x, y = data.tensors[0][lo : lo + local], data.tensors[1][lo : lo + local]
         losses: list[torch.Tensor] = []
-        t0 = time.perf_counter()
         if first and last:
             schedule.step(x, target=y, losses=losses)
         elif first:
@@ -260,12 +263,10 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        elapsed = time.perf_counter() - t0
-        if step >= job["warmup"]:
-            times.append(elapsed)
         if losses:
             last_loss = float(torch.stack([x.detach() for x in losses]).mean())
 
+    times = step_periods(starts, time.perf_counter(), job["warmup"])
     # the loss lives on the last stage (dp rank 0 of it: global rank (P-1)*D); share it outside the timing
     box = [last_loss]
     dist.broadcast_object_list(box, src=(P - 1) * D)
@@ -283,7 +284,7 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
     from torch.utils.data import DataLoader
 
     from examples.gpt.model import TinyGPT
-    from lightning_spot import PipelineThroughput, SpotPipelineStrategy
+    from lightning_spot import SpotPipelineStrategy
 
     class BenchGPT(TinyGPT):
         """TinyGPT with a bare training step (no perplexity metric, no logging): the same work as ``hand``."""
@@ -292,13 +293,20 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
             x, y = batch
             return F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
 
-    class Throughput(PipelineThroughput):
-        """Also keeps the loss of the last step (Lightning's ``outputs``) for the report."""
+    class StepTimer(L.Callback):
+        """Notes when each step starts and keeps the last loss (Lightning's ``outputs``): nothing else, so
+        that the figure is the strategy's and Lightning's cost, not a measuring callback's own."""
 
-        last_loss = float("nan")
+        def __init__(self) -> None:
+            self.last_loss = float("nan")
+            self.starts: list[float] = []
+            self.end = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.starts.append(time.perf_counter())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self.end = time.perf_counter()
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None:
                 self.last_loss = float(loss)
@@ -322,7 +330,7 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
     L.seed_everything(job["seed"], verbose=False)
     model = make_mlp(job) if job.get("model") == "mlp" else BenchGPT(**model_hparams(job))
     loader = DataLoader(synthetic_dataset(job), batch_size=job["batch_size"], shuffle=False, drop_last=True)
-    callback = Throughput(warmup_steps=job["warmup"], prog_bar=False)
+    callback = StepTimer()
     strategy = SpotPipelineStrategy(pipeline_stages=P, microbatches=M, schedule="1F1B")
     trainer = L.Trainer(
         accelerator="cpu",
@@ -341,18 +349,17 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
         raise RuntimeError(f"strategy picked layout {strategy.layout}, expected P{P}xD{D}")
     if not trainer.is_global_zero:
         return None
-    summary = callback.summary()
-    if not summary:
-        raise RuntimeError("PipelineThroughput recorded no steps after the warm-up")
-    times = callback.step_times  # per-step times, for the median
-    result = _result(times, job["batch_size"], callback.last_loss) if times else {}
-    # the headline figures are the callback's own
-    result.update(
-        samples_per_sec=summary["samples_per_sec"],
-        step_seconds=summary["step_seconds"],
-        steps=int(summary["steps"]),
-    )
-    return result
+    times = step_periods(callback.starts, callback.end, job["warmup"])
+    if not times:
+        raise RuntimeError("no steps were timed after the warm-up")
+    return _result(times, job["batch_size"], callback.last_loss)
+
+
+def step_periods(starts: list[float], end: float, warmup: int) -> list[float]:
+    """Seconds from the start of each step after the warm-up to the start of the next (the last: to ``end``):
+    everything a training loop does per step, between steps included."""
+    bounds = [*starts, end]
+    return [b - a for a, b in zip(bounds[warmup:], bounds[warmup + 1 :])]
 
 
 def _result(times: list[float], global_batch: int, loss: float) -> dict[str, Any]:

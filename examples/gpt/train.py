@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from examples.gpt.data import ByteTextDataModule
 from examples.gpt.model import TinyGPT
 from lightning_spot import PipelineThroughput, PipelineTimeline, SpotCheckpoint, SpotPipelineStrategy
+from lightning_spot.layout import layout_label
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_global_zero:
         if strategy.restored_manifest is not None:
             print(
-                f"resumed from step {strategy.restored_manifest['step']} (written on {strategy.restored_manifest['layout']})"
+                f"resumed from step {strategy.restored_manifest['step']} "
+                f"(written on {layout_label(strategy.restored_manifest['layout'])})"
             )
         print(
             f"done: layout {strategy.layout}, train_loss {summary.get('train_loss', float('nan')):.3f}, "

@@ -29,7 +29,7 @@ from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
-from lightning_spot.runtime.logging_bridge import LogCapture, LogRecord, reduce_records, replay, share_from_last_stage
+from lightning_spot.runtime.logging_bridge import LastStageShare, LogCapture, LogRecord, reduce_records, replay
 from lightning_spot.runtime.schedules import resolve_schedule
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
@@ -93,6 +93,7 @@ class PipelineEngine:
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
         self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
+        self.share = LastStageShare(ctx.pp_group, self.last_stage_rank, ctx.device)
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: Grads | None = None
         self.last_microbatches: int | None = None
@@ -253,14 +254,14 @@ class PipelineEngine:
         if mode != "predict":
             return None
         merged = _merge_outputs([r[1] for r in results]) if self.holds_last else None
-        return share_from_last_stage(merged, self.ctx.pp_group, self.last_stage_rank)
+        return self.share(merged)
 
     def _share_logs(self, extra: list[LogRecord]) -> dict[str, tuple[float, dict[str, Any]]]:
         payload = None
         if self.holds_last:
             payload = reduce_records(self.capture.records + extra, self.ctx.dp_group, self.ctx.device)
         self.capture.clear()
-        return share_from_last_stage(payload, self.ctx.pp_group, self.last_stage_rank)
+        return self.share(payload)
 
 
 def _merge_outputs(outputs: list[Any]) -> Any:

@@ -3,7 +3,7 @@
 The user's step function runs once per micro-batch and reaches its ``self.log`` calls only on the
 last stage. :class:`LogCapture` records those calls instead of forwarding them; after the schedule,
 :func:`reduce_records` combines them over micro-batches and over the last stage's data-parallel
-replicas, :func:`share_from_last_stage` sends the result to every stage, and :func:`replay` logs it
+replicas, :class:`LastStageShare` sends the result to every stage, and :func:`replay` logs it
 on each rank through the real ``LightningModule.log``, marked as synchronised already
 (``sync_dist_group=ALREADY_REDUCED``: the strategy's ``reduce`` returns such values unchanged).
 """
@@ -11,6 +11,7 @@ on each rank through the real ``LightningModule.log``, marked as synchronised al
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from lightning_spot._dist import broadcast_object
 
 _SYNC_KEYS = ("sync_dist", "sync_dist_group")
 #: the ``sync_dist_group`` of values this bridge logs: reduced over micro-batches and replicas already, so the
@@ -115,27 +114,55 @@ def reduce_records(
         dist.all_reduce(packed, group=dp_group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dp_group)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dp_group)
-    out: dict[str, tuple[float, dict[str, Any]]] = {}
-    for i, n in enumerate(names):
-        options = by_name[n][0].options
-        fx = _reduce_fx(options)
-        if fx == "mean":
-            value = packed[0, i] / packed[1, i]
-        elif fx == "sum":
-            value = packed[0, i]
-        elif fx == "max":
-            value = hi[i]
-        else:
-            value = lo[i]
-        out[n] = (float(value), options)
-    return out
+    reduced = {"mean": packed[0] / packed[1], "sum": packed[0], "max": hi, "min": lo}
+    pick = torch.stack([reduced[_reduce_fx(by_name[n][0].options)][i] for i, n in enumerate(names)])
+    host = pick.tolist()  # one device-to-host copy per step, whatever the number of logged names
+    return {n: (float(host[i]), by_name[n][0].options) for i, n in enumerate(names)}
 
 
-def share_from_last_stage(payload: Any, pp_group: dist.ProcessGroup | None, src_group_rank: int) -> Any:
-    """Broadcast a small Python object from the rank holding the last stage to its pipeline group."""
-    if pp_group is None:
+class LastStageShare:
+    """Sends small Python objects from the rank holding the last stage to the other ranks of its pipeline.
+
+        share = LastStageShare(pp_group, last_stage_rank, device)
+        logged = share(payload if holds_last_stage else None)     # the last stage's payload on every rank
+
+    Point to point, straight from the last stage: a broadcast would relay through the ranks of the
+    middle stages, so the first stage (the last to finish a 1F1B step) would wait for them instead of
+    receiving what the last stage sent long before. The sends are not waited for until the next call,
+    so the last stage goes on with its optimizer step.
+    """
+
+    def __init__(self, pp_group: dist.ProcessGroup | None, src_group_rank: int, device: torch.device) -> None:
+        self.group = pp_group
+        self.src = src_group_rank
+        self.device = device
+        self._pending: list[tuple[dist.Work, Tensor]] = []
+
+    def __call__(self, payload: Any) -> Any:
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return payload
+        if dist.get_rank(self.group) != self.src:
+            size = torch.empty(1, dtype=torch.int64, device=self.device)
+            dist.recv(size, group=self.group, group_src=self.src)
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+            dist.recv(data, group=self.group, group_src=self.src)
+            return pickle.loads(data.cpu().numpy().tobytes())
+        self.wait()
+        data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        for dst in range(dist.get_world_size(self.group)):
+            if dst != self.src:
+                for tensor in (size, data):
+                    work = dist.isend(tensor, group=self.group, group_dst=dst)
+                    assert work is not None
+                    self._pending.append((work, tensor))
         return payload
-    return broadcast_object(payload, pp_group, group_src=src_group_rank)
+
+    def wait(self) -> None:
+        """Wait until the previous sends arrived (their tensors are kept alive until then)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
 
 
 def replay(module: Any, logged: dict[str, tuple[float, dict[str, Any]]], batch_size: int, device: torch.device) -> None:
