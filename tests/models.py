@@ -74,14 +74,28 @@ def make_dataset(n: int = 64, seed: int = 1234) -> TensorDataset:
 
 
 def make_loader(
-    batch_size: int = 16, n: int = 64, shuffle: bool = False, dict_batches: bool = False, **kwargs: Any
+    batch_size: int = 16,
+    n: int = 64,
+    shuffle: bool = False,
+    dict_batches: bool = False,
+    tokens: bool = False,
+    **kwargs: Any,
 ) -> DataLoader:
-    dataset = DictDataset(n) if dict_batches else make_dataset(n)
+    if tokens:  # token ids for the Hugging Face models of tests.hf_models
+        from tests.hf_models import token_dataset
+
+        dataset: Any = token_dataset(n)
+    else:
+        dataset = DictDataset(n) if dict_batches else make_dataset(n)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, **kwargs)
 
 
-def make_model(seed: int = 7, cls: str = "TinyPipelineModel", **kwargs: Any) -> TinyPipelineModel:
+def make_model(seed: int = 7, cls: str = "TinyPipelineModel", **kwargs: Any) -> L.LightningModule:
     torch.manual_seed(seed)
+    if cls == "CausalLM":
+        from tests.hf_models import CausalLM
+
+        return CausalLM(**kwargs)
     return globals()[cls](**kwargs)
 
 

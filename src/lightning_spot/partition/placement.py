@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit
-from lightning_spot.partition.stage_run import RemoteModule, SkippedLayer, instrument_layer
+from lightning_spot.partition.stage_run import RemoteModule, SkippedLayer, activation_parameter, instrument_layer
 
 _MARK = "_spot_placement"
 
@@ -33,6 +33,12 @@ class Placement:
     plan: StagePlan
     pp_rank: int
     stages: dict[int, PlacedStage]
+
+
+def _child(parent: nn.Module, name: str) -> nn.Module:
+    child = parent._modules[name]
+    assert child is not None
+    return child
 
 
 def placement_of(module: nn.Module) -> Placement | None:
@@ -53,7 +59,7 @@ def _resolve(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     *parents, leaf = fqn.split(".")
     parent = root
     for part in parents:
-        parent = parent._modules[part]  # type: ignore[assignment]
+        parent = _child(parent, part)
     return parent, leaf
 
 
@@ -144,17 +150,17 @@ def place_stages(
         stage = plan.stage_of_layer(index)
         fqn = split.layer_fqn(index)
         if stage in placed:
-            placed[stage].modules.append(seq._modules[name])  # type: ignore[arg-type]
+            placed[stage].modules.append(_child(seq, name))
         else:
-            seq._modules[name] = SkippedLayer(fqn)
+            seq._modules[name] = SkippedLayer(fqn, activation_parameter(type(_child(seq, name)).forward))
 
     for fqns, stage, owner in ((split.first_modules, 0, "first"), (split.last_modules, last, "last")):
         for fqn in fqns:
             parent, leaf = _resolve(module, fqn)
             if stage in placed:
-                placed[stage].modules.append(parent._modules[leaf])  # type: ignore[arg-type]
+                placed[stage].modules.append(_child(parent, leaf))
             else:
-                parent._modules[leaf] = RemoteModule(fqn, parent._modules[leaf], owner)  # type: ignore[arg-type]
+                parent._modules[leaf] = RemoteModule(fqn, _child(parent, leaf), owner)
 
     for fqn in split.first_direct_params:
         parent, leaf = _resolve(module, fqn)
@@ -178,7 +184,7 @@ def place_stages(
         rng = plan.layers_of(stage)
         for index in rng:
             instrument_layer(
-                seq._modules[split.layer_names[index]],  # type: ignore[arg-type]
+                _child(seq, split.layer_names[index]),
                 split.layer_fqn(index),
                 stage,
                 first=index == rng.start,

@@ -7,13 +7,18 @@ layers of the sequence consult the active :class:`StageRun` to
 * pass through (skip) layers that belong to another stage held by the same rank, and
 * stop the step with :class:`StageExit` after the stage's last layer (all stages but the last).
 
-Modules that live on other ranks are replaced by placeholders that compute on the meta device, so
-code before the layer sequence (embeddings) still produces correctly shaped values for free.
+Modules that live on other ranks are replaced by placeholders that work out their output's shape on
+the meta device and hand back real tensors of that shape, filled with a constant (a *stand-in*). So
+the code between the embeddings and the layer sequence (position ids, attention masks, rotary
+cos/sin in Hugging Face models) computes the real values the stage's first layer needs, on the
+stage's device, from the shapes alone. :func:`layer_arguments` (with :func:`check_reproducible`) shows
+once per stage that those values do not depend on what the stand-ins hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from lightning_spot.partition.discovery import ModelContractError
 
@@ -37,6 +43,15 @@ class StageExit(BaseException):
         self.output = output
 
 
+class StageProbe(BaseException):
+    """Raised at a stage's first layer when probing: carries what the layer was called with (not an error)."""
+
+    def __init__(self, layer: str, arguments: dict[str, Any]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.arguments = arguments
+
+
 @dataclass
 class StageRun:
     """What the stage currently executing on this rank needs."""
@@ -48,6 +63,11 @@ class StageRun:
     layers_started: bool = False
     finished_layers: bool = False
     meta_args: list[str] = field(default_factory=list)
+    #: where stand-ins for modules of other stages are made, and the value they hold (None: meta tensors)
+    device: torch.device | None = None
+    stand_in: float = 0.0
+    #: stop at the stage's first layer with a :class:`StageProbe` of its arguments
+    probe: bool = False
 
 
 _ACTIVE: list[StageRun] = []
@@ -70,15 +90,47 @@ def _incoming_value(incoming: tuple[torch.Tensor, ...]) -> Any:
     return incoming[0] if len(incoming) == 1 else incoming
 
 
-def _reject_meta(fqn: str, args: tuple, kwargs: dict) -> None:
-    values = list(args) + list(kwargs.values())
-    if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+def _named_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a layer call beside the activation, each under a readable name."""
+    named = {f"positional argument {i + 2}": a for i, a in enumerate(args)}
+    named.update(kwargs)
+    return named
+
+
+def _leaves(named: dict[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for path, leaf in tree_flatten_with_path(named)[0]:
+        out.append((keystr(path).strip("[]'\""), leaf))
+    return out
+
+
+def _reject_meta(fqn: str, named: dict[str, Any]) -> None:
+    meta = [name for name, leaf in _leaves(named) if isinstance(leaf, torch.Tensor) and leaf.is_meta]
+    if meta:
         raise ModelContractError(
-            f"Layer `{fqn}` received a tensor argument computed by modules that live on another pipeline stage "
-            f"(it only exists as a shape here). Only the first positional argument travels between stages. "
-            f"Compute masks and position tensors inside the layers, or from the raw batch, not from the outputs "
-            f"of modules that run before the layer sequence."
+            f"Layer `{fqn}` received `{meta[0]}` computed by modules that live on another pipeline stage (it only "
+            f"exists as a shape here). Compute it inside the layers or from the raw batch, or keep the modules it "
+            f"comes from on every stage."
         )
+
+
+def check_reproducible(fqn: str, first: dict[str, Any], second: dict[str, Any]) -> None:
+    """Raise if the arguments of a stage's first layer differ between two stand-in values: then they depend on
+    what modules of other stages computed, not only on shapes, and cannot be rebuilt on this stage."""
+    for (name, a), (_, b) in zip(_leaves(first), _leaves(second)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            same = a.shape == b.shape and torch.equal(a, b)
+        elif isinstance(a, (int, float, bool, str, type(None))):
+            same = type(a) is type(b) and a == b
+        else:  # objects made on this stage (a key-value cache, say): the same kind is what matters
+            same = type(a) is type(b)
+        if not same:
+            raise ModelContractError(
+                f"Layer `{fqn}`, the first of its pipeline stage, receives `{name}`, which is computed from the "
+                f"values of modules that run on an earlier stage (embeddings), so this stage cannot rebuild it. "
+                f"Only the hidden state travels between stages: compute `{name}` from the raw batch or inside the "
+                f"layers, or pass it through the layers as part of their output."
+            )
 
 
 def instrument_layer(
@@ -90,24 +142,31 @@ def instrument_layer(
     With ``checkpoint``, the layer's activations are recomputed in backward instead of kept.
     """
     original = type(layer).forward
+    activation = activation_parameter(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = active_run()
         if run is None:
             return original(self, *args, **kwargs)
         if run.stage != stage:
-            return args[0] if args else None
+            return args[0] if args else kwargs.get(activation) if activation else None
         if first:
             run.layers_started = True
+            named = _named_arguments(args[1:], {k: v for k, v in kwargs.items() if k != activation or args})
+            if run.probe:
+                raise StageProbe(fqn, named)
             if run.incoming is not None:
-                if not args:
+                if args:
+                    args = (_incoming_value(run.incoming), *args[1:])
+                elif activation is not None and activation in kwargs:
+                    kwargs = {**kwargs, activation: _incoming_value(run.incoming)}
+                else:
                     raise ModelContractError(
-                        f"Layer `{fqn}` was called without a positional input; the layer sequence must pass the "
-                        f"hidden state as each layer's first positional argument."
+                        f"Layer `{fqn}` was called without its input (`{activation}`); the layer sequence must pass "
+                        f"the hidden state to each layer, positionally or by that name."
                     )
-                args = (_incoming_value(run.incoming), *args[1:])
             if not run.first_stage:
-                _reject_meta(fqn, args[1:], kwargs)
+                _reject_meta(fqn, named)
         if checkpoint and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(original, self, *args, use_reentrant=False, **kwargs)
         else:
@@ -121,15 +180,28 @@ def instrument_layer(
     layer.forward = types.MethodType(forward, layer)
 
 
+def activation_parameter(forward: Any) -> str | None:
+    """The name of a layer's first input (the hidden state), for layers called by keyword."""
+    try:
+        params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        return None
+    first = params[0] if params else None
+    return first.name if first is not None and first.kind in (first.POSITIONAL_OR_KEYWORD, first.KEYWORD_ONLY) else None
+
+
 class SkippedLayer(nn.Module):
     """Stands in for a layer that another pipeline stage owns; passes its first input through."""
 
-    def __init__(self, fqn: str) -> None:
+    def __init__(self, fqn: str, activation: str | None = None) -> None:
         super().__init__()
         self.fqn = fqn
+        self.activation = activation
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else None
+        if args:
+            return args[0]
+        return kwargs.get(self.activation) if self.activation else None
 
     def extra_repr(self) -> str:
         return f"on another stage: {self.fqn}"
@@ -169,7 +241,18 @@ class RemoteModule(nn.Module):
                 f"last stage. Register `{self.fqn}` on the right side of the sequence in __init__, or pass "
                 f"`SpotPipelineStrategy(first_stage_modules=[...]` / `last_stage_modules=[...])`."
             )
-        return self._meta_module(*_to_meta(args), **_to_meta(kwargs))
+        out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
+        if run is None or run.device is None:
+            return out
+        device, value = run.device, run.stand_in
+        return tree_map(
+            lambda t: (
+                torch.full(t.shape, value, dtype=t.dtype, device=device)
+                if isinstance(t, torch.Tensor) and t.is_meta
+                else t
+            ),
+            out,
+        )
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -75,7 +75,7 @@ class PipelineEngine:
         )
         self.ctx = ctx
         self.capture = LogCapture()
-        self.runner = StepRunner(module, plan.num_stages, self.capture)
+        self.runner = StepRunner(module, plan.num_stages, self.capture, ctx.device)
         self.activation_checkpointing = activation_checkpointing
         placed = place_stages(
             module,

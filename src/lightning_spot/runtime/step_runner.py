@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
-from lightning_spot.partition.stage_run import StageExit, StageRun, running
+from lightning_spot.partition.stage_run import StageExit, StageProbe, StageRun, check_reproducible, running
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.logging_bridge import LogCapture
 
@@ -57,8 +57,13 @@ def _as_tensors(out: Any, where: str) -> tuple[Tensor, ...]:
 class StepRunner:
     """Runs the user's step function for one stage and one micro-batch (shared by all local stages)."""
 
-    def __init__(self, module: nn.Module, num_stages: int, capture: LogCapture) -> None:
+    def __init__(
+        self, module: nn.Module, num_stages: int, capture: LogCapture, device: torch.device | None = None
+    ) -> None:
         self.module = module
+        self.device = device
+        #: (stage, step function) pairs whose first-layer arguments were shown to be rebuildable here
+        self._checked: set[tuple[int, str]] = set()
         self.last_stage = num_stages - 1
         self.capture = capture
         self.fn_name = "training_step"
@@ -116,10 +121,12 @@ class StepRunner:
         if stage == self.last_stage:
             # the last stage's work happens in loss_fn, where the step's result is available
             return tuple(t.view_as(t) for t in (*acts, idx))
-        run = StageRun(stage, first_stage=stage == 0, incoming=acts or None, exit_after=True)
+        micro_batch = self._micro_batch(idx)
+        self._check_arguments(stage, micro_batch)
+        run = StageRun(stage, first_stage=stage == 0, incoming=acts or None, exit_after=True, device=self.device)
         with running(run), self.capture.capturing(self.module, weight=0.0, keep=False):
             try:
-                self._call(self._micro_batch(idx))
+                self._call(micro_batch)
             except StageExit as stop:
                 out = stop.output
             else:
@@ -137,18 +144,52 @@ class StepRunner:
             # a dense zero gradient: torch derives the backward buffers' strides from it
             parts = [(a.float() * torch.zeros(a.shape, device=a.device)).sum() for a in acts if a.requires_grad]
             return torch.stack(parts).sum() if parts else torch.zeros((), device=idx.device)
-        run = StageRun(self.last_stage, first_stage=self.last_stage == 0, incoming=acts or None, exit_after=False)
+        run = StageRun(
+            self.last_stage,
+            first_stage=self.last_stage == 0,
+            incoming=acts or None,
+            exit_after=False,
+            device=self.device,
+        )
         microbatch, self._losses_computed = self._losses_computed, self._losses_computed + 1
+        micro_batch = self._micro_batch(idx)
+        self._check_arguments(self.last_stage, micro_batch)
         # the last stage's layers run here (its forward_one_chunk only passes activations on)
         timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
         with timed, running(run), self.capture.capturing(self.module, weight=float(idx.numel()), keep=True):
-            result = self._call(self._micro_batch(idx))
+            result = self._call(micro_batch)
         if self.last_stage > 0 and not run.layers_started:
             raise ModelContractError(
                 f"`{self.fn_name}` on the last pipeline stage never ran the layer sequence; it must compute its "
                 f"result from `self(x)`."
             )
         return self._consume(result, idx)
+
+    def _check_arguments(self, stage: int, micro_batch: Any) -> None:
+        """Once per stage and step function: the first layer's arguments besides the hidden state (masks,
+        positions, rotary tables) come out the same whatever the stand-ins for earlier stages hold."""
+        key = (stage, self.fn_name)
+        if stage == 0 or key in self._checked:
+            return
+        first, second = (self._layer_arguments(stage, micro_batch, fill) for fill in (0.0, 1.0))
+        if first is not None and second is not None:
+            check_reproducible(first.layer, first.arguments, second.arguments)
+        self._checked.add(key)
+
+    def _layer_arguments(self, stage: int, micro_batch: Any, fill: float) -> StageProbe | None:
+        """What the first layer of ``stage`` is called with when modules of other stages stand in with ``fill``."""
+        run = StageRun(stage, first_stage=False, incoming=None, exit_after=True, device=self.device, stand_in=fill)
+        run.probe = True
+        devices = [self.device] if self.device is not None and self.device.type == "cuda" else []
+        quiet = self.capture.capturing(self.module, weight=0.0, keep=False)
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), running(run), quiet:
+            try:
+                self._call(micro_batch)
+            except StageProbe as probe:
+                return probe
+            except StageExit:
+                return None
+        return None
 
     def _consume(self, result: Any, idx: Tensor) -> Tensor:
         if self.mode == "train":
