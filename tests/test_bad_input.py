@@ -74,8 +74,12 @@ def test_bad_microbatches_value() -> None:
 
 
 def test_missing_layer_sequence_names_the_fix() -> None:
-    with pytest.raises(ModelContractError, match="no submodule 'layers'.*layers='path.to.blocks'"):
+    with pytest.raises(
+        ModelContractError, match="no `nn.Sequential` or `nn.ModuleList` of repeated blocks.*layers='path.to.blocks'"
+    ):
         discover(NoLayersModel())
+    with pytest.raises(ModelContractError, match="no submodule 'blocks'.*layers='path.to.blocks'"):
+        discover(NoLayersModel(), "blocks")
     with pytest.raises(ModelContractError, match="is a Linear"):
         discover(make_model(), "head")
 
@@ -126,7 +130,7 @@ def errors_on_every_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[
         ("stages-do-not-divide-world", r"LayoutError: pipeline_stages=3 does not divide the world size 2"),
         ("more-stages-than-layers", r"LayoutError: 2 pipeline stages .* need at least 2 layers"),
         ("shared-parameter-across-stages", r"ModelContractError: Parameter `embed.1.weight`"),
-        ("no-layer-sequence", r"ModelContractError: .*no submodule 'layers'"),
+        ("no-layer-sequence", r"ModelContractError: .*no `nn.Sequential` or `nn.ModuleList` of repeated blocks"),
         ("global-batch-not-divisible", r"LayoutError: A global batch of 12 samples .* multiple of 8"),
         ("manual-optimization", r"ModelContractError: .*needs automatic optimization"),
     ],

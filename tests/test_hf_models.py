@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_spot import ModelContractError, discover, plan_stages
+from lightning_spot.partition.discovery import find_layer_sequence
 from lightning_spot.partition.placement import place_stages
 from lightning_spot.partition.stage_run import StageProbe, StageRun, running
 from lightning_spot.runtime.logging_bridge import LogCapture
@@ -26,7 +27,7 @@ from tests.parity import assert_same_params, merged_state, reference_run, run_sc
 LAYERS = {"gpt2": "model.transformer.h", "llama": "model.model.layers", "qwen2": "model.model.layers"}
 
 
-def hf_scenario(family: str, layout: str, schedule: str, microbatches: int = 4) -> dict[str, Any]:
+def hf_scenario(family: str, layout: str, schedule: str, microbatches: int = 4, layers: str = "") -> dict[str, Any]:
     p = int(layout[1])
     return {
         "name": f"{family}-{layout}-{schedule}",
@@ -37,15 +38,15 @@ def hf_scenario(family: str, layout: str, schedule: str, microbatches: int = 4) 
             "pipeline_stages": p,
             "microbatches": microbatches,
             "schedule": schedule,
-            "layers": LAYERS[family],
+            "layers": layers or LAYERS[family],
         },
     }
 
 
-WORLD_2 = [
-    hf_scenario("gpt2", "P2D1", "1F1B"),
-    hf_scenario("llama", "P2D1", "ZBVZeroBubble"),
-    hf_scenario("qwen2", "P2D1", "1F1B"),
+WORLD_2 = [  # the layer sequence found by layers="auto"
+    hf_scenario("gpt2", "P2D1", "1F1B", layers="auto"),
+    hf_scenario("llama", "P2D1", "ZBVZeroBubble", layers="auto"),
+    hf_scenario("qwen2", "P2D1", "1F1B", layers="auto"),
 ]
 WORLD_4 = [
     hf_scenario("gpt2", "P2D2", "1F1B"),
@@ -146,3 +147,20 @@ def test_an_argument_computed_from_an_earlier_stages_values_is_refused_by_name()
     with runner.bind("training_step", "train", batch, (0,), {}), pytest.raises(ModelContractError) as err:
         runner._check_arguments(1, batch)
     assert "Layer `layers.1`" in str(err.value) and "receives `positional argument 2`" in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_auto_finds_the_block_sequence(family: str) -> None:
+    module = CausalLM(family)
+    assert find_layer_sequence(module) == LAYERS[family]
+    assert discover(module).layers_path == LAYERS[family]
+
+
+def test_auto_refuses_two_large_sequences_and_an_explicit_path_wins() -> None:
+    import transformers
+
+    config = transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=50)
+    t5 = transformers.T5ForConditionalGeneration(config)
+    with pytest.raises(ModelContractError, match=r"several large block sequences: 'decoder.block' .*'encoder.block'"):
+        find_layer_sequence(t5)
+    assert discover(t5, "decoder.block").layers_path == "decoder.block"

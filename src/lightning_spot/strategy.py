@@ -90,7 +90,8 @@ class SpotPipelineStrategy(ParallelStrategy):
             planner decides (off without a plan).
         device_memory: memory per device for planning (``"80GB"``); default: what the device reports.
         profile_cache: directory for layer profiles (reused when model, input and device match); ``None``: off.
-        layers: dotted attribute path of the layer sequence (``nn.Sequential`` / ``nn.ModuleList``).
+        layers: dotted attribute path of the layer sequence (``nn.Sequential`` / ``nn.ModuleList``), e.g.
+            ``"model.transformer.h"``; ``"auto"``: the sequence of same-type blocks holding the most parameters.
         first_stage_modules / last_stage_modules: override where modules beside the sequence go.
         find_unused_parameters: passed to DDP for the data-parallel gradient sync.
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
@@ -109,7 +110,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         activation_checkpointing: Optional[bool] = None,
         device_memory: Union[int, float, str, None] = None,
         profile_cache: Optional[str] = "~/.cache/lightning_spot/profiles",
-        layers: str = "layers",
+        layers: str = "auto",
         first_stage_modules: Sequence[str] = (),
         last_stage_modules: Sequence[str] = (),
         find_unused_parameters: bool = False,
@@ -380,7 +381,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         rank_zero_info(
             f"spot_pipeline: layout {grid} ({grid.pipeline_stages} pipeline stages x {grid.data_parallel} "
             f"data-parallel replicas), schedule {layout.schedule}, {layout.stages} stages, layer cuts "
-            f"{list(layout.cuts)}, {layout.microbatches} micro-batches{checkpointing}"
+            f"{list(layout.cuts)} of `{split.layers_path}` ({split.num_layers} blocks), {layout.microbatches} "
+            f"micro-batches{checkpointing}"
         )
         return engine
 

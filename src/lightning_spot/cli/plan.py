@@ -66,7 +66,7 @@ def main(argv: Sequence[str]) -> int:
     )
     p.add_argument("--model", required=True, help="package.module:ClassName of the LightningModule")
     p.add_argument("--init-args", default="{}", help="JSON keyword arguments for the class")
-    p.add_argument("--layers", default="layers", help="attribute path of the layer sequence")
+    p.add_argument("--layers", default="auto", help="attribute path of the layer sequence (default: found)")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--device-memory", required=True, help="memory per device, e.g. 80GB")
     p.add_argument("--global-batch", type=int, required=True)

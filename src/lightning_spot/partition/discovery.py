@@ -1,8 +1,9 @@
 """Find the pipeline-able layer sequence of a LightningModule and what surrounds it.
 
-    split = discover(module)                      # looks for ``module.layers``
+    split = discover(module)                      # finds the block sequence ("auto")
     split = discover(module, layers="model.blocks")
     split.layer_names, split.first_modules, split.last_modules
+    find_layer_sequence(hf_model_module)          # "model.transformer.h", "model.model.layers", ...
 
 The contract: ``forward`` runs modules registered *before* the layer sequence (embeddings),
 then the sequence, then modules registered *after* it (final norm, head). Modules with
@@ -13,10 +14,14 @@ parameter-free modules (activations, losses, torchmetrics metrics) are kept on e
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class ModelContractError(TypeError):
@@ -51,14 +56,64 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _sequence_candidates(module: nn.Module) -> list[tuple[str, int, int, str]]:
+    """(path, parameters, blocks, block type) of every ``nn.Sequential`` / ``nn.ModuleList`` whose blocks are all
+    of one type, most parameters first."""
+    out = []
+    for path, child in module.named_modules():
+        if not path or not isinstance(child, (nn.Sequential, nn.ModuleList)):
+            continue
+        blocks = [m for m in child._modules.values() if m is not None]
+        kinds = Counter(type(b).__name__ for b in blocks)
+        if blocks and len(kinds) == 1:
+            out.append((path, _numel(child), len(blocks), next(iter(kinds))))
+    return sorted(out, key=lambda c: -c[1])
+
+
+def find_layer_sequence(module: nn.Module) -> str:
+    """The path of the model's main block sequence: the ``nn.Sequential`` / ``nn.ModuleList`` of same-type
+    blocks holding the most parameters (``model.transformer.h`` in GPT-2, ``model.model.layers`` in Llama,
+    ``layers``, ``blocks``). Two unrelated sequences that each hold a quarter of the model or more (an encoder
+    and a decoder) are ambiguous: the error lists them."""
+    candidates = _sequence_candidates(module)
+    if not candidates:
+        raise ModelContractError(
+            f"{type(module).__name__} has no `nn.Sequential` or `nn.ModuleList` of repeated blocks to split into "
+            f"pipeline stages. Put the repeated blocks in one (e.g. `self.layers`), or pass "
+            f"`SpotPipelineStrategy(layers='path.to.blocks')`."
+        )
+    best, total = candidates[0], _numel(module)
+    rivals = [  # another sequence holding a good part of the model, not inside the best one (nor around it)
+        c
+        for c in candidates[1:]
+        if c[1] >= 0.25 * total and not c[0].startswith(best[0] + ".") and not best[0].startswith(c[0] + ".")
+    ]
+    if rivals and best[1] > 0:
+        listed = ", ".join(f"'{p}' ({n} x {t}, {params:,} parameters)" for p, params, n, t in [best, *rivals])
+        raise ModelContractError(
+            f"{type(module).__name__} has several large block sequences: {listed}. Say which one to split into "
+            f"pipeline stages with `SpotPipelineStrategy(layers=...)`."
+        )
+    share = f", {100 * best[1] / total:.0f}% of the parameters" if total else ""
+    log.info("lightning-spot: splitting the layer sequence `%s` (%d x %s%s)", best[0], best[2], best[3], share)
+    return best[0]
+
+
 def discover(
     module: nn.Module,
-    layers: str = "layers",
+    layers: str = "auto",
     *,
     first_stage_modules: Sequence[str] = (),
     last_stage_modules: Sequence[str] = (),
 ) -> ModelSplit:
-    """Locate the layer sequence ``layers`` (a dotted attribute path) and classify its surroundings."""
+    """Locate the layer sequence ``layers`` (a dotted attribute path, or ``"auto"``: :func:`find_layer_sequence`)
+    and classify its surroundings."""
+    if layers == "auto":
+        layers = find_layer_sequence(module)
     parts = layers.split(".")
     ancestors: list[tuple[str, nn.Module]] = [("", module)]
     current = module
