@@ -116,7 +116,7 @@ class MetaInitPipelineModel(TinyPipelineModel):
 
 
 class TiedEmbeddingModel(TinyPipelineModel):
-    """Input projection and output projection share one weight: cannot be split across stages."""
+    """Input projection and output projection share one weight (tied across the first and last stage)."""
 
     def __init__(self) -> None:
         super().__init__()

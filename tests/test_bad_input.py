@@ -11,7 +11,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 
 from lightning_spot import Layout, LayoutError, ModelContractError, SpotPipelineStrategy, discover, plan_stages
 from lightning_spot.data import ReplicaBatchSampler
-from lightning_spot.partition.placement import check_shared_parameters
+from lightning_spot.partition.placement import tied_parameters
 from lightning_spot.runtime.schedules import resolve_schedule
 from tests.distributed import WorkerFailure, launch
 from tests.models import NoLayersModel, TiedEmbeddingModel, make_model
@@ -92,12 +92,20 @@ def test_discovery_classifies_surrounding_modules() -> None:
     assert split.last_modules == ("head", "embed") and split.first_modules == ()
 
 
-def test_shared_parameter_across_stages() -> None:
+def test_parameters_shared_across_stages_are_found() -> None:
     model = TiedEmbeddingModel()
     split = discover(model)
-    with pytest.raises(ModelContractError, match=r"embed\.1\.weight.*head\.0\.weight.*Untie"):
-        check_shared_parameters(model, split, plan_stages(split.num_layers, 2))
-    check_shared_parameters(model, split, plan_stages(split.num_layers, 1))  # one stage: fine
+    (tie,) = tied_parameters(model, split, plan_stages(split.num_layers, 2))
+    assert (
+        tie.name == "embed.1.weight"
+        and tie.aliases == ["head.0.weight"]
+        and tie.stages
+        == {
+            "embed.1.weight": 0,
+            "head.0.weight": 1,
+        }
+    )
+    assert tied_parameters(model, split, plan_stages(split.num_layers, 1)) == []  # one stage: one tensor
 
 
 def test_global_batch_not_divisible_lists_valid_sizes() -> None:
@@ -129,7 +137,6 @@ def errors_on_every_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[
     [
         ("stages-do-not-divide-world", r"LayoutError: pipeline_stages=3 does not divide the world size 2"),
         ("more-stages-than-layers", r"LayoutError: 2 pipeline stages .* need at least 2 layers"),
-        ("shared-parameter-across-stages", r"ModelContractError: Parameter `embed.1.weight`"),
         ("no-layer-sequence", r"ModelContractError: .*no `nn.Sequential` or `nn.ModuleList` of repeated blocks"),
         ("global-batch-not-divisible", r"LayoutError: A global batch of 12 samples .* multiple of 8"),
         ("manual-optimization", r"ModelContractError: .*needs automatic optimization"),

@@ -391,10 +391,11 @@ class SpotPipelineStrategy(ParallelStrategy):
         engine = self.engine
         assert engine is not None
         pp_group = engine.ctx.pp_group
+        duplicates = engine.ties.duplicates
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_global(params, float(clip_val), pp_group)
+            clip_grad_norm_global(params, float(clip_val), pp_group, duplicates=duplicates)
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 

@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 
 from lightning_spot import SpotPipelineStrategy
-from tests.models import ManualOptimModel, NoLayersModel, TiedEmbeddingModel, make_loader, make_model
+from tests.models import ManualOptimModel, NoLayersModel, make_loader, make_model
 
 WORLD = int(os.environ["WORLD_SIZE"])
 
@@ -25,7 +25,6 @@ SCENARIOS: dict[str, tuple[Callable[[], L.LightningModule], dict[str, Any], dict
     # name: (model factory, strategy kwargs, trainer kwargs, loader kwargs)
     "stages-do-not-divide-world": (make_model, {"pipeline_stages": 3}, {}, {}),
     "more-stages-than-layers": (lambda: make_model(num_layers=1), {"pipeline_stages": 2}, {}, {}),
-    "shared-parameter-across-stages": (TiedEmbeddingModel, {"pipeline_stages": 2}, {}, {}),
     "no-layer-sequence": (NoLayersModel, {"pipeline_stages": 2}, {}, {}),
     "global-batch-not-divisible": (
         make_model,

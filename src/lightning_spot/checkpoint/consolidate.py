@@ -27,11 +27,18 @@ def latest_intact(storage: Storage) -> tuple[str, dict[str, Any]]:
 def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Consolidated model weights (parameter name -> tensor, on CPU) of a run's latest intact checkpoint,
     or of the checkpoint ``url`` names. Every file is checked against its CRC32 as it is read; nothing
-    is unpickled but DCP's metadata (allow-listed)."""
+    is unpickled but DCP's metadata (allow-listed). A tied parameter appears under each of its names, as
+    the original model's ``state_dict()`` lists it."""
     storage = Storage(url, storage_options)
-    return newest_intact(
-        storage, lambda rel, manifest: _read_model(storage.url_of(rel), storage.options, manifest["files"])
-    )
+
+    def read(rel: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+        weights = _read_model(storage.url_of(rel), storage.options, manifest["files"])
+        for alias, name in manifest.get("tied", {}).items():  # a tied parameter is stored once
+            if name in weights:
+                weights[alias] = weights[name]
+        return weights
+
+    return newest_intact(storage, read)
 
 
 def _read_model(url: str, options: dict[str, Any], expected: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -95,6 +95,28 @@ def split_checkpoint(checkpoint: dict[str, Any], *, copy: bool, with_lightning: 
     )
 
 
+def stored_name(key: str, aliases: dict[str, str]) -> str:
+    """The name a checkpoint stores ``key`` under: a tied parameter's other names (``aliases``: name -> stored
+    name) become its stored name, in model keys and in flattened optimizer keys (``state.<name>.exp_avg``)."""
+    if key in aliases:
+        return aliases[key]
+    for prefix in ("state.", "param_groups."):
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            for alias, name in aliases.items():
+                if rest.startswith(alias + "."):
+                    return prefix + name + rest[len(alias) :]
+    return key
+
+
+def stored_names(state: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """``state`` under the names checkpoints store: each tied parameter once (the first copy met)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        out.setdefault(stored_name(key, aliases), value)
+    return out
+
+
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer state keyed by parameter name (flattened): readable by any layout."""
     return get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIMIZER_STATE)

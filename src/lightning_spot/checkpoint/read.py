@@ -27,7 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_spot._dist import broadcast_object, rank
 from lightning_spot.checkpoint.jsonstate import decode
-from lightning_spot.checkpoint.payload import FLAT_OPTIMIZER_STATE, optimizer_state, restore_rng
+from lightning_spot.checkpoint.payload import (
+    FLAT_OPTIMIZER_STATE,
+    optimizer_state,
+    restore_rng,
+    stored_name,
+    stored_names,
+)
 from lightning_spot.checkpoint.shards import load_shards
 from lightning_spot.checkpoint.storage import MANIFEST, ChecksumError, Storage, join
 from lightning_spot.checkpoint.write import FORMAT, rng_filename
@@ -132,22 +138,35 @@ def restore_training_state(
     *,
     group: dist.ProcessGroup | None,
     same_layout: bool,
+    aliases: dict[str, str] | None = None,
 ) -> None:
-    """Load model and optimizer state for this rank's stages (resharded by name), and RNGs if the layout is unchanged."""
+    """Load model and optimizer state for this rank's stages (resharded by name), and RNGs if the layout is unchanged.
+
+    ``aliases`` (other name -> stored name) maps this rank's copies of tied parameters to the one stored copy.
+    """
+    aliases = aliases or {}
     saved_values = [decode(v) for v in manifest.get("optimizer_values", [])]
     if len(saved_values) != len(optimizers):
         raise CheckpointError(
             f"the checkpoint has {len(saved_values)} optimizer(s) but configure_optimizers returned {len(optimizers)}"
         )
-    target: dict[str, Any] = {"model": get_model_state_dict(module)}
+    local_model = get_model_state_dict(module)
+    target: dict[str, Any] = {"model": stored_names(local_model, aliases)}
     flats = [optimizer_state(module, opt) for opt in optimizers]
     for i, flat in enumerate(flats):
-        target[f"optimizer_{i}"] = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        target[f"optimizer_{i}"] = stored_names(tensors, aliases)
     load_shards(storage.url_of(rel), target, storage.options, process_group=group, expected=manifest["files"])
-    set_model_state_dict(module, target["model"])
+    set_model_state_dict(module, {k: target["model"][stored_name(k, aliases)] for k in local_model})
     for i, (opt, flat) in enumerate(zip(optimizers, flats)):
-        values = {k: saved_values[i].get(k, v) for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-        set_optimizer_state_dict(module, opt, {**target[f"optimizer_{i}"], **values}, options=FLAT_OPTIMIZER_STATE)
+        loaded = target[f"optimizer_{i}"]
+        state = {
+            k: loaded[stored_name(k, aliases)]
+            if isinstance(v, torch.Tensor)
+            else saved_values[i].get(stored_name(k, aliases), v)
+            for k, v in flat.items()
+        }
+        set_optimizer_state_dict(module, opt, state, options=FLAT_OPTIMIZER_STATE)
     rng_name = rng_filename(rank())
     if same_layout and rng_name in manifest["files"]:
         try:
@@ -164,6 +183,7 @@ def load_checkpoint(
     *,
     layout: PipelineLayout | None = None,
     group: dist.ProcessGroup | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load the newest intact checkpoint under ``url`` (collective); returns (Lightning checkpoint dict, manifest).
 
@@ -173,7 +193,9 @@ def load_checkpoint(
 
     def restore(rel: str, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         same = layout is not None and written_on(manifest) == layout
-        restore_training_state(storage, rel, manifest, module, optimizers, group=group, same_layout=same)
+        restore_training_state(
+            storage, rel, manifest, module, optimizers, group=group, same_layout=same, aliases=aliases
+        )
         checkpoint = decode(manifest.get("lightning", {}))
         checkpoint.setdefault("state_dict", {})
         checkpoint.setdefault("optimizer_states", [])

@@ -33,6 +33,7 @@ class Placement:
     plan: StagePlan
     pp_rank: int
     stages: dict[int, PlacedStage]
+    ties: tuple[TiedParameter, ...] = ()
 
 
 def _child(parent: nn.Module, name: str) -> nn.Module:
@@ -76,21 +77,54 @@ def stage_of_parameter(name: str, split: ModelSplit, plan: StagePlan) -> int | N
     return None
 
 
-def check_shared_parameters(module: nn.Module, split: ModelSplit, plan: StagePlan) -> None:
-    """Raise if one parameter object is used by modules on two different stages (e.g. tied embeddings)."""
-    owners: dict[int, tuple[str, int]] = {}
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter used under several names by modules of different stages (tied embeddings).
+
+    Every stage that uses it holds a copy; ``name`` (the first name in the model) is the one
+    checkpoints store, ``stages`` maps each name to its stage.
+    """
+
+    name: str
+    stages: dict[str, int]
+
+    @property
+    def aliases(self) -> list[str]:
+        return [n for n in self.stages if n != self.name]
+
+    @property
+    def owner_stage(self) -> int:
+        """The stage whose copy is the reference (the one holding ``name``)."""
+        return self.stages[self.name]
+
+
+def tied_parameters(module: nn.Module, split: ModelSplit, plan: StagePlan) -> list[TiedParameter]:
+    """Parameters used by modules on two or more different stages, in the model's order."""
+    names: dict[int, dict[str, int]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         stage = stage_of_parameter(name, split, plan)
-        if stage is None:
+        if stage is not None:
+            names.setdefault(id(param), {})[name] = stage
+    return [TiedParameter(next(iter(stages)), stages) for stages in names.values() if len(set(stages.values())) > 1]
+
+
+def _copy_tied_per_stage(module: nn.Module, ties: tuple[TiedParameter, ...], local: set[int]) -> None:
+    """Give every local stage that uses a tied parameter its own copy (a schedule treats each stage's
+    parameters on their own: one tensor in two stages would be scaled and hooked twice)."""
+    for tie in ties:
+        stages = sorted({s for s in tie.stages.values() if s in local})
+        if len(stages) < 2:
             continue
-        seen = owners.setdefault(id(param), (name, stage))
-        if seen[1] != stage:
-            raise ModelContractError(
-                f"Parameter `{seen[0]}` (stage {seen[1]}) is the same tensor as `{name}` (stage {stage}), "
-                f"e.g. tied input/output embeddings. Pipeline stages live on different devices and cannot share "
-                f"a tensor. Untie them (give the head its own weight), move both modules to one stage with "
-                f"`cuts=` / `first_stage_modules=` / `last_stage_modules=`, or train with pipeline_stages=1."
-            )
+        keep = tie.owner_stage if tie.owner_stage in stages else stages[0]
+        copies: dict[int, nn.Parameter] = {}
+        for name, stage in tie.stages.items():
+            if stage != keep and stage in local:
+                parent, leaf = _resolve(module, name)
+                shared = parent._parameters[leaf]
+                assert shared is not None
+                if stage not in copies:
+                    copies[stage] = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+                parent._parameters[leaf] = copies[stage]
 
 
 def _stable_seed(base: int, fqn: str) -> int:
@@ -140,7 +174,7 @@ def place_stages(
             f"(cuts {previous.plan.cuts}, pipeline rank {previous.pp_rank}); the layers of the other stages are gone. "
             f"Create a new instance (and load its weights, e.g. from a checkpoint) to train it with another layout."
         )
-    check_shared_parameters(module, split, plan)
+    ties = tuple(tied_parameters(module, split, plan))
     local = plan.stages_of_rank(pp_rank)
     last = plan.num_stages - 1
     placed = {s: PlacedStage(s) for s in local}
@@ -174,6 +208,7 @@ def place_stages(
 
     _materialize(module, "", device, seed)
     module.to(device)
+    _copy_tied_per_stage(module, ties, set(local))
     # materialisation replaced parameter objects: collect the live ones again
     for owned in placed.values():
         if owned.params:
@@ -191,5 +226,5 @@ def place_stages(
                 last=index == rng.stop - 1,
                 checkpoint=checkpointing,
             )
-    module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed)
+    module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed, ties)
     return placed

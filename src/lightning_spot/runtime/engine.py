@@ -27,12 +27,13 @@ from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError, PipelineLayout
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
-from lightning_spot.partition.placement import place_stages
+from lightning_spot.partition.placement import place_stages, placement_of
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
 from lightning_spot.runtime.logging_bridge import LastStageShare, LogCapture, LogRecord, reduce_records, replay
 from lightning_spot.runtime.schedules import resolve_schedule
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
+from lightning_spot.runtime.tied import TiedCopies
 from lightning_spot.runtime.trace_hooks import AllreduceTrace, traced_allreduce_hook, traced_p2p
 
 
@@ -87,6 +88,15 @@ class PipelineEngine:
             checkpointing=activation_checkpointing,
         )
         self.local_stages = sorted(placed)
+        placement = placement_of(module)
+        self.ties = TiedCopies(
+            module,
+            placement.ties if placement is not None else (),
+            plan,
+            layout,
+            pp_rank=ctx.pp_rank,
+            dp_rank=ctx.dp_rank,
+        )
         self.stage_modules = {s: StageModule(placed[s], self.runner) for s in self.local_stages}
         self.train_modules: dict[int, nn.Module] = dict(self.stage_modules)
         self.params: list[nn.Parameter] = []
@@ -117,6 +127,7 @@ class PipelineEngine:
         all-reduce through a communication hook that times it for the timeline.
         """
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.ties.make_equal()
         if self.layout.data_parallel == 1 or self.spec.splits_backward:
             return
         for s, m in self.stage_modules.items():
@@ -208,6 +219,7 @@ class PipelineEngine:
         if self.spec.splits_backward and self.ctx.dp_group is not None and self.layout.data_parallel > 1:
             with clock.span("all-reduce", "allreduce", lane="allreduce"):
                 all_reduce_mean(self.params, self.ctx.dp_group)
+        self.ties.sum_grads()
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
         self.samples_seen += local * self.layout.data_parallel

@@ -68,19 +68,26 @@ def all_reduce_mean(params: Sequence[Tensor], group: dist.ProcessGroup, bucket_b
 
 
 def clip_grad_norm_global(
-    params: Sequence[Tensor], max_norm: float, group: dist.ProcessGroup | None, norm_type: float = 2.0
+    params: Sequence[Tensor],
+    max_norm: float,
+    group: dist.ProcessGroup | None,
+    norm_type: float = 2.0,
+    duplicates: Sequence[Tensor] = (),
 ) -> Tensor:
     """Clip by the norm over *all* pipeline stages: the local norms are combined over ``group``.
 
     Data-parallel replicas hold identical (already averaged) gradients, so ``group`` is the
     pipeline group of this rank; every rank gets the same total norm and clip coefficient.
+    ``duplicates`` (copies of tied parameters counted on another rank) are clipped, not counted.
     """
     grads = [p.grad for p in params if p.grad is not None]
+    skip = {id(p) for p in duplicates}
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     device = grads[0].device if grads else torch.device("cpu")
     if math.isinf(norm_type):
         local = (
-            torch.stack([g.detach().abs().max().float() for g in grads]).max()
-            if grads
+            torch.stack([g.detach().abs().max().float() for g in counted]).max()
+            if counted
             else torch.zeros((), device=device)
         )
         total = local.clone()
@@ -88,8 +95,8 @@ def clip_grad_norm_global(
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
         local = (
-            torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum()
-            if grads
+            torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in counted]).sum()
+            if counted
             else torch.zeros((), device=device)
         )
         total = local.clone()
