@@ -27,13 +27,21 @@ from tests.parity import assert_same_params, merged_state, reference_run, run_sc
 LAYERS = {"gpt2": "model.transformer.h", "llama": "model.model.layers", "qwen2": "model.model.layers"}
 
 
-def hf_scenario(family: str, layout: str, schedule: str, microbatches: int = 4, layers: str = "") -> dict[str, Any]:
+def hf_scenario(
+    family: str,
+    layout: str,
+    schedule: str,
+    microbatches: int = 4,
+    layers: str = "",
+    tied: bool = False,
+    trainer: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     p = int(layout[1])
     return {
-        "name": f"{family}-{layout}-{schedule}",
+        "name": f"{family}{'-tied' if tied else ''}-{layout}-{schedule}",
         "loader": {"batch_size": 8, "n": 32, "tokens": True},
-        "trainer": {"max_steps": 4},
-        "model": {"cls": "CausalLM", "family": family, "tied": False, "lr": 1e-3},
+        "trainer": {"max_steps": 4, **(trainer or {})},
+        "model": {"cls": "CausalLM", "family": family, "tied": tied, "lr": 1e-3},
         "strategy": {
             "pipeline_stages": p,
             "microbatches": microbatches,
@@ -47,12 +55,19 @@ WORLD_2 = [  # the layer sequence found by layers="auto"
     hf_scenario("gpt2", "P2D1", "1F1B", layers="auto"),
     hf_scenario("llama", "P2D1", "ZBVZeroBubble", layers="auto"),
     hf_scenario("qwen2", "P2D1", "1F1B", layers="auto"),
+    hf_scenario("gpt2", "P2D1", "1F1B", tied=True),
+    # V-shaped: the first and the last stage (embedding and head) on one rank, a copy each
+    hf_scenario("qwen2", "P2D1", "ZBVZeroBubble", tied=True),
 ]
 WORLD_4 = [
     hf_scenario("gpt2", "P2D2", "1F1B"),
     hf_scenario("llama", "P4D1", "1F1B"),
     hf_scenario("qwen2", "P2D2", "Interleaved1F1B", microbatches=2),
+    hf_scenario("llama", "P2D2", "1F1B", tied=True),
+    hf_scenario("gpt2", "P4D1", "1F1B", tied=True, trainer={"gradient_clip_val": 0.5}),  # norms count a tie once
 ]
+TIED_NAMES = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
+TIED_NAMES["llama"] = TIED_NAMES["qwen2"] = ("model.model.embed_tokens.weight", "model.lm_head.weight")
 ALL = {2: WORLD_2, 4: WORLD_4}
 
 
@@ -74,6 +89,10 @@ def test_hf_causal_lm_matches_single_process_lightning(
     ranks = jobs[world][case["name"]]
     assert_same_params(merged_state(ranks), reference_run(case))
     assert all(len(r["state_dict"]) > 0 for r in ranks)
+    if case["model"]["tied"]:  # every copy of the tied weight ended equal (merged_state checks replicas)
+        embed, head = TIED_NAMES[case["model"]["family"]]
+        copies = [r["state_dict"][n] for r in ranks for n in (embed, head) if n in r["state_dict"]]
+        assert len(copies) >= 2 and all(torch.equal(c, copies[0]) for c in copies)
 
 
 def _first_layer_arguments_single_process(family: str, layer: int, ids: torch.Tensor) -> dict[str, Any]:
@@ -164,3 +183,41 @@ def test_auto_refuses_two_large_sequences_and_an_explicit_path_wins() -> None:
     with pytest.raises(ModelContractError, match=r"several large block sequences: 'decoder.block' .*'encoder.block'"):
         find_layer_sequence(t5)
     assert discover(t5, "decoder.block").layers_path == "decoder.block"
+
+
+def _tied_phase(name: str, layout: str, steps: int, run: str) -> dict[str, Any]:
+    case = hf_scenario("gpt2", layout, "1F1B", tied=True, trainer={"max_steps": steps})
+    case["name"] = name
+    case["spot_checkpoint"] = {"dirpath": run, "every_n_train_steps": 2}
+    return case
+
+
+def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """P2xD2 for 2 steps -> P1xD1 to step 4 (one tensor again) -> P2xD1 to step 6 = 6 uninterrupted steps."""
+    import transformers
+
+    from lightning_spot import load_full_state_dict
+    from lightning_spot.checkpoint.shards import SafeReader
+
+    tmp = tmp_path_factory.mktemp("tied-morph")
+    run = str(tmp / "run")
+    results = {}
+    for world, layout, steps in ((4, "P2D2", 2), (1, "P1D1", 4), (2, "P2D1", 6)):
+        phase = _tied_phase(f"tied-{layout}", layout, steps, run)
+        results[layout] = run_scenarios(world, [phase], tmp / layout, timeout=300)[phase["name"]]
+    assert [r["restored_step"] for r in results["P1D1"]] == [2]
+    assert {r["restored_step"] for r in results["P2D1"]} == {4}
+    reference = reference_run(_tied_phase("reference", "P1D1", 6, run))
+    assert_same_params(merged_state(results["P2D1"]), reference)
+
+    embed, head = TIED_NAMES["gpt2"]
+    step = tmp / "run" / "step-000000006"
+    stored = set(SafeReader(str(step)).read_metadata().state_dict_metadata)
+    assert f"model.{embed}" in stored and f"model.{head}" not in stored, "a tied parameter is stored once"
+    assert not any(k.startswith("optimizer_0.state.model.lm_head") for k in stored)
+    weights = load_full_state_dict(run)
+    assert torch.equal(weights[embed], weights[head])
+    original = transformers.GPT2LMHeadModel(CausalLM("gpt2", tied=True).model.config)
+    original.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})  # strict: every name
+    assert original.lm_head.weight is original.transformer.wte.weight  # the tie holds
+    assert torch.equal(original.transformer.wte.weight, merged_state(results["P2D1"])[embed])

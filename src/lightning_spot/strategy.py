@@ -538,7 +538,15 @@ class SpotPipelineStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        return payload.optimizer_state(self.lightning_module, optimizer)
+        return payload.stored_names(payload.optimizer_state(self.lightning_module, optimizer), self._tied_aliases())
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers under the names checkpoints store (a tied parameter once)."""
+        return payload.stored_names(super().lightning_module_state_dict(), self._tied_aliases())
+
+    def _tied_aliases(self) -> dict[str, str]:
+        return self.engine.ties.aliases if self.engine is not None else {}
 
     def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Step, layout and data position for a checkpoint manifest."""
@@ -548,6 +556,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             "epoch": int(checkpoint.get("epoch", 0)),
             "layout": self.pipeline_layout.to_dict(),
             "data": {"global_batch": engine.last_global_batch, "samples_consumed": engine.samples_seen},
+            "tied": dict(engine.ties.aliases),
         }
 
     def use_checkpoint_storage(self, storage_options: dict[str, Any], run_url: Optional[str] = None) -> None:
@@ -590,6 +599,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             self.lightning_module,
             list(self.optimizers),
             layout=self.pipeline_layout,
+            aliases=self._tied_aliases(),
         )
         self._engine().samples_seen = int(manifest.get("data", {}).get("samples_consumed") or 0)
         self.restored_manifest = manifest

@@ -79,10 +79,10 @@ def stage_of_parameter(name: str, split: ModelSplit, plan: StagePlan) -> int | N
 
 @dataclass(frozen=True)
 class TiedParameter:
-    """One parameter used under several names by modules of different stages (tied embeddings).
+    """One parameter used under several names (tied embeddings), on one stage or several.
 
     Every stage that uses it holds a copy; ``name`` (the first name in the model) is the one
-    checkpoints store, ``stages`` maps each name to its stage.
+    checkpoints store, whatever the layout; ``stages`` maps each name to its stage.
     """
 
     name: str
@@ -97,15 +97,19 @@ class TiedParameter:
         """The stage whose copy is the reference (the one holding ``name``)."""
         return self.stages[self.name]
 
+    @property
+    def across_stages(self) -> bool:
+        return len(set(self.stages.values())) > 1
+
 
 def tied_parameters(module: nn.Module, split: ModelSplit, plan: StagePlan) -> list[TiedParameter]:
-    """Parameters used by modules on two or more different stages, in the model's order."""
+    """Parameters used under two or more names, in the model's order (with the stage of each name)."""
     names: dict[int, dict[str, int]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         stage = stage_of_parameter(name, split, plan)
         if stage is not None:
             names.setdefault(id(param), {})[name] = stage
-    return [TiedParameter(next(iter(stages)), stages) for stages in names.values() if len(set(stages.values())) > 1]
+    return [TiedParameter(next(iter(stages)), stages) for stages in names.values() if len(stages) > 1]
 
 
 def _copy_tied_per_stage(module: nn.Module, ties: tuple[TiedParameter, ...], local: set[int]) -> None:
