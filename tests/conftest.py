@@ -17,6 +17,21 @@ import pytest
 from tests.distributed import free_port
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fresh_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A home directory of the test session's own: layer profiles, hardware measurements and remembered plans
+    (``~/.cache/lightning_spot``) start empty and do not leak between runs or into the user's cache."""
+    saved = os.environ.get("HOME")
+    os.environ["HOME"] = str(tmp_path_factory.mktemp("home"))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """Start ``moto`` as a standalone HTTP server in its own process; stop it by process id."""

@@ -74,3 +74,32 @@ def token_dataset(n: int = 64, seed: int = 3) -> TensorDataset:
 
 def token_loader(batch_size: int = 8, n: int = 64, seed: int = 3) -> DataLoader:
     return DataLoader(token_dataset(n, seed), batch_size=batch_size)
+
+
+class PretrainedCausalLM(L.LightningModule):
+    """Starts from a ``save_pretrained`` directory; built on the meta device in ``configure_model``, as a
+    model too large for one device must be (each rank then materialises and reads only its stages)."""
+
+    def __init__(self, path: str, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.path = path
+        self.lr = lr
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        import transformers
+
+        if self.model is None:
+            config = transformers.AutoConfig.from_pretrained(self.path)
+            self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)

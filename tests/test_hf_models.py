@@ -221,3 +221,37 @@ def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factor
     original.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})  # strict: every name
     assert original.lm_head.weight is original.transformer.wte.weight  # the tie holds
     assert torch.equal(original.transformer.wte.weight, merged_state(results["P2D1"])[embed])
+
+
+@pytest.mark.parametrize(("family", "tied"), [("llama", False), ("gpt2", True)], ids=["llama", "gpt2-tied"])
+def test_pretrained_weights_are_read_per_stage(family: str, tied: bool, tmp_path) -> None:
+    """A save_pretrained directory, loaded pipelined: each rank reads only its stages' tensors, nobody builds
+    the whole model, and the validation loss is the single-process loss of the same weights."""
+    import json
+
+    import transformers
+
+    from tests.distributed import launch
+    from tests.hf_models import token_loader
+
+    path = tmp_path / "pretrained"
+    CausalLM(family, tied=tied).model.save_pretrained(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        losses = [(reference(input_ids=ids, labels=ids).loss.item(), len(ids)) for (ids,) in token_loader(8, 32)]
+    expected = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+    total = sum(p.numel() for p in reference.parameters())
+
+    launch(
+        2, ["tests/workers/pretrained_validate.py", str(path), str(tmp_path / "out"), "2"], log_dir=tmp_path / "logs"
+    )
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    in_file = set(transformers.AutoModelForCausalLM.from_pretrained(path).state_dict())
+    for rank in ranks:
+        assert rank["val_loss"] == pytest.approx(expected, abs=1e-5)
+        assert sorted(rank["reads"]) == sorted(set(rank["reads"])), "each tensor read once"
+        assert len(rank["reads"]) == len(rank["local"]), "exactly this rank's tensors were read"
+        assert set(rank["reads"]) <= in_file
+        assert rank["parameters"] < total, "no rank holds the whole model"
+    if not tied:
+        assert set(ranks[0]["reads"]).isdisjoint(ranks[1]["reads"]), "the stages read disjoint tensors"

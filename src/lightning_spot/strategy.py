@@ -48,6 +48,7 @@ from lightning_spot.data import shard_dataloader
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.discovery import ModelContractError, discover
 from lightning_spot.partition.placement import placement_of
+from lightning_spot.partition.pretrained import SafetensorsWeights, load_stage_weights
 from lightning_spot.planning.choose import LayoutChoice, Requested, choose_layout, describe_choice
 from lightning_spot.planning.memory import PlanPlace
 from lightning_spot.runtime.clock import StepClock
@@ -94,6 +95,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             ``"model.transformer.h"``; ``"auto"``: the sequence of same-type blocks holding the most parameters.
         first_stage_modules / last_stage_modules: override where modules beside the sequence go.
         find_unused_parameters: passed to DDP for the data-parallel gradient sync.
+        pretrained: a ``save_pretrained`` directory (safetensors, sharded or not) to start from: after the model
+            is split, each rank reads only its stages' tensors (build the model on the meta device in
+            ``configure_model`` so that no rank ever holds all of it). A checkpoint being resumed wins.
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
         timeout: collective timeout; a crashed peer makes the others fail after this long.
     """
@@ -114,6 +118,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         first_stage_modules: Sequence[str] = (),
         last_stage_modules: Sequence[str] = (),
         find_unused_parameters: bool = False,
+        pretrained: Optional[str] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -152,6 +157,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._first_stage_modules = tuple(first_stage_modules)
         self._last_stage_modules = tuple(last_stage_modules)
         self._ddp_kwargs = {"find_unused_parameters": find_unused_parameters}
+        self._pretrained = pretrained
+        #: names of the pretrained tensors this rank read (empty without ``pretrained``)
+        self.pretrained_reads: list[str] = []
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -302,6 +310,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._check_supported(trainer, module)
         if self.engine is None:
             self.engine = self._build_engine(module)
+            if self._pretrained:
+                self._load_pretrained(module, self._pretrained)
             self.precision_plugin.convert_module(module)
             self.engine.wrap_data_parallel(trace_allreduce=self.trace_allreduce)
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
@@ -385,6 +395,15 @@ class SpotPipelineStrategy(ParallelStrategy):
             f"micro-batches{checkpointing}"
         )
         return engine
+
+    def _load_pretrained(self, module: pl.LightningModule, path: str) -> None:
+        weights = SafetensorsWeights(path)
+        count = load_stage_weights(module, weights, self._tied_aliases())
+        self.pretrained_reads = list(weights.read_names)
+        rank_zero_info(
+            f"spot_pipeline: {count} pretrained tensors of this rank's stages read from {path} "
+            f"({weights.read_bytes / 2**20:.1f} MiB; rank 0)"
+        )
 
     def _route_gradient_clipping(self) -> None:
         """Clip by the global norm over all stages instead of each rank's local norm."""

@@ -23,6 +23,11 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+#: where placement keeps how a module was split (``placement.Placement``), on the module itself
+PLACEMENT_MARK = "_spot_placement"
+#: the attribute names of block sequences that need not hold blocks of one type
+SEQUENCE_NAMES = ("layers", "blocks", "h")
+
 
 class ModelContractError(TypeError):
     """The LightningModule does not follow the pipeline model contract (see docs/model-contract.md)."""
@@ -62,15 +67,15 @@ def _numel(module: nn.Module) -> int:
 
 def _sequence_candidates(module: nn.Module) -> list[tuple[str, int, int, str]]:
     """(path, parameters, blocks, block type) of every ``nn.Sequential`` / ``nn.ModuleList`` whose blocks are all
-    of one type, most parameters first."""
+    of one type, or that is named like a block sequence (``layers``, ``blocks``, ``h``), most parameters first."""
     out = []
     for path, child in module.named_modules():
         if not path or not isinstance(child, (nn.Sequential, nn.ModuleList)):
             continue
         blocks = [m for m in child._modules.values() if m is not None]
         kinds = Counter(type(b).__name__ for b in blocks)
-        if blocks and len(kinds) == 1:
-            out.append((path, _numel(child), len(blocks), next(iter(kinds))))
+        if blocks and (len(kinds) == 1 or path.rsplit(".", 1)[-1] in SEQUENCE_NAMES):
+            out.append((path, _numel(child), len(blocks), kinds.most_common(1)[0][0]))
     return sorted(out, key=lambda c: -c[1])
 
 
@@ -113,7 +118,8 @@ def discover(
     """Locate the layer sequence ``layers`` (a dotted attribute path, or ``"auto"``: :func:`find_layer_sequence`)
     and classify its surroundings."""
     if layers == "auto":
-        layers = find_layer_sequence(module)
+        placed = module.__dict__.get(PLACEMENT_MARK)  # already split: its sequence now holds placeholders
+        layers = placed.split.layers_path if placed is not None else find_layer_sequence(module)
     parts = layers.split(".")
     ancestors: list[tuple[str, nn.Module]] = [("", module)]
     current = module

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from lightning_spot.partition.cuts import StagePlan
-from lightning_spot.partition.discovery import ModelContractError, ModelSplit
+from lightning_spot.partition.discovery import PLACEMENT_MARK, ModelContractError, ModelSplit
 from lightning_spot.partition.stage_run import RemoteModule, SkippedLayer, activation_parameter, instrument_layer
 
-_MARK = "_spot_placement"
+_MARK = PLACEMENT_MARK
 
 
 @dataclass(frozen=True)
@@ -135,14 +135,31 @@ def _stable_seed(base: int, fqn: str) -> int:
     return zlib.crc32(f"{base}:{fqn}".encode()) & 0x7FFFFFFF
 
 
+def _initializers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that know how to initialise their descendants (``_init_weights(sub)``, as Hugging Face models
+    do), deepest first."""
+    found = [(name, m) for name, m in module.named_modules() if callable(getattr(m, "_init_weights", None))]
+    return sorted(found, key=lambda nm: -len(nm[0]))
+
+
+def _initializer_of(sub_name: str, initializers: list[tuple[str, nn.Module]]) -> nn.Module | None:
+    for name, owner in initializers:
+        if not name or sub_name == name or sub_name.startswith(name + "."):
+            return owner
+    return None
+
+
 def _materialize(module: nn.Module, fqn: str, device: torch.device, seed: int) -> None:
-    """Allocate meta tensors of ``module`` on ``device`` and initialise them with ``reset_parameters``."""
+    """Allocate meta tensors of ``module`` on ``device`` and initialise them with ``reset_parameters`` (or,
+    for modules without it, the ``_init_weights`` of the model that holds them, as in Hugging Face models)."""
+    initializers = _initializers(module)
     for sub_name, sub in module.named_modules(prefix=fqn):
         direct = [*sub._parameters.values(), *sub._buffers.values()]
         if not any(t is not None and t.is_meta for t in direct):
             continue
         reset = getattr(sub, "reset_parameters", None)
-        if not callable(reset):
+        owner = _initializer_of(sub_name, initializers) if not callable(reset) else None
+        if not callable(reset) and owner is None:
             raise ModelContractError(
                 f"Module `{sub_name or type(sub).__name__}` ({type(sub).__name__}) was created on the meta device "
                 f"but defines no `reset_parameters()`, so its tensors cannot be initialised on the stage that owns "
@@ -151,7 +168,11 @@ def _materialize(module: nn.Module, fqn: str, device: torch.device, seed: int) -
         sub.to_empty(device=device, recurse=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_stable_seed(seed, sub_name))
-            reset()
+            if callable(reset):
+                reset()
+            else:
+                assert owner is not None
+                owner._init_weights(sub)  # type: ignore[operator]
 
 
 def place_stages(

@@ -11,7 +11,6 @@ on each rank through the real ``LightningModule.log``, marked as synchronised al
 from __future__ import annotations
 
 import contextlib
-import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_spot._dist import broadcast_object
 
 _SYNC_KEYS = ("sync_dist", "sync_dist_group")
 #: the ``sync_dist_group`` of values this bridge logs: reduced over micro-batches and replicas already, so the
@@ -126,43 +127,20 @@ class LastStageShare:
         share = LastStageShare(pp_group, last_stage_rank, device)
         logged = share(payload if holds_last_stage else None)     # the last stage's payload on every rank
 
-    Point to point, straight from the last stage: a broadcast would relay through the ranks of the
-    middle stages, so the first stage (the last to finish a 1F1B step) would wait for them instead of
-    receiving what the last stage sent long before. The sends are not waited for until the next call,
-    so the last stage goes on with its optimizer step.
+    A broadcast over the pipeline group. (Point-to-point sends straight from the last stage were tried to
+    spare the first stage waiting on the middle ones; one suite run hung with a receive that never matched
+    its send, so the collective stays until that is understood.)
     """
 
     def __init__(self, pp_group: dist.ProcessGroup | None, src_group_rank: int, device: torch.device) -> None:
         self.group = pp_group
         self.src = src_group_rank
         self.device = device
-        self._pending: list[tuple[dist.Work, Tensor]] = []
 
     def __call__(self, payload: Any) -> Any:
-        if self.group is None or dist.get_world_size(self.group) == 1:
+        if self.group is None:
             return payload
-        if dist.get_rank(self.group) != self.src:
-            size = torch.empty(1, dtype=torch.int64, device=self.device)
-            dist.recv(size, group=self.group, group_src=self.src)
-            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-            dist.recv(data, group=self.group, group_src=self.src)
-            return pickle.loads(data.cpu().numpy().tobytes())
-        self.wait()
-        data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8).to(self.device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        for dst in range(dist.get_world_size(self.group)):
-            if dst != self.src:
-                for tensor in (size, data):
-                    work = dist.isend(tensor, group=self.group, group_dst=dst)
-                    assert work is not None
-                    self._pending.append((work, tensor))
-        return payload
-
-    def wait(self) -> None:
-        """Wait until the previous sends arrived (their tensors are kept alive until then)."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+        return broadcast_object(payload, self.group, group_src=self.src)
 
 
 def replay(module: Any, logged: dict[str, tuple[float, dict[str, Any]]], batch_size: int, device: torch.device) -> None:
