@@ -6,6 +6,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.distributed import run_command as run_with_lightning_launcher
 
 
@@ -65,3 +67,46 @@ def test_example_lightning_cli_config(tmp_path: Path) -> None:
         r"throughput \(P\dxD\d [^)]*\): [\d.]+ samples/s, \d+ tokens/s, .*bubble [\d.]+% on rank 0", out
     ), out[-3000:]
     assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").is_file()
+
+
+def test_hf_llama_example_trains_through_script_and_cli(tmp_path: Path) -> None:
+    """The Hugging Face Llama example learns (loss below ln 256) as a script and through LightningCLI."""
+    pytest.importorskip("transformers")
+    out = run_with_lightning_launcher(
+        [
+            sys.executable,
+            "examples/hf_llama/train.py",
+            "--devices",
+            "2",
+            "--max-steps",
+            "24",
+            "--val-every",
+            "12",
+            "--root",
+            str(tmp_path / "script"),
+        ]
+    )
+    line = re.search(r"done: layout (\S+), train_loss ([\d.]+), val_loss ([\d.]+)", out)
+    assert line and line.group(1) == "P2xD1", out[-3000:]
+    assert float(line.group(2)) < 5.2 and float(line.group(3)) < 5.2  # ln(256) = 5.55 at the start
+    assert "of `model.model.layers` (4 blocks)" in out  # found by layers="auto"
+    exe = str(Path(sys.executable).parent / "lightning-spot")
+    out = run_with_lightning_launcher(
+        [
+            exe,
+            "fit",
+            "--config",
+            "examples/hf_llama/config.yaml",
+            "--trainer.devices",
+            "2",
+            "--trainer.max_steps",
+            "6",
+            "--model.max_steps",
+            "6",
+            "--trainer.val_check_interval",
+            "3",
+            "--trainer.default_root_dir",
+            str(tmp_path / "cli"),
+        ]
+    )
+    assert re.search(r"throughput \(P2xD1 1F1B M=4\): [\d.]+ samples/s", out), out[-3000:]

@@ -8,6 +8,7 @@ checked directly, and a value that depends on an earlier stage's numbers is refu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -223,8 +224,10 @@ def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factor
     assert torch.equal(original.transformer.wte.weight, merged_state(results["P2D1"])[embed])
 
 
-@pytest.mark.parametrize(("family", "tied"), [("llama", False), ("gpt2", True)], ids=["llama", "gpt2-tied"])
-def test_pretrained_weights_are_read_per_stage(family: str, tied: bool, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("family", "tied", "shard"), [("llama", False, None), ("gpt2", True, "20KB")], ids=["llama", "gpt2-tied-sharded"]
+)
+def test_pretrained_weights_are_read_per_stage(family: str, tied: bool, shard: str | None, tmp_path: Path) -> None:
     """A save_pretrained directory, loaded pipelined: each rank reads only its stages' tensors, nobody builds
     the whole model, and the validation loss is the single-process loss of the same weights."""
     import json
@@ -235,7 +238,8 @@ def test_pretrained_weights_are_read_per_stage(family: str, tied: bool, tmp_path
     from tests.hf_models import token_loader
 
     path = tmp_path / "pretrained"
-    CausalLM(family, tied=tied).model.save_pretrained(path)
+    CausalLM(family, tied=tied).model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    assert (path / "model.safetensors.index.json").is_file() == bool(shard)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         losses = [(reference(input_ids=ids, labels=ids).loss.item(), len(ids)) for (ids,) in token_loader(8, 32)]

@@ -150,15 +150,16 @@ def _initializer_of(sub_name: str, initializers: list[tuple[str, nn.Module]]) ->
 
 
 def _materialize(module: nn.Module, fqn: str, device: torch.device, seed: int) -> None:
-    """Allocate meta tensors of ``module`` on ``device`` and initialise them with ``reset_parameters`` (or,
-    for modules without it, the ``_init_weights`` of the model that holds them, as in Hugging Face models)."""
+    """Allocate meta tensors of ``module`` on ``device`` and initialise them: by the ``_init_weights`` of the
+    model that holds them when it has one (Hugging Face models: their own scheme, e.g. normal(0, 0.02)),
+    else by the module's ``reset_parameters``."""
     initializers = _initializers(module)
     for sub_name, sub in module.named_modules(prefix=fqn):
         direct = [*sub._parameters.values(), *sub._buffers.values()]
         if not any(t is not None and t.is_meta for t in direct):
             continue
-        reset = getattr(sub, "reset_parameters", None)
-        owner = _initializer_of(sub_name, initializers) if not callable(reset) else None
+        owner = _initializer_of(sub_name, initializers)
+        reset = getattr(sub, "reset_parameters", None) if owner is None else None
         if not callable(reset) and owner is None:
             raise ModelContractError(
                 f"Module `{sub_name or type(sub).__name__}` ({type(sub).__name__}) was created on the meta device "
