@@ -90,6 +90,8 @@ def test_hf_causal_lm_matches_single_process_lightning(
     ranks = jobs[world][case["name"]]
     assert_same_params(merged_state(ranks), reference_run(case))
     assert all(len(r["state_dict"]) > 0 for r in ranks)
+    model = CausalLM(case["model"]["family"], tied=case["model"]["tied"])
+    assert {r["parameters"] for r in ranks} == {sum(p.numel() for p in model.parameters())}  # a tie counts once
     if case["model"]["tied"]:  # every copy of the tied weight ended equal (merged_state checks replicas)
         embed, head = TIED_NAMES[case["model"]["family"]]
         copies = [r["state_dict"][n] for r in ranks for n in (embed, head) if n in r["state_dict"]]

@@ -474,7 +474,8 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     def count_parameters(self) -> int:
         """Parameters of the whole model, over all pipeline stages (collective over the pipeline group)."""
-        local = sum(p.numel() for p in self._engine().module.parameters())
+        duplicates = {id(p) for p in self._engine().ties.duplicates}  # a tied weight counts once
+        local = sum(p.numel() for p in self._engine().module.parameters() if id(p) not in duplicates)
         group = self._engine().ctx.pp_group
         if group is None:
             return local

@@ -89,6 +89,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
+        "parameters": strategy.count_parameters(),
     }
     if throughput is not None:
         result["throughput"] = throughput.summary()
