@@ -18,7 +18,14 @@ class Agent:
     """One torchrun agent with ``nproc`` workers, logging to ``log``."""
 
     def __init__(
-        self, name: str, port: int, nproc: int, script_args: list[str], log: Path, nnodes: str = "1:2"
+        self,
+        name: str,
+        port: int,
+        nproc: int,
+        script_args: list[str],
+        log: Path,
+        nnodes: str = "1:2",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.log_path = log
@@ -30,6 +37,7 @@ class Agent:
             # several agents on one machine stand in for nodes: each sizes its threads for a whole machine
             "OMP_NUM_THREADS": "1",
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a fresh store per round (see FIELD-NOTES)
+            **(env or {}),
         }
         env.pop("LOCAL_RANK", None)
         self.proc = subprocess.Popen(
@@ -69,10 +77,39 @@ class Agent:
             pass
         self.log.close()
 
+    def kill_node(self) -> None:
+        """The whole "node" dies at once, without notice: the agent and every process under it (torchrun
+        starts workers in sessions of their own, so killing the agent's process group is not enough)."""
+        victims = [self.proc.pid, *descendants(self.proc.pid)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.kill()
+
     def output(self) -> str:
         if not self.log.closed:
             self.log.flush()
         return self.log_path.read_text(errors="replace")
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids under ``pid`` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def port_open(port: int) -> bool:

@@ -5,6 +5,8 @@
   600), so a test can act while an upload is in flight.
 * ``flakyfile://``: like ``file://``, but the first write of every file raises ConnectionResetError,
   as a flaky network would; a retry succeeds.
+* ``gatedfile://``: like ``file://``, but every operation raises ConnectionRefusedError while the file
+  named by ``SPOT_TEST_GATE`` exists: storage that is unreachable for a while.
 """
 
 from __future__ import annotations
@@ -56,5 +58,17 @@ class FlakyFileSystem(LocalFileSystem):
         super().pipe_file(path, value, **kwargs)
 
 
+class GatedFileSystem(LocalFileSystem):
+    protocol = ("gatedfile",)
+
+    def __getattribute__(self, name: str) -> Any:
+        attr = super().__getattribute__(name)
+        gate = os.environ.get("SPOT_TEST_GATE")
+        if callable(attr) and not name.startswith("__") and gate and os.path.exists(gate):
+            raise ConnectionRefusedError(f"storage unreachable (test gate {gate} is closed)")
+        return attr
+
+
 fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
 fsspec.register_implementation("flakyfile", FlakyFileSystem, clobber=True)
+fsspec.register_implementation("gatedfile", GatedFileSystem, clobber=True)

@@ -11,6 +11,7 @@ gradients, logging), ``data`` (global-batch sharding) and ``checkpoint`` (sharde
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -41,7 +42,9 @@ from typing_extensions import override
 from lightning_spot._dist import broadcast_object, is_initialized
 from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import payload
-from lightning_spot.checkpoint.read import load_checkpoint
+from lightning_spot.checkpoint.read import CheckpointError, load_checkpoint, load_snapshot, snapshot_needs
+from lightning_spot.checkpoint.recall import Recall
+from lightning_spot.checkpoint.snapshot import SNAPSHOT_SCHEME, SnapshotStore
 from lightning_spot.checkpoint.storage import Storage
 from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.data import shard_dataloader
@@ -171,6 +174,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         self.restored_manifest: Optional[dict[str, Any]] = None
         self._storage_options: dict[str, Any] = {}
         self._run_url: Optional[str] = None
+        self._snapshots: Optional[SnapshotStore] = None
+        self._recalled: Optional[Recall] = None
         #: this process's CPU thread setup (set when processes start)
         self.thread_setup: Optional[ThreadSetup] = None
         self._user_threads = threads_set_by_user()
@@ -579,11 +584,35 @@ class SpotPipelineStrategy(ParallelStrategy):
             "tied": dict(engine.ties.aliases),
         }
 
-    def use_checkpoint_storage(self, storage_options: dict[str, Any], run_url: Optional[str] = None) -> None:
+    def use_checkpoint_storage(
+        self,
+        storage_options: dict[str, Any],
+        run_url: Optional[str] = None,
+        snapshots: Optional[SnapshotStore] = None,
+    ) -> None:
         """fsspec options for checkpoint URLs (``SpotCheckpoint`` hands over its own; also used by
-        ``fit(ckpt_path=URL)`` and ``ModelCheckpoint``) and the run directory, where plans are remembered."""
+        ``fit(ckpt_path=URL)`` and ``ModelCheckpoint``), the run directory, where plans are remembered, and
+        the in-memory snapshots that ``ckpt_path="snapshot://STEP"`` resumes from."""
         self._storage_options = dict(storage_options)
         self._run_url = run_url
+        self._snapshots = snapshots
+
+    def newest_snapshot(self) -> tuple[Optional[int], str]:
+        """Collective: the newest step the surviving in-memory snapshots hold completely for this layout."""
+        self._recalled = None
+        return self._recall().newest_complete()
+
+    def _recall(self) -> Recall:
+        """What every node's snapshots hold and what every rank needs (gathered once per resume)."""
+        if self._snapshots is None:
+            raise CheckpointError(
+                "no in-memory snapshots to resume from: SpotCheckpoint(snapshot_every_n_train_steps=N)"
+            )
+        if self._recalled is None:
+            assert self.lightning_module is not None
+            needs = snapshot_needs(self.lightning_module, list(self.optimizers), self._tied_aliases())
+            self._recalled = Recall.gather(self._snapshots, needs, self._snapshots.group)
+        return self._recalled
 
     def _plan_places(self) -> list[PlanPlace]:
         """Where the plan of this job is remembered: its run directory (follows the job) and the local cache."""
@@ -613,6 +642,20 @@ class SpotPipelineStrategy(ParallelStrategy):
         """Load a checkpoint (or the latest intact one of a run directory) written on any layout onto this one."""
         assert self.lightning_module is not None
         url = self.broadcast(str(checkpoint_path))
+        started = time.monotonic()
+        if url.startswith(SNAPSHOT_SCHEME):
+            step = int(url[len(SNAPSHOT_SCHEME) :])
+            checkpoint, info = load_snapshot(
+                self._recall(),
+                step,
+                self.lightning_module,
+                list(self.optimizers),
+                layout=self.pipeline_layout,
+                aliases=self._tied_aliases(),
+            )
+            self._engine().samples_seen = int(info.get("data", {}).get("samples_consumed") or 0)
+            self.restored_manifest = {**info, "tier": "memory", "restore_seconds": time.monotonic() - started}
+            return checkpoint
         checkpoint, manifest = load_checkpoint(
             url,
             self._storage_options,
@@ -622,7 +665,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             aliases=self._tied_aliases(),
         )
         self._engine().samples_seen = int(manifest.get("data", {}).get("samples_consumed") or 0)
-        self.restored_manifest = manifest
+        self.restored_manifest = {**manifest, "tier": "storage", "restore_seconds": time.monotonic() - started}
         return checkpoint
 
     @override

@@ -49,6 +49,8 @@ def main() -> None:
         keep_last=config.get("keep_last", 3),
         heartbeat_seconds=0.5,
         preemption=watcher,
+        snapshot_every_n_train_steps=config.get("snapshot_every"),
+        snapshot_dir=os.environ.get("SPOT_TEST_SNAPSHOT_DIR", config.get("snapshot_dir")),  # one per "node"
     )
     callbacks: list[L.Callback] = [checkpoint, SlowSteps(config.get("step_seconds", 0.0))]
     if config.get("timeline"):  # trace every step; a preempted run leaves per-rank trace files
@@ -76,6 +78,7 @@ def main() -> None:
             "layout": str(strategy.layout),
             "num_nodes": strategy.num_nodes,
             "restored_step": strategy.restored_manifest["step"] if strategy.restored_manifest else None,
+            "restored_tier": strategy.restored_manifest.get("tier") if strategy.restored_manifest else None,
             "report": checkpoint.report,
         },
         out / "final" / f"rank{trainer.global_rank}.pt",

@@ -27,6 +27,8 @@ from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.journal import Journal, read_events, summarize
 from lightning_spot.checkpoint.payload import split_checkpoint
 from lightning_spot.checkpoint.read import CheckpointError
+from lightning_spot.checkpoint.snapshot import SNAPSHOT_SCHEME, SnapshotStore
+from lightning_spot.checkpoint.snapshotter import Snapshotter
 from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirname, step_of
 from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.preemption.coordinate import agree
@@ -57,6 +59,11 @@ class SpotCheckpoint(L.Callback):
             which makes torchrun restart the group.
         heartbeat_seconds: how often rank 0 records progress in the run history (for the report of
             time lost after a crash).
+        snapshot_every_n_train_steps: also keep every rank's state in host memory every N steps (a tmpfs that
+            outlives the worker processes): a restart of the workers (torchrun restarts every worker of a node
+            when one fails) resumes from there, when it is newer than the newest checkpoint in storage.
+        snapshot_dir: where snapshots live (default ``/dev/shm/lightning-spot``); the newest two are kept and
+            they are deleted when training ends.
     """
 
     def __init__(
@@ -73,6 +80,8 @@ class SpotCheckpoint(L.Callback):
         io_threads: int = 2,
         preemption: Union[bool, PreemptionWatcher] = True,
         heartbeat_seconds: float = 30.0,
+        snapshot_every_n_train_steps: Optional[int] = None,
+        snapshot_dir: Optional[str] = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -91,6 +100,12 @@ class SpotCheckpoint(L.Callback):
         self.io_threads = io_threads
         self.preemption = preemption
         self.heartbeat_seconds = heartbeat_seconds
+        if snapshot_every_n_train_steps is not None and snapshot_every_n_train_steps < 1:
+            raise ValueError(f"snapshot_every_n_train_steps must be >= 1, got {snapshot_every_n_train_steps}")
+        self.snapshot_every_n_train_steps = snapshot_every_n_train_steps
+        self.snapshot_dir = snapshot_dir
+        self.snapshots: Optional[SnapshotStore] = None
+        self.snapshotter: Optional[Snapshotter] = None
         self.watcher: Optional[PreemptionWatcher] = None
         self.journal: Optional[Journal] = None
         self.report: dict[str, Any] = {}
@@ -126,7 +141,12 @@ class SpotCheckpoint(L.Callback):
             return
         host = _host(trainer)
         url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
-        host.use_checkpoint_storage(self.storage_options, url)
+        if self.snapshot_every_n_train_steps:
+            self.snapshots = SnapshotStore.for_run(url, self.snapshot_dir)
+            self.snapshots.check()  # a missing or read-only tmpfs fails here, before training
+            if is_initialized() and self.snapshots.group is None:
+                self.snapshots.group = dist.new_group(backend="gloo")  # snapshot traffic, off the training group
+        host.use_checkpoint_storage(self.storage_options, url, self.snapshots)
         self.storage = Storage(url, self.storage_options)
         problem = None
         try:
@@ -134,8 +154,10 @@ class SpotCheckpoint(L.Callback):
         except StorageError as err:
             problem = str(err)
         first = next((p for p in all_gather_object(problem) if p), None)
-        if first:
+        if first and self.snapshots is None:
             raise StorageError(first)
+        if first:  # a restart during a storage outage can still resume from host memory
+            log.warning("lightning-spot: %s; continuing with in-memory snapshots, durable saves may fail", first)
         if self.async_save and is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
         self._trainer = trainer
@@ -162,13 +184,40 @@ class SpotCheckpoint(L.Callback):
             if not checkpoint_path and self.resume and trainer.state.fn == TrainerFn.FITTING:
                 storage = self.storage
                 assert storage is not None
-                found = broadcast_object(storage.committed() if trainer.is_global_zero else None)
-                if found:
+                found = self._committed_for_resume(trainer)
+                in_memory, why = _host(trainer).newest_snapshot() if self.snapshots is not None else (None, "")
+                newest_stored = step_of(found[-1]) if found else -1
+                if in_memory is not None and in_memory >= newest_stored:
+                    rank_zero_info(
+                        f"SpotCheckpoint: resuming from the in-memory snapshot of step {in_memory} (the newest "
+                        f"checkpoint in {storage.url} is {'of step ' + str(newest_stored) if found else 'none'})"
+                    )
+                    checkpoint_path = f"{SNAPSHOT_SCHEME}{in_memory}"
+                elif found:
+                    if self.snapshots is not None:
+                        reason = f"it is older (step {in_memory})" if in_memory is not None else why
+                        rank_zero_info(f"SpotCheckpoint: not resuming from memory: {reason}")
                     rank_zero_info(f"SpotCheckpoint: resuming from {storage.url} ({len(found)} committed checkpoints)")
                     checkpoint_path = storage.url
             original(checkpoint_path, weights_only)
 
         connector.resume_start = resume_start  # type: ignore[method-assign]
+
+    def _committed_for_resume(self, trainer: L.Trainer) -> list[str]:
+        """The run's committed checkpoints; with snapshots, unreachable storage reads as none (with a warning)."""
+        assert self.storage is not None
+        found, problem = None, None
+        if trainer.is_global_zero:
+            try:
+                found = self.storage.committed()
+            except Exception as err:  # unreachable storage: memory may still hold the state
+                if self.snapshots is None:
+                    raise
+                problem = f"{type(err).__name__}: {err}"
+        found, problem = broadcast_object((found, problem))
+        if problem:
+            log.warning("lightning-spot: cannot list checkpoints in %s (%s); trying host memory", self.url, problem)
+        return found or []
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         try:
@@ -194,11 +243,17 @@ class SpotCheckpoint(L.Callback):
             self.watcher.start()
         host = _host(trainer)
         restored = host.restored_manifest
+        if self.snapshots is not None and trainer.local_rank == 0:
+            self.snapshots.drop_after(trainer.global_step)  # newer ones belong to the attempt that failed
         assert self.journal is not None
         self.journal.record(
             "start",
             step=trainer.global_step,
             resumed_step=restored["step"] if restored else None,
+            resumed_from=restored.get("tier") if restored else None,
+            restore_seconds=round(restored["restore_seconds"], 3)
+            if restored and "restore_seconds" in restored
+            else None,
             layout=host.pipeline_layout.to_dict(),
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
@@ -227,6 +282,8 @@ class SpotCheckpoint(L.Callback):
         )
         if due or ending:
             self.save(trainer, reason="end" if ending and not due else "periodic")
+        elif self.snapshots is not None and step % self.snapshot_every_n_train_steps == 0:  # type: ignore[operator]
+            self.snapshot(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
@@ -245,6 +302,7 @@ class SpotCheckpoint(L.Callback):
         assert self.journal is not None
         self.journal.record("end", step=trainer.global_step)
         self._report(trainer)
+        self._clear_snapshots(trainer)
         if self.saves and trainer.is_global_zero:
             s = self.summary()
             rank_zero_info(
@@ -330,6 +388,34 @@ class SpotCheckpoint(L.Callback):
         for name in self.storage.step_dirs():
             if name not in committed and step_of(name) < step_of(newest):
                 self.storage.delete(name)
+
+    # -------------------------------------------------------------- snapshots
+    def snapshot(self, trainer: L.Trainer) -> None:
+        """Keep this rank's state of this step in host memory (written in the background; not collective)."""
+        if self.snapshotter is None:
+            store = self.snapshots
+            assert store is not None
+            self.snapshotter = Snapshotter(
+                store,
+                store.group,
+                rank=trainer.global_rank,
+                world=trainer.world_size,
+                local_world=trainer.num_devices,
+                stage_of=_host(trainer).pipeline_layout.grid.pp_rank,
+            )
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        stall = self.snapshotter.take(checkpoint, _host(trainer).checkpoint_info(checkpoint))
+        timeline = _timeline(trainer)
+        if timeline is not None and stall:
+            now = time.perf_counter()
+            timeline.add("snapshot copy", "checkpoint", now - stall, now, step=trainer.global_step)
+
+    def _clear_snapshots(self, trainer: L.Trainer) -> None:
+        """Training is over: free the host memory (each node's first rank, once every rank is done)."""
+        if self.snapshotter is not None:
+            self.snapshotter.close()
+        elif self.snapshots is not None and trainer.local_rank == 0:
+            self.snapshots.clear()
 
     # -------------------------------------------------------------- preemption
     def _preempted(self, trainer: L.Trainer, stop: PreemptionStop) -> None:

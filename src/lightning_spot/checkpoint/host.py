@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeGuard
 
 import torch
 
+from lightning_spot.checkpoint.snapshot import SnapshotStore
 from lightning_spot.layout import PipelineLayout
 from lightning_spot.runtime.clock import StepClock
 
@@ -47,9 +48,17 @@ class CheckpointHost(Protocol):
         """Step, layout and data position of a Lightning checkpoint dict, for its manifest."""
         ...
 
-    def use_checkpoint_storage(self, storage_options: dict[str, Any], run_url: str | None = None) -> None:
+    def use_checkpoint_storage(
+        self, storage_options: dict[str, Any], run_url: str | None = None, snapshots: SnapshotStore | None = None
+    ) -> None:
         """Read and write checkpoints with these fsspec options (also ``fit(ckpt_path=URL)``); ``run_url`` is
-        the run directory (the strategy keeps its plan there, so that a restart elsewhere finds it)."""
+        the run directory (the strategy keeps its plan there, so that a restart elsewhere finds it);
+        ``snapshots`` the in-memory snapshots to resume from (``ckpt_path="snapshot://STEP"``)."""
+        ...
+
+    def newest_snapshot(self) -> tuple[int | None, str]:
+        """Collective: the newest step whose state the surviving in-memory snapshots hold completely for
+        this layout, and why newer ones cannot be used."""
         ...
 
 

@@ -99,6 +99,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 "cause": f"preemption notice ({preempted['source']})" if preempted else "failure (no notice)",
                 "stopped_at_step": last_step,
                 "resumed_from_step": resumed,
+                "resumed_from": start.get("resumed_from"),  # "memory" (a snapshot) or "storage"
+                "restore_seconds": start.get("restore_seconds"),
                 "steps_recomputed": max(0, last_step - resumed),
                 "time_lost_seconds": round((first["time"] if first else start["time"]) - last_time, 3),
                 "layout_before": next((e.get("layout") for e in before if e["kind"] == "start"), None),

@@ -34,6 +34,7 @@ from lightning_spot.checkpoint.payload import (
     stored_name,
     stored_names,
 )
+from lightning_spot.checkpoint.recall import Recall
 from lightning_spot.checkpoint.shards import load_shards
 from lightning_spot.checkpoint.storage import MANIFEST, ChecksumError, Storage, join
 from lightning_spot.checkpoint.write import FORMAT, rng_filename
@@ -129,6 +130,38 @@ def describe_failure(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
+def _stored_target(
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], aliases: dict[str, str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's model and optimizer tensors under the names checkpoints store (to be filled in place)."""
+    target: dict[str, dict[str, torch.Tensor]] = {"model": stored_names(get_model_state_dict(module), aliases)}
+    for i, opt in enumerate(optimizers):
+        tensors = {k: v for k, v in optimizer_state(module, opt).items() if isinstance(v, torch.Tensor)}
+        target[f"optimizer_{i}"] = stored_names(tensors, aliases)
+    return target
+
+
+def apply_training_state(
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    tensors: dict[str, dict[str, torch.Tensor]],
+    optimizer_values: list[dict[str, Any]],
+    aliases: dict[str, str],
+) -> None:
+    """Set this rank's parameters and optimizer state from tensors (and optimizer values) under stored names."""
+    local_model = get_model_state_dict(module)
+    set_model_state_dict(module, {k: tensors["model"][stored_name(k, aliases)] for k in local_model})
+    for i, opt in enumerate(optimizers):
+        loaded = tensors[f"optimizer_{i}"]
+        state: dict[str, Any] = {
+            k: loaded[stored_name(k, aliases)]
+            if isinstance(v, torch.Tensor)
+            else optimizer_values[i].get(stored_name(k, aliases), v)
+            for k, v in optimizer_state(module, opt).items()
+        }
+        set_optimizer_state_dict(module, opt, state, options=FLAT_OPTIMIZER_STATE)
+
+
 def restore_training_state(
     storage: Storage,
     rel: str,
@@ -150,23 +183,9 @@ def restore_training_state(
         raise CheckpointError(
             f"the checkpoint has {len(saved_values)} optimizer(s) but configure_optimizers returned {len(optimizers)}"
         )
-    local_model = get_model_state_dict(module)
-    target: dict[str, Any] = {"model": stored_names(local_model, aliases)}
-    flats = [optimizer_state(module, opt) for opt in optimizers]
-    for i, flat in enumerate(flats):
-        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        target[f"optimizer_{i}"] = stored_names(tensors, aliases)
+    target = _stored_target(module, optimizers, aliases)
     load_shards(storage.url_of(rel), target, storage.options, process_group=group, expected=manifest["files"])
-    set_model_state_dict(module, {k: target["model"][stored_name(k, aliases)] for k in local_model})
-    for i, (opt, flat) in enumerate(zip(optimizers, flats)):
-        loaded = target[f"optimizer_{i}"]
-        state = {
-            k: loaded[stored_name(k, aliases)]
-            if isinstance(v, torch.Tensor)
-            else saved_values[i].get(stored_name(k, aliases), v)
-            for k, v in flat.items()
-        }
-        set_optimizer_state_dict(module, opt, state, options=FLAT_OPTIMIZER_STATE)
+    apply_training_state(module, optimizers, target, saved_values, aliases)
     rng_name = rng_filename(rank())
     if same_layout and rng_name in manifest["files"]:
         try:
@@ -210,3 +229,44 @@ def written_on(manifest: dict[str, Any]) -> PipelineLayout | None:
         return PipelineLayout.from_dict(manifest.get("layout") or {})
     except LayoutError:
         return None
+
+
+def snapshot_needs(
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], aliases: dict[str, str]
+) -> dict[str, list[str]]:
+    """The stored names of this rank's model and optimizer tensors (what a recall from memory must provide).
+
+    Naming the optimizer's state makes torch initialise it (a step with zero gradients): a fresh optimizer
+    is given its empty state back, so that a run that does not resume starts as it would have.
+    """
+    fresh = [opt for opt in optimizers if not opt.state]
+    needs = {group: sorted(named) for group, named in _stored_target(module, optimizers, aliases).items()}
+    for opt in fresh:
+        opt.state.clear()
+    return needs
+
+
+def load_snapshot(
+    recall: Recall,
+    step: int,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    layout: PipelineLayout,
+    aliases: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective: restore this rank's state of ``step`` from the surviving in-memory snapshots, onto any
+    layout; returns (Lightning checkpoint dict, the snapshot's info)."""
+    got = recall.fetch(step)
+    values = [decode(v) for v in got.optimizer_values]
+    if len(values) != len(optimizers):
+        raise CheckpointError(
+            f"the snapshot has {len(values)} optimizer(s) but configure_optimizers returned {len(optimizers)}"
+        )
+    apply_training_state(module, optimizers, got.tensors, values, aliases or {})
+    if got.rng is not None and written_on({"layout": got.layout}) == layout:
+        restore_rng(got.rng)
+    checkpoint = decode(got.lightning)
+    checkpoint.setdefault("state_dict", {})
+    checkpoint.setdefault("optimizer_states", [])
+    return checkpoint, got.info

@@ -116,14 +116,22 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", "restarts"]
         for r in report["restarts"]:
             lines.append(
-                f"  {r['cause']}: stopped at step {r['stopped_at_step']}, resumed from {r['resumed_from_step']} "
-                f"({r['steps_recomputed']} steps recomputed), {r['time_lost_seconds']:.1f}s lost, "
+                f"  {r['cause']}: stopped at step {r['stopped_at_step']}, resumed from {r['resumed_from_step']}"
+                f"{_tier(r)} ({r['steps_recomputed']} steps recomputed), {r['time_lost_seconds']:.1f}s lost, "
                 f"{layout_label(r['layout_before'])} -> {layout_label(r['layout_after'])}"
             )
     if report["samples_per_second_by_layout"]:
         lines += ["", "throughput per layout"]
         lines += [f"  {k:<28}{v:10.1f} samples/s" for k, v in report["samples_per_second_by_layout"].items()]
     return "\n".join(lines)
+
+
+def _tier(restart: dict[str, Any]) -> str:
+    """Where a resume read its state (memory or storage) and how long that took, for the restart line."""
+    tier, took = restart.get("resumed_from"), restart.get("restore_seconds")
+    if not tier:
+        return ""
+    return f" (from {tier}{f', read in {took:.1f}s' if took is not None else ''})"
 
 
 def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:

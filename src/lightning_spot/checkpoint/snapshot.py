@@ -1,0 +1,151 @@
+"""In-memory snapshots on one node: each rank's share of a checkpoint kept in host memory that outlives
+the worker processes (a tmpfs such as ``/dev/shm``), so that a restart resumes without reading storage.
+
+    store = SnapshotStore.for_run(run_url, "/dev/shm/lightning-spot")
+    store.write(step, rank, tensors, meta, state)   # this rank's share, whole or not at all
+    store.shares()                                  # {step: {rank: meta}} of the whole shares on this node
+    tensors = store.read_tensors(step, rank); state = store.read_state(step, rank)
+    store.prune(keep=2); store.drop_after(step); store.clear()
+
+A share is two files, ``rankNNNNN.pt`` (tensors by stored name) and ``rankNNNNN.json`` (what it holds:
+its names, layout and pipeline position, and the JSON-ready rest: loop and data position, optimizer
+hyper-parameters, RNG). Each is written to a temporary name and renamed; the JSON is renamed last, so a
+share exists once its JSON does and a worker killed mid-write leaves nothing that counts. A node may
+also hold shares of ranks on another node (copies that survive that node's loss). Whether the shares
+of a step, across the surviving nodes, make a complete state is decided by ``checkpoint.recall``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: ``ckpt_path`` of a resume from the in-memory snapshots of a step: ``snapshot://120``
+SNAPSHOT_SCHEME = "snapshot://"
+DEFAULT_ROOT = "/dev/shm/lightning-spot"
+
+
+class SnapshotError(RuntimeError):
+    """Host memory for snapshots cannot be used; the message says why and what to change."""
+
+
+def default_root() -> str:
+    """``/dev/shm/lightning-spot`` where the machine has a ``/dev/shm`` tmpfs, else a folder in the temp dir."""
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        return DEFAULT_ROOT
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "lightning-spot-snapshots")
+
+
+def encode_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> bytes:
+    """The bytes of a share's tensors file (also what a peer copy sends)."""
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+class SnapshotStore:
+    """The snapshots of one run on this node."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        #: the gloo process group that snapshot traffic between nodes uses (set by ``SpotCheckpoint``)
+        self.group: Any = None
+
+    @classmethod
+    def for_run(cls, run_url: str, root: str | None = None) -> SnapshotStore:
+        key = hashlib.sha1(run_url.rstrip("/").encode()).hexdigest()[:16]
+        return cls(Path(root or default_root()) / key)
+
+    @property
+    def node_key(self) -> str:
+        """Names this node's store among the job's (ranks with the same key read the same files)."""
+        import socket
+
+        return f"{socket.gethostname()}:{self.path}"
+
+    def check(self, needed_bytes: int = 0) -> None:
+        """Create the directory and make sure it can hold ``needed_bytes`` more; explain any failure."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as err:
+            raise SnapshotError(
+                f"Cannot keep snapshots in {self.path}: {err}. Pass SpotCheckpoint(snapshot_dir=...) a writable "
+                f"folder in host memory (a tmpfs such as /dev/shm), or turn snapshots off."
+            ) from err
+        free = shutil.disk_usage(self.path).free
+        if needed_bytes and free < needed_bytes:
+            raise SnapshotError(
+                f"{self.path} has {free / 2**20:.0f} MiB free, but the snapshots of this node need about "
+                f"{needed_bytes / 2**20:.0f} MiB (two steps, with the copies of a peer node). Enlarge the tmpfs "
+                f"(e.g. docker --shm-size), pass another snapshot_dir, or turn snapshots off."
+            )
+
+    def _step_dir(self, step: int) -> Path:
+        return self.path / f"step-{step:09d}"
+
+    def _write_whole(self, target: Path, data: bytes) -> None:
+        tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        tmp.rename(target)
+
+    def write(self, step: int, rank: int, tensors: bytes, meta: dict[str, Any], state: dict[str, Any]) -> int:
+        """Write the share of ``rank`` at ``step`` (``tensors`` from :func:`encode_tensors`); returns its bytes.
+
+        ``meta`` says what the share holds (``names``, ``layout``, ``pp_rank``); ``state`` is the JSON-ready rest.
+        """
+        folder = self._step_dir(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._write_whole(folder / f"rank{rank:05d}.pt", tensors)
+        sidecar = json.dumps({"meta": {**meta, "step": step, "rank": rank, "bytes": len(tensors)}, "state": state})
+        self._write_whole(folder / f"rank{rank:05d}.json", sidecar.encode())
+        return len(tensors) + len(sidecar)
+
+    def shares(self) -> dict[int, dict[int, dict[str, Any]]]:
+        """``{step: {rank: meta}}`` of every whole share on this node."""
+        found: dict[int, dict[int, dict[str, Any]]] = {}
+        for sidecar in sorted(self.path.glob("step-*/rank*.json")):
+            try:
+                meta = json.loads(sidecar.read_text())["meta"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if sidecar.with_suffix(".pt").is_file():
+                found.setdefault(int(meta["step"]), {})[int(meta["rank"])] = meta
+        return found
+
+    def read_tensors(self, step: int, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+        path = self._step_dir(step) / f"rank{rank:05d}.pt"
+        tensors: dict[str, dict[str, torch.Tensor]] = torch.load(path, weights_only=True, mmap=True)
+        return tensors
+
+    def read_state(self, step: int, rank: int) -> dict[str, Any]:
+        state: dict[str, Any] = json.loads((self._step_dir(step) / f"rank{rank:05d}.json").read_text())["state"]
+        return state
+
+    def prune(self, keep: int = 2) -> None:
+        """Delete all but the newest ``keep`` steps."""
+        folders = sorted(self.path.glob("step-*"))
+        for folder in folders[: max(0, len(folders) - keep)]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def drop_after(self, step: int) -> None:
+        """Delete the steps after ``step`` (a resume from ``step`` abandons them; they may be of another layout)."""
+        for folder in self.path.glob("step-*"):
+            if int(folder.name.split("-")[1]) > step:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,244 @@
+"""In-memory snapshots: committed whole or ignored, bounded, and a worker restart resumes from them.
+
+The torchrun test kills a worker with no durable checkpoint since the start: torchrun restarts the node's
+workers, which resume from the snapshot in host memory and end equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_spot.checkpoint.recall import Recall, Source
+from lightning_spot.checkpoint.snapshot import SnapshotError, SnapshotStore, encode_tensors
+from lightning_spot.checkpoint.snapshotter import needs_peer_copy
+from tests.distributed import free_port
+from tests.elastic import Agent, agents_cleanup, port_open, wait_for
+from tests.parity import assert_same_params, merged_state, reference_run
+
+LAYOUT = {"pipeline_stages": 2, "data_parallel": 1}
+STEPS = 16
+CASE: dict[str, Any] = {"model": {"scheduler": True}, "loader": {"batch_size": 16, "n": 80, "shuffle": True}}
+STATE = {"rng": None, "optimizer_values": [{"param_groups.a.lr": 0.1}], "lightning": {"global_step": 0}, "info": {}}
+
+
+def _write(store: SnapshotStore, step: int, rank: int, names: list[str], pp_rank: int = 0) -> None:
+    tensors = {"model": {n: torch.full((3,), float(step)) for n in names}}
+    meta = {"names": {"model": names}, "layout": LAYOUT, "pp_rank": pp_rank}
+    store.write(step, rank, encode_tensors(tensors), meta, {**STATE, "info": {"step": step}})
+
+
+def test_a_share_exists_once_written_whole(tmp_path: Path) -> None:
+    store = SnapshotStore.for_run("s3://bucket/run", str(tmp_path))
+    store.check()
+    for step in (2, 4):
+        for rank in (0, 1):
+            _write(store, step, rank, [f"w{rank}"], pp_rank=rank)
+    (store.path / "step-000000006").mkdir()
+    (store.path / "step-000000006" / "rank00000.pt").write_bytes(b"torn")  # killed before its description
+    shares = store.shares()
+    assert sorted(shares) == [2, 4] and sorted(shares[4]) == [0, 1]
+    assert shares[4][1]["names"] == {"model": ["w1"]} and shares[4][1]["pp_rank"] == 1
+    assert torch.equal(store.read_tensors(4, 1)["model"]["w1"], torch.full((3,), 4.0))
+    assert store.read_state(4, 1)["info"] == {"step": 4}
+    (store.path / "step-000000004" / "rank00001.pt").unlink()  # a share's tensors vanished
+    assert sorted(store.shares()[4]) == [0]
+    assert not list(store.path.glob("step-*/.*.tmp")), "temporary files are renamed into place"
+
+
+def test_snapshots_are_bounded_dropped_after_a_resume_and_cleared(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "run")
+    for step in (1, 2, 3, 4):
+        _write(store, step, 0, ["w"])
+        store.prune(keep=2)
+    assert sorted(store.shares()) == [3, 4]
+    store.drop_after(3)
+    assert sorted(store.shares()) == [3]
+    store.clear()
+    assert not store.path.exists()
+
+
+def _recall(store: SnapshotStore, held: list[dict], needs: list[dict], me: int = 0) -> Recall:
+    recall = Recall(store, [f"node{i}" for i in range(len(held))], held, needs)
+    recall.me = me
+    return recall
+
+
+def _meta(pp_rank: int, names: list[str]) -> dict[str, Any]:
+    return {"names": {"model": names}, "layout": LAYOUT, "pp_rank": pp_rank}
+
+
+def test_recall_finds_the_newest_step_that_covers_every_ranks_needs(tmp_path: Path) -> None:
+    """Old P2xD2 (stage 0: a, b; stage 1: c, d); two new ranks on one node each; a new P2xD1 layout."""
+    stage0, stage1 = _meta(0, ["a", "b"]), _meta(1, ["c", "d"])
+    held = [
+        {8: {0: stage0, 1: stage0}, 6: {0: stage0, 1: stage0}},  # node 0: its own shares of stage 0
+        {8: {}, 6: {2: stage1}},  # node 1: step 8's copy of stage 1 was lost mid-write
+    ]
+    needs = [{"model": ["a", "b"]}, {"model": ["c", "d"]}]
+    recall = _recall(SnapshotStore(tmp_path), held, needs)
+    assert recall.newest_complete()[0] == 6
+    assert "step 8" in recall.newest_complete()[1] and "model/c" in recall.newest_complete()[1]
+    plan, _ = recall.plan(6)
+    assert plan is not None
+    assert plan[0] == [Source(reader=0, old_rank=0, names={"model": ["a", "b"]})], "its own share, read locally"
+    assert plan[1] == [Source(reader=1, old_rank=2, names={"model": ["c", "d"]})]
+    # one rank of a new P1xD2 needs everything: what its node lacks comes from the other node
+    whole = _recall(SnapshotStore(tmp_path), held, [{"model": ["a", "b", "c", "d"]}] * 2)
+    plan, _ = whole.plan(6)
+    assert plan is not None
+    assert plan[0] == [Source(0, 0, {"model": ["a", "b"]}), Source(1, 2, {"model": ["c", "d"]})]
+    assert _recall(SnapshotStore(tmp_path), [{}, {}], needs).newest_complete() == (None, "no snapshot survives")
+
+
+def test_recall_reads_its_own_node_in_one_process(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    _write(store, 4, 0, ["a"], pp_rank=0)
+    _write(store, 4, 1, ["b"], pp_rank=1)
+    recall = Recall.gather(store, {"model": ["a", "b"]})
+    assert recall.newest_complete()[0] == 4
+    got = recall.fetch(4)
+    assert set(got.tensors["model"]) == {"a", "b"} and torch.equal(got.tensors["model"]["b"], torch.full((3,), 4.0))
+    assert got.optimizer_values == [{"param_groups.a.lr": 0.1}] and got.info == {"step": 4}
+    assert got.layout == LAYOUT
+
+
+@pytest.mark.parametrize(
+    ("world", "local_world", "data_parallel", "copy"),
+    [(4, 2, 2, True), (4, 2, 1, True), (4, 4, 2, False), (4, 2, 4, False)],
+)
+def test_a_peer_copy_is_made_only_when_a_stage_lives_on_one_node(
+    world: int, local_world: int, data_parallel: int, copy: bool
+) -> None:
+    """Ranks r // D share a stage; nodes hold consecutive ranks (P2xD2 on 2 nodes: each stage on one node)."""
+    assert needs_peer_copy(world, local_world, lambda r: r // data_parallel) is copy
+
+
+def test_unusable_snapshot_memory_fails_with_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SnapshotError, match="Cannot keep snapshots in .*snapshot_dir"):
+        SnapshotStore(blocker / "snapshots").check()
+    with pytest.raises(SnapshotError, match="MiB free, but the snapshots of this node need about"):
+        SnapshotStore(tmp_path / "ok").check(needed_bytes=2**62)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[str, Any]:
+    return reference_run({**CASE, "trainer": {"max_steps": STEPS}})
+
+
+def test_killed_worker_resumes_from_host_memory(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
+    """No durable checkpoint since the start; one worker is SIGKILLed; the restarted workers read memory."""
+    snapshots = tmp_path / "shm"
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "out": str(tmp_path / "out"),
+                "run": str(tmp_path / "run"),
+                "max_steps": STEPS,
+                "step_seconds": 0.25,
+                "every": 1000,  # durable only at the end
+                "snapshot_every": 2,
+                "snapshot_dir": str(snapshots),
+                "strategy": {"pipeline_stages": 2, "microbatches": 2},
+            }
+        )
+    )
+
+    def committed() -> list[int]:
+        return sorted({int(p.parent.name.split("-")[1]) for p in snapshots.glob("*/step-*/rank*.json")})
+
+    port = free_port()
+    with agents_cleanup([]) as agents:
+        agents.append(
+            Agent("node", port, 2, ["tests/workers/elastic_train.py", str(config)], tmp_path / "a.log", nnodes="1")
+        )
+        wait_for(lambda: any(s >= 8 for s in committed()), 240, "a snapshot at step 8", agents)
+        assert not list((tmp_path / "run").glob("step-*/manifest.json")), "nothing durable yet"
+
+        victim = int((tmp_path / "out" / "pids" / "rank1-attempt0.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: agents[0].proc.poll() is not None, 300, "the restarted job to finish", agents)
+        assert agents[0].proc.returncode == 0, agents[0].output()[-5000:]
+    finals = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt") for r in range(2)]
+    assert all(f["restored_step"] >= 6 for f in finals), [f["restored_step"] for f in finals]
+    assert all(f["restored_tier"] == "memory" for f in finals)
+    assert_same_params(merged_state(finals), uninterrupted)
+    assert not committed(), "snapshots are deleted when training ends"
+    restart = finals[0]["report"]["restarts"][0]
+    assert restart["resumed_from_step"] >= 6 and restart["resumed_from"] == "memory"
+    assert restart["steps_recomputed"] <= 2, "at most the snapshot interval is lost"
+
+
+def _two_nodes_lose_one(tmp_path: Path, *, run: str, gate: Path | None = None) -> list[dict[str, Any]]:
+    """Two agents of 2 workers train P2xD2 with snapshots every 2 steps and nothing durable; node b is
+    SIGKILLed (agent and workers) after step 6. With ``gate``, storage is unreachable from the kill until
+    the survivors have resumed. Returns the survivors' final records."""
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "out": str(tmp_path / "out"),
+                "run": run,
+                "max_steps": STEPS,
+                "step_seconds": 0.5,
+                "every": 1000,  # durable only at the end
+                "snapshot_every": 2,
+                "strategy": {"pipeline_stages": 2, "microbatches": 2},
+            }
+        )
+    )
+    shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b")}
+
+    def snapshot_steps(node: str) -> set[int]:
+        return {int(p.parent.name.split("-")[1]) for p in shm[node].glob("*/step-*/rank*.json")}
+
+    port = free_port()
+    args = ["tests/workers/elastic_train.py", str(config)]
+    env = {"SPOT_TEST_GATE": str(gate)} if gate else {}
+    with agents_cleanup([]) as agents:
+        for name in ("a", "b"):
+            node_env = {**env, "SPOT_TEST_SNAPSHOT_DIR": str(shm[name])}
+            agents.append(Agent(f"node-{name}", port, 2, args, tmp_path / f"{name}.log", env=node_env))
+            if name == "a":
+                wait_for(lambda: port_open(port), 60, "node a to host the rendezvous", agents)
+        wait_for(lambda: any(s >= 6 for s in snapshot_steps("a")), 240, "snapshots of step 6", agents)
+        held = {int(p.stem[4:]) for p in shm["a"].glob("*/step-000000004/rank*.json")}
+        assert held == {0, 1, 2, 3}, f"node a keeps its own shares and node b's copies of step 4, got ranks {held}"
+        if gate:
+            gate.write_text("closed")
+        agents[1].kill_node()  # the whole node: agent and workers, no notice
+        if gate:
+            wait_for(lambda: "in-memory snapshot" in agents[0].output(), 240, "a resume from memory", agents[:1])
+            gate.unlink()
+        wait_for(lambda: agents[0].proc.poll() is not None, 300, "the survivor to finish", agents[:1])
+        assert agents[0].proc.returncode == 0, agents[0].output()[-5000:]
+        assert not snapshot_steps("a"), "snapshots are deleted when training ends"
+    finals = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt") for r in range(2)]
+    assert {f["layout"].split()[0] for f in finals} == {"P2xD1"}, "the survivors train on a smaller layout"
+    assert all(f["restored_tier"] == "memory" for f in finals)
+    assert all(STEPS > f["restored_step"] >= 4 for f in finals), [f["restored_step"] for f in finals]
+    return finals
+
+
+def test_a_lost_node_is_recovered_from_the_survivors_memory(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
+    finals = _two_nodes_lose_one(tmp_path, run=str(tmp_path / "run"))
+    assert_same_params(merged_state(finals), uninterrupted)
+    restart = finals[0]["report"]["restarts"][0]
+    assert restart["resumed_from"] == "memory" and restart["restore_seconds"] is not None
+    assert restart["layout_before"]["world_size"] == 4 and restart["layout_after"]["world_size"] == 2
+    assert restart["steps_recomputed"] <= 2, "at most the snapshot interval is lost"
+
+
+def test_a_lost_node_is_recovered_while_storage_is_unreachable(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
+    finals = _two_nodes_lose_one(tmp_path, run=f"gatedfile://{tmp_path / 'run'}", gate=tmp_path / "gate")
+    assert_same_params(merged_state(finals), uninterrupted)
+    assert list((tmp_path / "run").glob("step-*/manifest.json")), "the end checkpoint is durable once storage is back"
