@@ -10,6 +10,12 @@ that ``SpotCheckpoint`` records (``<run>/events``) and from each worker's start 
 The comparison is a restart from scratch: the same job started fresh (no checkpoint), timed from
 process start to its first step, plus the steps that would have to be redone.
 
+Four ways in, each timed in phases (signal -> restarted workers start; setup: imports, process
+groups, planning, finding the state; the state read; the first step): a preemption notice or a
+SIGKILL of one worker, with the state read from storage (durable checkpoints every 5 steps) or from
+host memory (snapshots every 5 steps as well). A SIGKILL gives no time to save: the restart resumes
+from the newest complete checkpoint or snapshot.
+
 Usage::
 
     python benchmarks/recovery.py                 # d_model 768 x 4 layers (~0.35 GB of state), 2 CPU workers
@@ -81,6 +87,8 @@ def worker(config: dict[str, Any]) -> None:
         keep_last=2,
         heartbeat_seconds=1.0,
         preemption=PreemptionWatcher(cloud=None),
+        snapshot_every_n_train_steps=config.get("snapshot_every"),
+        snapshot_dir=config.get("snapshot_dir"),
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -148,19 +156,20 @@ def _state_mb(config: dict[str, Any]) -> float:
     return 3 * 4 * params / 1e6  # fp32 weights + two AdamW moments
 
 
-def recover(config: dict[str, Any], tmp: Path) -> dict[str, float]:
-    """One preempted-and-resumed run; returns the timeline in seconds after the notice."""
-    log = tmp / "torchrun.log"
+def recover(config: dict[str, Any], tmp: Path, how: str) -> dict[str, float]:
+    """One interrupted-and-resumed run (``how``: "notice" = SIGTERM to one worker, "kill" = SIGKILL);
+    returns the timeline in seconds after the signal and the phases of the restart."""
+    log = tmp / f"torchrun-{how}.log"
     proc = _torchrun(config, log)
     try:
         run = Path(config["run"])
         first_ckpt = run / f"step-{config['every']:09d}" / "manifest.json"
         _wait(proc, first_ckpt.exists, 900, "the first checkpoint", log)
-        progress_target = config["every"] + 2  # preempt a couple of steps after a checkpoint
+        progress_target = config["every"] + 2  # interrupt a couple of steps after a checkpoint
         _wait(proc, lambda: any(e.get("step", 0) >= progress_target for e in _events(run)), 900, "progress", log)
         victim = json.loads((Path(config["out"]) / "starts" / "attempt0-rank1.json").read_text())["pid"]
-        noticed = time.time()
-        os.kill(victim, signal.SIGTERM)
+        signalled = time.time()
+        os.kill(victim, signal.SIGTERM if how == "notice" else signal.SIGKILL)
         proc.wait(timeout=1800)
     finally:
         if proc.poll() is None:
@@ -168,24 +177,35 @@ def recover(config: dict[str, Any], tmp: Path) -> dict[str, float]:
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed; see {log}:\n{log.read_text()[-3000:]}")
     events = _events(run)
-    preempted = next(e for e in events if e["kind"] == "preempted")
     starts = [e for e in events if e["kind"] == "start"]
     first_steps = [e for e in events if e["kind"] == "first_step"]
-    restarts = [s for s in _read_json_files(Path(config["out"]) / "starts") if s["time"] > noticed]
+    restarts = [s for s in _read_json_files(Path(config["out"]) / "starts") if s["time"] > signalled]
     exits = [json.loads(p.read_text())["time"] for p in (Path(config["out"]) / "exits").glob("attempt0-*.json")]
+    preempted = next((e for e in events if e["kind"] == "preempted"), None)
+    last_step = max(e.get("step", 0) for e in events if e["time"] < signalled and e["kind"] != "start")
+    stopped = preempted["step"] if preempted else last_step
+    restarted = min(r["time"] for r in restarts) - signalled
+    resumed = starts[1]["time"] - signalled
+    read = starts[1].get("restore_seconds") or 0.0
+    first = first_steps[1]["time"] - signalled
     return {
-        "stopped_at_step": preempted["step"],
-        "saved": preempted["time"] - noticed,
-        "exited": max(exits) - noticed,
-        "restarted": min(r["time"] for r in restarts) - noticed,
-        "resumed": starts[1]["time"] - noticed,
-        "first_resumed_step": first_steps[1]["time"] - noticed,
-        "steps_recomputed": max(0, preempted["step"] - (starts[1].get("resumed_step") or 0)),
+        "stopped_at_step": stopped,
+        "saved": preempted["time"] - signalled if preempted else float("nan"),
+        "exited": max(exits) - signalled if exits else float("nan"),  # SIGKILLed workers run no atexit
+        "restarted": restarted,
+        "resumed": resumed,
+        "first_resumed_step": first,
+        "steps_recomputed": max(0, stopped - (starts[1].get("resumed_step") or 0)),
+        "tier": starts[1].get("resumed_from") or "?",
+        "phase_stop": restarted,  # signal -> the restarted workers start (stop, exit, torchrun's restart)
+        "phase_setup": resumed - read - restarted,  # imports, process groups, planning, finding the state
+        "phase_read": read,
+        "phase_first_step": first - resumed,
     }
 
 
 def from_scratch(config: dict[str, Any], tmp: Path) -> dict[str, float]:
-    """Process start -> first step of a fresh job (no checkpoint to load)."""
+    """Process start -> first step of a fresh job (no checkpoint to load), in the same phases."""
     log = tmp / "scratch.log"
     fresh = {**config, "run": str(tmp / "scratch-run"), "out": str(tmp / "scratch-out"), "steps": 1}
     proc = _torchrun(fresh, log)
@@ -193,8 +213,24 @@ def from_scratch(config: dict[str, Any], tmp: Path) -> dict[str, float]:
     proc.wait(timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed; see {log}:\n{log.read_text()[-3000:]}")
-    first = next(e for e in _events(Path(fresh["run"])) if e["kind"] == "first_step")
-    return {"first_step": first["time"] - launched}
+    events = _events(Path(fresh["run"]))
+    started = min(r["time"] for r in _read_json_files(Path(fresh["out"]) / "starts"))
+    start = next(e for e in events if e["kind"] == "start")["time"]
+    first = next(e for e in events if e["kind"] == "first_step")["time"]
+    return {
+        "first_step": first - launched,
+        "phase_launch": started - launched,
+        "phase_setup": start - started,
+        "phase_first_step": first - start,
+    }
+
+
+MODES = {  # name: (signal, tier)
+    "notice, storage": ("notice", "storage"),
+    "notice, memory": ("notice", "memory"),
+    "SIGKILL, storage": ("kill", "storage"),
+    "SIGKILL, memory": ("kill", "memory"),
+}
 
 
 def main() -> None:
@@ -220,29 +256,50 @@ def main() -> None:
         f"model: TinyGPT d_model={base['d_model']} x {base['n_layer']} layers, ~{_state_mb(base):.0f} MB of weights + "
         f"AdamW state; torchrun, 2 CPU workers, P2xD1, SpotCheckpoint every {base['every']} steps to local disk"
     )
-    runs, scratch = [], []
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    scratch = []
     for _ in range(args.repeats):
+        for mode, (how, tier) in MODES.items():
+            with tempfile.TemporaryDirectory() as tmp_dir:
+                tmp = Path(tmp_dir)
+                config = {**base, "run": str(tmp / "run"), "out": str(tmp / "out")}
+                if tier == "memory":
+                    config.update(snapshot_every=base["every"], snapshot_dir=str(tmp / "shm"))
+                runs[mode].append(recover(config, tmp, how))
+                print(f"  {mode}: first resumed step {runs[mode][-1]['first_resumed_step']:.2f}s", flush=True)
         with tempfile.TemporaryDirectory() as tmp_dir:
-            tmp = Path(tmp_dir)
-            config = {**base, "run": str(tmp / "run"), "out": str(tmp / "out")}
-            runs.append(recover(config, tmp))
-            scratch.append(from_scratch(config, tmp))
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    first = statistics.median(s["first_step"] for s in scratch)
-    print("\nseconds after the notice (SIGTERM to one worker):")
+            scratch.append(from_scratch({**base, "run": "", "out": ""}, Path(tmp_dir)))
+    fresh = {k: statistics.median(s[k] for s in scratch) for k in scratch[0]}
+    med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "tier"} for mode, rs in runs.items()}
+    print("\nseconds after the signal (to one worker), medians:")
+    print(f"  {'':<36}" + "".join(f"{mode:>18}" for mode in MODES))
     for key, label in [
-        ("saved", "checkpoint committed"),
-        ("exited", "every rank exited (code 75)"),
+        ("saved", "checkpoint committed (notice)"),
+        ("exited", "every rank exited"),
         ("restarted", "restarted workers started"),
         ("resumed", "state restored, training restarts"),
         ("first_resumed_step", "first resumed step done"),
+        ("steps_recomputed", "steps recomputed"),
     ]:
-        print(f"  {label:<36} {med[key]:8.2f}")
-    print(f"  steps recomputed                      {med['steps_recomputed']:8.0f}")
+        print(f"  {label:<36}" + "".join(f"{med[mode][key]:18.2f}" for mode in MODES))
+    print("  tier used                           " + "".join(f"{runs[m][0]['tier']:>18}" for m in MODES))
+    print("\nphases of the restart (s):")
+    print(f"  {'':<36}" + "".join(f"{mode:>18}" for mode in MODES) + f"{'fresh start':>18}")
+    for key, label, fresh_key in [
+        ("phase_stop", "stop + restart (signal -> start)", "phase_launch"),
+        ("phase_setup", "setup (imports, groups, plan)", "phase_setup"),
+        ("phase_read", "state read", None),
+        ("phase_first_step", "first step", "phase_first_step"),
+    ]:
+        row = "".join(f"{med[mode][key]:18.2f}" for mode in MODES)
+        print(f"  {label:<36}{row}{fresh[fresh_key] if fresh_key else 0.0:18.2f}")
+    memory_read = med["SIGKILL, memory"]["phase_read"]
+    budget = fresh["first_step"] + memory_read
     print(
-        f"\nrestart from scratch: {first:.2f}s from launch to the first step, then all {med['stopped_at_step']:.0f} "
-        f"steps again; with SpotCheckpoint: {med['first_resumed_step']:.2f}s from the notice to a resumed step, "
-        f"{med['steps_recomputed']:.0f} steps recomputed"
+        f"\nfresh start: {fresh['first_step']:.2f}s from launch to the first step. Goal: a restart costs no more "
+        f"than that plus the state read at memory speed ({memory_read:.2f}s) = {budget:.2f}s; SIGKILL -> first "
+        f"resumed step from memory: {med['SIGKILL, memory']['first_resumed_step']:.2f}s, from storage: "
+        f"{med['SIGKILL, storage']['first_resumed_step']:.2f}s"
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"config": base, "recoveries": runs, "from_scratch": scratch}, indent=1))

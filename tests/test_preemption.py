@@ -61,6 +61,7 @@ def uninterrupted() -> dict[str, Any]:
     return reference_run({**CASE, "trainer": {"max_steps": STEPS}})
 
 
+@pytest.mark.slow
 def test_node_leaves_after_sigterm_and_the_survivor_finishes(tmp_path: Path, uninterrupted: dict) -> None:
     config = _config(tmp_path)
     port = free_port()
@@ -86,6 +87,7 @@ def test_node_leaves_after_sigterm_and_the_survivor_finishes(tmp_path: Path, uni
     assert "preemption notice on rank" in (agents[0].output() + out_b)
 
 
+@pytest.mark.slow
 def test_node_joins_and_the_job_grows(tmp_path: Path) -> None:
     steps = 40  # long enough that the second node joins while the first is still training
     config = _config(tmp_path, max_steps=steps)
@@ -213,6 +215,7 @@ def test_notice_during_a_background_save_finishes_that_save_first(tmp_path: Path
     assert manifest["reason"] == "preempted: SIGTERM"
 
 
+@pytest.mark.slow
 def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
     tmp_path: Path, uninterrupted: dict
 ) -> None:
@@ -273,6 +276,7 @@ def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureF
         main(["run", "--dry-run", "--nnodes", "2", "train.py"])
 
 
+@pytest.mark.slow
 def test_run_wrapper_trains_a_job(tmp_path: Path, uninterrupted: dict) -> None:
     config = _config(tmp_path, step_seconds=0.0)
     exe = str(Path(sys.executable).parent / "lightning-spot")

@@ -134,6 +134,7 @@ def uninterrupted() -> dict[str, Any]:
     return reference_run({**CASE, "trainer": {"max_steps": STEPS}})
 
 
+@pytest.mark.slow
 def test_killed_worker_resumes_from_host_memory(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
     """No durable checkpoint since the start; one worker is SIGKILLed; the restarted workers read memory."""
     snapshots = tmp_path / "shm"
@@ -229,6 +230,7 @@ def _two_nodes_lose_one(tmp_path: Path, *, run: str, gate: Path | None = None) -
     return finals
 
 
+@pytest.mark.slow
 def test_a_lost_node_is_recovered_from_the_survivors_memory(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
     finals = _two_nodes_lose_one(tmp_path, run=str(tmp_path / "run"))
     assert_same_params(merged_state(finals), uninterrupted)
@@ -238,7 +240,29 @@ def test_a_lost_node_is_recovered_from_the_survivors_memory(tmp_path: Path, unin
     assert restart["steps_recomputed"] <= 2, "at most the snapshot interval is lost"
 
 
+@pytest.mark.slow
 def test_a_lost_node_is_recovered_while_storage_is_unreachable(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
     finals = _two_nodes_lose_one(tmp_path, run=f"gatedfile://{tmp_path / 'run'}", gate=tmp_path / "gate")
     assert_same_params(merged_state(finals), uninterrupted)
     assert list((tmp_path / "run").glob("step-*/manifest.json")), "the end checkpoint is durable once storage is back"
+
+
+def test_too_little_memory_turns_snapshots_off_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tmpfs too small for the node's snapshots: a warning with the figures, no snapshot, training goes on."""
+    import shutil
+
+    from lightning_spot.checkpoint import snapshotter
+
+    store = SnapshotStore(tmp_path / "shm")
+    store.check()
+    taker = snapshotter.Snapshotter(store, None, rank=0, world=1, local_world=1, stage_of=lambda r: 0)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(snapshotter.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    checkpoint = {"state_dict": {"w": torch.ones(1000)}, "optimizer_states": [], "global_step": 2}
+    with caplog.at_level("WARNING"):
+        assert taker.take(checkpoint, {"step": 2, "layout": LAYOUT}) == 0.0
+    assert not taker.enabled and store.shares() == {}
+    assert "snapshots off" in caplog.text and "MiB free" in caplog.text and "shm-size" in caplog.text
+    assert taker.take(checkpoint, {"step": 4, "layout": LAYOUT}) == 0.0, "and stay off"

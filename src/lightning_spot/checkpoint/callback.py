@@ -321,8 +321,13 @@ class SpotCheckpoint(L.Callback):
         waited = time.monotonic() - start
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         background = self.async_save and not blocking and self._group is not None
-        share = split_checkpoint(checkpoint, copy=background, with_lightning=trainer.is_global_zero)
+        with_snapshot = self.snapshots is not None and reason != "end"
+        share = split_checkpoint(
+            checkpoint, copy=background or with_snapshot, with_lightning=trainer.is_global_zero or with_snapshot
+        )
         info = _host(trainer).checkpoint_info(checkpoint)
+        if with_snapshot:  # the same copy is the step's snapshot: memory stays at least as new as storage
+            self._snapshotter(trainer).take(share, dict(info))
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
         info["reason"] = reason
@@ -341,6 +346,8 @@ class SpotCheckpoint(L.Callback):
             self._thread.start()
         else:
             self._write(rel, share, info, timeline)
+            if with_snapshot:
+                self._snapshotter(trainer).wait()  # e.g. before a coordinated stop exits the process
 
     def _write(self, rel: str, share: Any, info: dict[str, Any], timeline: Optional[Timeline] = None) -> None:
         assert self.storage is not None
@@ -392,6 +399,14 @@ class SpotCheckpoint(L.Callback):
     # -------------------------------------------------------------- snapshots
     def snapshot(self, trainer: L.Trainer) -> None:
         """Keep this rank's state of this step in host memory (written in the background; not collective)."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        stall = self._snapshotter(trainer).take(checkpoint, _host(trainer).checkpoint_info(checkpoint))
+        timeline = _timeline(trainer)
+        if timeline is not None and stall:
+            now = time.perf_counter()
+            timeline.add("snapshot copy", "checkpoint", now - stall, now, step=trainer.global_step)
+
+    def _snapshotter(self, trainer: L.Trainer) -> Snapshotter:
         if self.snapshotter is None:
             store = self.snapshots
             assert store is not None
@@ -403,12 +418,7 @@ class SpotCheckpoint(L.Callback):
                 local_world=trainer.num_devices,
                 stage_of=_host(trainer).pipeline_layout.grid.pp_rank,
             )
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        stall = self.snapshotter.take(checkpoint, _host(trainer).checkpoint_info(checkpoint))
-        timeline = _timeline(trainer)
-        if timeline is not None and stall:
-            now = time.perf_counter()
-            timeline.add("snapshot copy", "checkpoint", now - stall, now, step=trainer.global_step)
+        return self.snapshotter
 
     def _clear_snapshots(self, trainer: L.Trainer) -> None:
         """Training is over: free the host memory (each node's first rank, once every rank is done)."""

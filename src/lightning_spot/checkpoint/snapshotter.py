@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_spot._dist import all_gather_object, exchange_bytes
-from lightning_spot.checkpoint.payload import split_checkpoint
+from lightning_spot.checkpoint.payload import Payload, split_checkpoint
 from lightning_spot.checkpoint.snapshot import SnapshotStore, encode_tensors
 
 log = logging.getLogger(__name__)
@@ -67,13 +67,17 @@ class Snapshotter:
         self._thread: threading.Thread | None = None
         self._warned = False
 
-    def take(self, checkpoint: dict[str, Any], info: dict[str, Any]) -> float:
-        """Copy this rank's state of the step; write it (and the peer copy) in the background. Returns the stall."""
+    def take(self, checkpoint: dict[str, Any] | Payload, info: dict[str, Any]) -> float:
+        """Copy this rank's state of the step (unless given a copied ``Payload``, which a durable checkpoint of
+        the same step shares); write it (and the peer copy) in the background. Returns the stall."""
         if not self.enabled:
             return 0.0
         start = time.monotonic()
         self.wait()
-        share = split_checkpoint(checkpoint, copy=True, with_lightning=True)
+        if isinstance(checkpoint, Payload):
+            share = checkpoint
+        else:
+            share = split_checkpoint(checkpoint, copy=True, with_lightning=True)
         if not self.taken:
             self._check_room(share.nbytes)
         if not self.enabled:

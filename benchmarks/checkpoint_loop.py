@@ -1,0 +1,169 @@
+"""End-to-end cost of checkpoints and in-memory snapshots on the training loop, in the users' environment.
+
+The case of issue 13: an MLP of 8 x (Linear 512->512 + GELU) (~2.1 M parameters, ~25 MB with Adam
+state) trained with ``SpotPipelineStrategy(pipeline_stages=2)`` on 2 CPU processes (P2xD1, 1F1B,
+4 micro-batches, global batch 64), nothing setting ``OMP_NUM_THREADS``. Variants, run in turn and
+repeated in alternating order (medians shown):
+
+* ``none``: no ``SpotCheckpoint`` at all;
+* ``durable/20``: ``SpotCheckpoint(every_n_train_steps=20)`` to a local directory (the default async save);
+* ``snapshot/N``: ``SpotCheckpoint(every_n_train_steps=10**6, snapshot_every_n_train_steps=N)`` (memory
+  only, apart from the checkpoint at the end);
+* ``both``: snapshots every 5 steps and durable checkpoints every 20.
+
+The figure is rank 0's wall time from the start of the first step to the end of the last step
+(everything the loop does, background work competing for the CPU included), over ``none``'s; goal for
+``durable/20``: within 2%. The time to commit the last checkpoint after training is shown apart.
+
+Usage::
+
+    python benchmarks/checkpoint_loop.py                  # 200 steps, 3 repeats
+    python benchmarks/checkpoint_loop.py --quick          # 40 steps, 1 repeat
+    python benchmarks/checkpoint_loop.py --variants none,durable/20 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.pipeline_throughput import make_mlp, run_ranks, synthetic_dataset  # noqa: E402
+
+JOB_ENV = "SPOT_CKPT_LOOP_JOB"
+GOAL = 0.02
+
+
+def run(job: dict[str, Any]) -> None:
+    """One rank of one variant; rank 0 writes its loop times."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
+
+    class LoopTimer(L.Callback):
+        start = last = end = 0.0
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            if not self.start:
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.last = time.perf_counter()
+
+        def on_train_end(self, *args: Any) -> None:
+            self.end = time.perf_counter()
+
+    callbacks: list[L.Callback] = []
+    variant = job["variant"]
+    spot = None
+    if variant != "none":
+        durable = {"durable/20": 20, "both": 20}.get(variant, 10**6)
+        snapshot = {"both": 5}.get(variant, int(variant.split("/")[1]) if variant.startswith("snapshot/") else 0)
+        spot = SpotCheckpoint(
+            dirpath=job["root"] + "/ckpt",
+            every_n_train_steps=durable,
+            snapshot_every_n_train_steps=snapshot or None,
+            snapshot_dir=job["root"] + "/shm" if job.get("shm_in_root") else None,
+            preemption=False,
+        )
+        callbacks.append(spot)
+    timer = LoopTimer()
+    callbacks.append(timer)  # after SpotCheckpoint: a step's time includes its save's stall
+    L.seed_everything(0, verbose=False)
+    loader = DataLoader(synthetic_dataset(job), batch_size=job["batch_size"], shuffle=False, drop_last=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SpotPipelineStrategy(pipeline_stages=2, microbatches=4, schedule="1F1B"),
+        max_steps=job["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=job["root"],
+        callbacks=callbacks,
+    )
+    trainer.fit(make_mlp(job), train_dataloaders=loader)
+    if trainer.is_global_zero:
+        out = {"loop_seconds": timer.last - timer.start, "after_seconds": timer.end - timer.last}
+        if spot is not None and spot.snapshotter is not None:
+            taken = spot.snapshotter.taken
+            out["snapshot_stall"] = statistics.mean(t["stall_seconds"] for t in taken)
+            out["snapshot_write"] = statistics.mean(t.get("write_seconds", 0.0) for t in taken)
+        if spot is not None and spot.saves:
+            out["save_stall"] = statistics.mean(s["stall_seconds"] for s in spot.saves)
+            out["save_write"] = statistics.mean(s.get("write_seconds", 0.0) for s in spot.saves)
+        Path(job["result"]).write_text(json.dumps(out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="none,durable/20,snapshot/5,snapshot/20,both")
+    parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
+    parser.add_argument("--json", help="write every run's figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 40, 1
+    variants = args.variants.split(",")
+    print(
+        f"checkpoint_loop: MLP 8 x 512, Adam, P2xD1 1F1B M=4, global batch 64, {args.steps} steps, "
+        f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'not set')}",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="spot-ckpt-loop-") as tmp:
+        for rep in range(args.repeats):
+            for variant in variants if rep % 2 == 0 else list(reversed(variants)):
+                tag = f"{variant.replace('/', '-')}-{rep}"
+                job = {
+                    "variant": variant,
+                    "model": "mlp",
+                    "n_layer": 8,
+                    "batch_size": 64,
+                    "steps": args.steps,
+                    "warmup": 0,
+                    "seed": 0,
+                    "root": f"{tmp}/{tag}",
+                    "result": f"{tmp}/{tag}.json",
+                }
+                run_ranks(2, {JOB_ENV: json.dumps(job)}, Path(tmp) / "logs" / tag, 600)
+                row = {"variant": variant, "repeat": rep, **json.loads(Path(job["result"]).read_text())}
+                rows.append(row)
+                print(f"  {variant:<12} run {rep + 1}: loop {row['loop_seconds']:.2f}s", flush=True)
+    base = statistics.median(r["loop_seconds"] for r in rows if r["variant"] == "none")
+    print(
+        f"\n{'variant':<12} {'loop s':>8} {'vs none':>8} {'stall ms':>9} {'bg ms':>7}  (medians; bg = background work per save)"
+    )
+    for variant in variants:
+        runs = [r for r in rows if r["variant"] == variant]
+        loop = statistics.median(r["loop_seconds"] for r in runs)
+        stall = [r.get("save_stall", r.get("snapshot_stall")) for r in runs]
+        write = [r.get("save_write", r.get("snapshot_write")) for r in runs]
+        extra = ""
+        if stall[0] is not None:
+            extra = f" {1000 * statistics.median(stall):9.1f} {1000 * statistics.median(write):7.1f}"
+        goal = f"  (goal {100 * GOAL:.0f}%)" if variant == "durable/20" else ""
+        print(f"{variant:<12} {loop:8.2f} {100 * (loop / base - 1):+7.1f}%{extra}{goal}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if JOB_ENV in os.environ:
+        run(json.loads(os.environ[JOB_ENV]))
+    else:
+        sys.exit(main())
