@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized
+from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.journal import Journal, read_events, summarize
 from lightning_spot.checkpoint.payload import split_checkpoint
@@ -340,10 +341,7 @@ class SpotCheckpoint(L.Callback):
             now = time.perf_counter()
             timeline.add("checkpoint copy", "checkpoint", now - stall, now, step=info["step"], reason=reason)
         if background:
-            self._thread = threading.Thread(
-                target=self._write_in_background, args=(rel, share, info, timeline), daemon=True
-            )
-            self._thread.start()
+            self._thread = start_background(self._write_in_background, rel, share, info, timeline)
         else:
             self._write(rel, share, info, timeline)
             if with_snapshot:

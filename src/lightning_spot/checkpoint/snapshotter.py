@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_spot._dist import all_gather_object, exchange_bytes
+from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.payload import Payload, split_checkpoint
 from lightning_spot.checkpoint.snapshot import SnapshotStore, encode_tensors
 
@@ -91,10 +92,7 @@ class Snapshotter:
         state["info"] = info
         record: dict[str, Any] = {"step": info["step"], "bytes": share.nbytes}
         self.taken.append(record)
-        self._thread = threading.Thread(
-            target=self._write, args=(info["step"], share.tensors, meta, state, record), daemon=True
-        )
-        self._thread.start()
+        self._thread = start_background(self._write, info["step"], share.tensors, meta, state, record)
         record["stall_seconds"] = time.monotonic() - start
         return record["stall_seconds"]
 
