@@ -143,20 +143,22 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"variant": variant, "repeat": rep, **json.loads(Path(job["result"]).read_text())}
                 rows.append(row)
                 print(f"  {variant:<12} run {rep + 1}: loop {row['loop_seconds']:.2f}s", flush=True)
-    base = statistics.median(r["loop_seconds"] for r in rows if r["variant"] == "none")
+    base = {r["repeat"]: r["loop_seconds"] for r in rows if r["variant"] == "none"}
     print(
-        f"\n{'variant':<12} {'loop s':>8} {'vs none':>8} {'stall ms':>9} {'bg ms':>7}  (medians; bg = background work per save)"
+        f"\n{'variant':<12} {'loop s':>8} {'vs none':>8} {'stall ms':>9} {'bg ms':>7}  (medians; 'vs none': median of "
+        f"the ratios to the run without checkpoints of the same repeat; bg = background work per save)"
     )
     for variant in variants:
         runs = [r for r in rows if r["variant"] == variant]
         loop = statistics.median(r["loop_seconds"] for r in runs)
+        ratio = statistics.median(r["loop_seconds"] / base[r["repeat"]] for r in runs) if base else float("nan")
         stall = [r.get("save_stall", r.get("snapshot_stall")) for r in runs]
         write = [r.get("save_write", r.get("snapshot_write")) for r in runs]
         extra = ""
         if stall[0] is not None:
             extra = f" {1000 * statistics.median(stall):9.1f} {1000 * statistics.median(write):7.1f}"
         goal = f"  (goal {100 * GOAL:.0f}%)" if variant == "durable/20" else ""
-        print(f"{variant:<12} {loop:8.2f} {100 * (loop / base - 1):+7.1f}%{extra}{goal}")
+        print(f"{variant:<12} {loop:8.2f} {100 * (ratio - 1):+7.1f}%{extra}{goal}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
