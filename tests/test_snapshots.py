@@ -266,3 +266,41 @@ def test_too_little_memory_turns_snapshots_off_with_a_warning(
     assert not taker.enabled and store.shares() == {}
     assert "snapshots off" in caplog.text and "MiB free" in caplog.text and "shm-size" in caplog.text
     assert taker.take(checkpoint, {"step": 4, "layout": LAYOUT}) == 0.0, "and stay off"
+
+
+@pytest.mark.slow
+def test_a_joining_node_receives_its_state_from_the_other_nodes_memory(tmp_path: Path) -> None:
+    """One node trains P2xD1; a second joins; the new P2xD2 ranks on the new node hold nothing in memory
+    and receive their stage's tensors point to point from the first node's snapshots."""
+    steps = 40
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "out": str(tmp_path / "out"),
+                "run": str(tmp_path / "run"),
+                "max_steps": steps,
+                "step_seconds": 0.25,
+                "every": 1000,
+                "snapshot_every": 2,
+                "strategy": {"pipeline_stages": 2, "microbatches": 2},
+            }
+        )
+    )
+    shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b")}
+    port = free_port()
+    args = ["tests/workers/elastic_train.py", str(config)]
+    with agents_cleanup([]) as agents:
+        for name in ("a", "b"):
+            env = {"SPOT_TEST_SNAPSHOT_DIR": str(shm[name])}
+            agents.append(Agent(f"node-{name}", port, 2, args, tmp_path / f"{name}.log", env=env))
+            if name == "a":
+                wait_for(lambda: any(shm["a"].glob("*/step-000000004/rank*.json")), 240, "a snapshot", agents)
+        wait_for(lambda: all(a.proc.poll() is not None for a in agents), 300, "both nodes to finish", agents)
+        for agent in agents:
+            assert agent.proc.returncode == 0, agent.output()[-5000:]
+    finals = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt") for r in range(4)]
+    assert {f["layout"].split()[0] for f in finals} == {"P2xD2"}
+    assert all(f["restored_tier"] == "memory" for f in finals), [f["restored_tier"] for f in finals]
+    assert all(4 <= f["restored_step"] < steps for f in finals), "the group grew in the middle of training"
+    assert_same_params(merged_state(finals), reference_run({**CASE, "trainer": {"max_steps": steps}}))
