@@ -28,7 +28,16 @@ def _history(root: Path) -> None:
         {"kind": "checkpoint", "time": t + 16, "step": 20, "stall_seconds": 0.05, "write_seconds": 1.0, "bytes": 10},
         {"kind": "preempted", "time": t + 20, "step": 30, "source": "SIGTERM", "save_seconds": 0.4, "rank": 1},
         {"kind": "checkpoint", "time": t + 20.2, "step": 30, "stall_seconds": 0.1, "write_seconds": 0.3, "bytes": 10},
-        {"kind": "start", "time": t + 40, "step": 30, "resumed_step": 30, "layout": P2D1, "restart_count": 1},
+        {
+            "kind": "start",
+            "time": t + 40,
+            "step": 30,
+            "resumed_step": 30,
+            "resumed_from": "memory",
+            "restore_seconds": 0.25,
+            "layout": P2D1,
+            "restart_count": 1,
+        },
         {"kind": "first_step", "time": t + 44, "step": 31, "global_batch": 32},
         {"kind": "progress", "time": t + 54, "step": 46, "global_batch": 32},
         {"kind": "checkpoint", "time": t + 58, "step": 50, "stall_seconds": 0.05, "write_seconds": 0.5, "bytes": 10},
@@ -46,6 +55,7 @@ def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
     assert report["preemptions_survived"] == 1 and report["steps_recomputed"] == 0
     assert report["time_lost_seconds"] == pytest.approx(23.8)  # last sign of life +20.2 (the commit), next step +44
     assert report["checkpoint_stall_seconds"] == pytest.approx(0.2)
+    assert report["restarts"][0]["resumed_from"] == "memory" and report["restarts"][0]["restore_seconds"] == 0.25
     first, second = report["attempts"]
     assert first["samples_per_second"] == pytest.approx((30 - 1) / 15 * 32)  # first step -> the preemption
     assert second["samples_per_second"] == pytest.approx((50 - 31) / 14 * 32)
@@ -55,6 +65,7 @@ def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
         "preemptions survived 1",
         "time lost to restarts 23.8s",
         "P2xD2 1F1B M=4 -> P2xD1 1F1B M=4",
+        "resumed from 30 (from memory, read in 0.2s)",
         "throughput per layout",
         "stalled 0.20s",
     ):

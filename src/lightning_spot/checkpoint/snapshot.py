@@ -102,17 +102,32 @@ class SnapshotStore:
             f.write(data)
         tmp.rename(target)
 
-    def write(self, step: int, rank: int, tensors: bytes, meta: dict[str, Any], state: dict[str, Any]) -> int:
-        """Write the share of ``rank`` at ``step`` (``tensors`` from :func:`encode_tensors`); returns its bytes.
+    def write(
+        self,
+        step: int,
+        rank: int,
+        tensors: bytes | dict[str, dict[str, torch.Tensor]],
+        meta: dict[str, Any],
+        state: dict[str, Any],
+    ) -> int:
+        """Write the share of ``rank`` at ``step`` (``tensors``: the tensors, or their bytes from
+        :func:`encode_tensors`); returns its bytes.
 
         ``meta`` says what the share holds (``names``, ``layout``, ``pp_rank``); ``state`` is the JSON-ready rest.
         """
         folder = self._step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
-        self._write_whole(folder / f"rank{rank:05d}.pt", tensors)
-        sidecar = json.dumps({"meta": {**meta, "step": step, "rank": rank, "bytes": len(tensors)}, "state": state})
+        target = folder / f"rank{rank:05d}.pt"
+        if isinstance(tensors, bytes):
+            self._write_whole(target, tensors)
+        else:  # serialised straight into the file: no copy of the bytes in between
+            tmp = folder / f".{target.name}.{uuid.uuid4().hex}.tmp"
+            torch.save(tensors, tmp)
+            tmp.rename(target)
+        size = target.stat().st_size
+        sidecar = json.dumps({"meta": {**meta, "step": step, "rank": rank, "bytes": size}, "state": state})
         self._write_whole(folder / f"rank{rank:05d}.json", sidecar.encode())
-        return len(tensors) + len(sidecar)
+        return size + len(sidecar)
 
     def shares(self) -> dict[int, dict[int, dict[str, Any]]]:
         """``{step: {rank: meta}}`` of every whole share on this node."""

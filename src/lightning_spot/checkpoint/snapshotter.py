@@ -120,9 +120,9 @@ class Snapshotter:
         self, step: int, tensors: Any, meta: dict[str, Any], state: dict[str, Any], record: dict[str, Any]
     ) -> None:
         started = time.monotonic()
-        data = encode_tensors(tensors)
-        self._store(step, self.rank, data, meta, state)
-        if self.peer_copy:
+        data = encode_tensors(tensors) if self.peer_copy else None
+        self._store(step, self.rank, data if data is not None else tensors, meta, state)
+        if data is not None:
             header = json.dumps({"meta": meta, "state": state}).encode()
             got_header, got_data = exchange_bytes(
                 [(self.next_peer, 0, header), (self.next_peer, 1, data)],
@@ -135,7 +135,7 @@ class Snapshotter:
             self.store.prune(KEEP)
         record["write_seconds"] = time.monotonic() - started
 
-    def _store(self, step: int, rank: int, data: bytes, meta: dict[str, Any], state: dict[str, Any]) -> None:
+    def _store(self, step: int, rank: int, data: Any, meta: dict[str, Any], state: dict[str, Any]) -> None:
         """Write one share; a full or failing tmpfs costs this snapshot (with a warning), not the training."""
         try:
             self.store.write(step, rank, data, meta, state)
