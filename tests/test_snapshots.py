@@ -304,3 +304,52 @@ def test_a_joining_node_receives_its_state_from_the_other_nodes_memory(tmp_path:
     assert all(f["restored_tier"] == "memory" for f in finals), [f["restored_tier"] for f in finals]
     assert all(4 <= f["restored_step"] < steps for f in finals), "the group grew in the middle of training"
     assert_same_params(merged_state(finals), reference_run({**CASE, "trainer": {"max_steps": steps}}))
+
+
+def test_time_based_snapshots_are_agreed_by_all_ranks(tmp_path: Path) -> None:
+    """snapshot_every_n_seconds: clocks differ between ranks, so they agree on the steps (one all-reduce)."""
+    from tests.distributed import launch
+
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "out": str(tmp_path / "out"),
+                "run": str(tmp_path / "run"),
+                "max_steps": 12,
+                "step_seconds": 0.25,
+                "every": None,
+                "snapshot_every_seconds": 0.6,
+                "snapshot_dir": str(tmp_path / "shm"),
+                "strategy": {"pipeline_stages": 2, "microbatches": 2},
+            }
+        )
+    )
+    launch(2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp_path / "logs", timeout=240)
+    steps = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt")["snapshot_steps"] for r in range(2)]
+    assert steps[0] == steps[1], steps
+    assert 3 <= len(steps[0]) <= 8, steps  # about one every 0.6 s of a ~4 s run
+
+
+def test_a_durable_checkpoint_from_a_snapshot_is_its_files_checked_when_read(tmp_path: Path) -> None:
+    """write_checkpoint(snapshot=...) uploads the share's files as they are; a damaged one is refused by
+    its CRC32 and the previous checkpoint is used."""
+    from lightning_spot import load_full_state_dict
+    from lightning_spot.checkpoint.payload import Payload
+    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.checkpoint.write import write_checkpoint
+
+    store = SnapshotStore(tmp_path / "shm")
+    storage = Storage(str(tmp_path / "run"))
+    for step in (2, 4):
+        _write(store, step, 0, ["a", "b"])
+        payload = Payload(tensors={}, optimizer_values=[{}], rng=None, lightning={"global_step": step})
+        manifest = write_checkpoint(storage, f"step-{step:09d}", payload, info={"step": step}, snapshot=(store, step))
+        assert manifest is not None and manifest["kind"] == "shares"
+        assert manifest["shares"] == {"0": {"names": {"model": ["a", "b"]}, "pp_rank": 0}}
+    assert torch.equal(load_full_state_dict(str(tmp_path / "run"))["b"], torch.full((3,), 4.0))
+    damaged = tmp_path / "run" / "step-000000004" / "rank00000.pt"
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert torch.equal(load_full_state_dict(str(tmp_path / "run"))["b"], torch.full((3,), 2.0)), "step 2 is used"

@@ -27,7 +27,10 @@ MORPHS: dict[str, tuple[tuple[int, dict], tuple[int, dict], str, str]] = {
     "P2D2-to-P1D1": ((4, P2D2), (1, {"pipeline_stages": 1, "microbatches": 2}), "local", "auto"),
     "P2D1-to-P2D2-ckpt_path": ((2, {"pipeline_stages": 2, "microbatches": 4}), (4, P2D2), "local", "ckpt_path"),
     "P2D2-to-P3D1-s3": ((4, P2D2), (3, {"pipeline_stages": 3, "microbatches": 4}), "s3", "auto"),
+    # with snapshots: durable checkpoints are the snapshots' files uploaded as they are (kind "shares")
+    "P2D2-to-P1D1-snapshots-s3": ((4, P2D2), (1, {"pipeline_stages": 1, "microbatches": 2}), "s3", "auto"),
 }
+SNAPSHOTS = {"P2D2-to-P1D1-snapshots-s3"}
 
 
 def _phase(name: str, strategy: dict, max_steps: int, spot: dict, **extra: Any) -> dict[str, Any]:
@@ -57,12 +60,17 @@ def morphs(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> dict[s
         else:
             runs[name] = {"dirpath": str(tmp / "runs" / name)}
     spot = {n: {**r, "every_n_train_steps": 2, "keep_last": 2} for n, r in runs.items()}
+    for name in SNAPSHOTS:  # each phase its own memory: phase 2 reads storage
+        spot[name]["snapshot_every_n_train_steps"] = 1
 
     jobs: dict[int, list[dict]] = {}
     for name, ((w1, s1), _, _, _) in MORPHS.items():
-        jobs.setdefault(w1, []).append(_phase(f"{name}-phase1", s1, 3, spot[name]))
+        memory = {"snapshot_dir": str(tmp / "shm" / name / "1")} if name in SNAPSHOTS else {}
+        jobs.setdefault(w1, []).append(_phase(f"{name}-phase1", s1, 3, {**spot[name], **memory}))
     for name, (_, (w2, s2), _, how) in MORPHS.items():
         kwargs = {**spot[name], "resume": how == "auto"}
+        if name in SNAPSHOTS:
+            kwargs["snapshot_dir"] = str(tmp / "shm" / name / "2")
         extra = {"ckpt_path": runs[name]["dirpath"]} if how == "ckpt_path" else {}
         jobs.setdefault(w2, []).append(_phase(f"{name}-phase2", s2, TOTAL_STEPS, kwargs, **extra))
     results: dict[str, list[dict]] = {}
@@ -105,8 +113,14 @@ def test_storage_holds_the_last_committed_checkpoints(name: str, morphs: dict) -
     assert {n: f["size"] for n, f in manifest["files"].items()} == {
         n: s for n, s in files.items() if n != "manifest.json"
     }
-    assert any(n.endswith(".distcp") for n in files) and ".metadata" in files
-    assert all(f"rng-rank{r:05d}.json" in files for r in range(world))
+    if name in SNAPSHOTS:
+        assert manifest["kind"] == "shares" and sorted(manifest["shares"]) == [str(r) for r in range(world)]
+        assert all(f"rank{r:05d}.pt" in files and f"rank{r:05d}.json" in files for r in range(world))
+        first = storage.read_json("step-000000010/manifest.json")
+        assert first["kind"] == "shares"
+    else:
+        assert any(n.endswith(".distcp") for n in files) and ".metadata" in files
+        assert all(f"rng-rank{r:05d}.json" in files for r in range(world))
 
 
 def test_async_saves_stall_training_only_briefly(morphs: dict) -> None:
@@ -116,18 +130,21 @@ def test_async_saves_stall_training_only_briefly(morphs: dict) -> None:
         assert all(s["stall_seconds"] < 2.0 for s in saves)
 
 
-def test_load_full_state_dict_and_cli(morphs: dict, uninterrupted: dict, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("name", ["P2D2-to-P3D1-s3", "P2D2-to-P1D1-snapshots-s3"])
+def test_load_full_state_dict_and_cli(name: str, morphs: dict, uninterrupted: dict, tmp_path: Path, capsys) -> None:
     from lightning_spot import load_full_state_dict
     from lightning_spot.cli import main
 
-    run = morphs["runs"]["P2D2-to-P3D1-s3"]
+    run = morphs["runs"][name]
     weights = load_full_state_dict(run["dirpath"], run["storage_options"])
     assert_same_params(weights, uninterrupted)
 
     options = ["--storage-options", json.dumps(run["storage_options"])]
     assert main(["checkpoint", "list", run["dirpath"], *options]) == 0
     listing = capsys.readouterr().out
-    assert "step-000000010" in listing and "step-000000012" in listing and "P3xD1" in listing
+    assert (
+        "step-000000010" in listing and "step-000000012" in listing and name.split("-")[2] in listing.replace("x", "")
+    )
     assert main(["checkpoint", "inspect", run["dirpath"], "--verify", *options]) == 0
     assert "samples consumed 192" in capsys.readouterr().out
     out = tmp_path / "model.pt"

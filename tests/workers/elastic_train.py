@@ -50,6 +50,7 @@ def main() -> None:
         heartbeat_seconds=0.5,
         preemption=watcher,
         snapshot_every_n_train_steps=config.get("snapshot_every"),
+        snapshot_every_n_seconds=config.get("snapshot_every_seconds"),
         snapshot_dir=os.environ.get("SPOT_TEST_SNAPSHOT_DIR", config.get("snapshot_dir")),  # one per "node"
     )
     callbacks: list[L.Callback] = [checkpoint, SlowSteps(config.get("step_seconds", 0.0))]
@@ -80,6 +81,7 @@ def main() -> None:
             "restored_step": strategy.restored_manifest["step"] if strategy.restored_manifest else None,
             "restored_tier": strategy.restored_manifest.get("tier") if strategy.restored_manifest else None,
             "report": checkpoint.report,
+            "snapshot_steps": [t["step"] for t in checkpoint.snapshotter.taken] if checkpoint.snapshotter else [],
         },
         out / "final" / f"rank{trainer.global_rank}.pt",
     )

@@ -63,6 +63,8 @@ class SpotCheckpoint(L.Callback):
         snapshot_every_n_train_steps: also keep every rank's state in host memory every N steps (a tmpfs that
             outlives the worker processes): a restart of the workers (torchrun restarts every worker of a node
             when one fails) resumes from there, when it is newer than the newest checkpoint in storage.
+        snapshot_every_n_seconds: also (or instead) snapshot when this many seconds have passed since the
+            last snapshot (the ranks agree, as for ``every_n_minutes``).
         snapshot_dir: where snapshots live (default ``/dev/shm/lightning-spot``); the newest two are kept and
             they are deleted when training ends.
     """
@@ -82,6 +84,7 @@ class SpotCheckpoint(L.Callback):
         preemption: Union[bool, PreemptionWatcher] = True,
         heartbeat_seconds: float = 30.0,
         snapshot_every_n_train_steps: Optional[int] = None,
+        snapshot_every_n_seconds: Optional[float] = None,
         snapshot_dir: Optional[str] = None,
     ) -> None:
         if keep_last < 1:
@@ -103,7 +106,11 @@ class SpotCheckpoint(L.Callback):
         self.heartbeat_seconds = heartbeat_seconds
         if snapshot_every_n_train_steps is not None and snapshot_every_n_train_steps < 1:
             raise ValueError(f"snapshot_every_n_train_steps must be >= 1, got {snapshot_every_n_train_steps}")
+        if snapshot_every_n_seconds is not None and snapshot_every_n_seconds <= 0:
+            raise ValueError(f"snapshot_every_n_seconds must be > 0, got {snapshot_every_n_seconds}")
         self.snapshot_every_n_train_steps = snapshot_every_n_train_steps
+        self.snapshot_every_n_seconds = snapshot_every_n_seconds
+        self._last_snapshot_time = time.monotonic()
         self.snapshot_dir = snapshot_dir
         self.snapshots: Optional[SnapshotStore] = None
         self.snapshotter: Optional[Snapshotter] = None
@@ -142,7 +149,7 @@ class SpotCheckpoint(L.Callback):
             return
         host = _host(trainer)
         url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
-        if self.snapshot_every_n_train_steps:
+        if self.snapshot_every_n_train_steps or self.snapshot_every_n_seconds:
             self.snapshots = SnapshotStore.for_run(url, self.snapshot_dir)
             self.snapshots.check()  # a missing or read-only tmpfs fails here, before training
             if is_initialized() and self.snapshots.group is None:
@@ -238,7 +245,7 @@ class SpotCheckpoint(L.Callback):
 
     # ------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._train_start = time.monotonic()
+        self._train_start = self._last_snapshot_time = time.monotonic()
         self._last_step = self._checked_step = trainer.global_step
         if self.watcher is not None:
             self.watcher.start()
@@ -267,9 +274,16 @@ class SpotCheckpoint(L.Callback):
         self._record_progress(trainer)
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
         late = self.every_n_minutes is not None and time.monotonic() - self._last_time >= 60 * self.every_n_minutes
-        if self.every_n_minutes is not None or self.watcher is not None:
+        snap_late = (
+            self.snapshots is not None
+            and self.snapshot_every_n_seconds is not None
+            and time.monotonic() - self._last_snapshot_time >= self.snapshot_every_n_seconds
+        )
+        if self.every_n_minutes is not None or self.watcher is not None or self.snapshot_every_n_seconds is not None:
             notice = self.watcher.notice if self.watcher is not None else None
-            late, preempted = agree([late, notice is not None], trainer.strategy.root_device)
+            late, preempted, snap_late = agree(  # clocks differ between ranks: all decide alike
+                [late, notice is not None, snap_late], trainer.strategy.root_device
+            )
             if preempted:
                 stop_for_preemption(
                     notice,
@@ -283,7 +297,9 @@ class SpotCheckpoint(L.Callback):
         )
         if due or ending:
             self.save(trainer, reason="end" if ending and not due else "periodic")
-        elif self.snapshots is not None and step % self.snapshot_every_n_train_steps == 0:  # type: ignore[operator]
+        elif self.snapshots is not None and (
+            snap_late or (bool(self.snapshot_every_n_train_steps) and step % self.snapshot_every_n_train_steps == 0)  # type: ignore[operator]
+        ):
             self.snapshot(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -322,13 +338,18 @@ class SpotCheckpoint(L.Callback):
         waited = time.monotonic() - start
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         background = self.async_save and not blocking and self._group is not None
-        with_snapshot = self.snapshots is not None and reason != "end"
+        with_snapshot = self.snapshots is not None
         share = split_checkpoint(
             checkpoint, copy=background or with_snapshot, with_lightning=trainer.is_global_zero or with_snapshot
         )
         info = _host(trainer).checkpoint_info(checkpoint)
-        if with_snapshot:  # the same copy is the step's snapshot: memory stays at least as new as storage
-            self._snapshotter(trainer).take(share, dict(info))
+        snapshot: Optional[tuple[threading.Thread, SnapshotStore, int, int]] = None
+        if with_snapshot:  # the same copy is the step's snapshot: memory stays at least as new as storage,
+            self._last_snapshot_time = time.monotonic()  # and the upload copies the snapshot's files
+            snapshotter = self._snapshotter(trainer)
+            snapshotter.take(share, dict(info))
+            if snapshotter.thread is not None:
+                snapshot = (snapshotter.thread, snapshotter.store, info["step"], trainer.global_rank)
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
         info["reason"] = reason
@@ -341,17 +362,35 @@ class SpotCheckpoint(L.Callback):
             now = time.perf_counter()
             timeline.add("checkpoint copy", "checkpoint", now - stall, now, step=info["step"], reason=reason)
         if background:
-            self._thread = start_background(self._write_in_background, rel, share, info, timeline)
-        else:
-            self._write(rel, share, info, timeline)
-            if with_snapshot:
-                self._snapshotter(trainer).wait()  # e.g. before a coordinated stop exits the process
+            self._thread = start_background(self._write_in_background, rel, share, info, timeline, snapshot)
+        else:  # e.g. before a coordinated stop exits the process: the snapshot is written too
+            self._write(rel, share, info, timeline, snapshot)
 
-    def _write(self, rel: str, share: Any, info: dict[str, Any], timeline: Optional[Timeline] = None) -> None:
+    def _write(
+        self,
+        rel: str,
+        share: Any,
+        info: dict[str, Any],
+        timeline: Optional[Timeline] = None,
+        snapshot: Optional[tuple[threading.Thread, SnapshotStore, int, int]] = None,
+    ) -> None:
+        """Write a checkpoint: the snapshot's files of this step when it wrote them, else DCP shards."""
         assert self.storage is not None
         started = time.perf_counter()
+        from_snapshot = None
+        if snapshot is not None:
+            thread, store, step, rank = snapshot
+            thread.join()
+            written = all_gather_object(store.has_share(step, rank), self._group)  # one kind for every rank
+            from_snapshot = (store, step) if all(written) else None
         manifest = write_checkpoint(
-            self.storage, rel, share, info=info, group=self._group, thread_count=self.io_threads
+            self.storage,
+            rel,
+            share,
+            info=info,
+            group=self._group,
+            thread_count=self.io_threads,
+            snapshot=from_snapshot,
         )
         if timeline is not None:
             timeline.add(
@@ -369,9 +408,16 @@ class SpotCheckpoint(L.Callback):
                     **manifest["timings"],
                 )
 
-    def _write_in_background(self, rel: str, share: Any, info: dict[str, Any], timeline: Optional[Timeline]) -> None:
+    def _write_in_background(
+        self,
+        rel: str,
+        share: Any,
+        info: dict[str, Any],
+        timeline: Optional[Timeline],
+        snapshot: Optional[tuple[threading.Thread, SnapshotStore, int, int]],
+    ) -> None:
         try:
-            self._write(rel, share, info, timeline)
+            self._write(rel, share, info, timeline, snapshot)
         except BaseException as err:  # surfaced by wait()
             self._error = err
 
@@ -397,6 +443,7 @@ class SpotCheckpoint(L.Callback):
     # -------------------------------------------------------------- snapshots
     def snapshot(self, trainer: L.Trainer) -> None:
         """Keep this rank's state of this step in host memory (written in the background; not collective)."""
+        self._last_snapshot_time = time.monotonic()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         stall = self._snapshotter(trainer).take(checkpoint, _host(trainer).checkpoint_info(checkpoint))
         timeline = _timeline(trainer)

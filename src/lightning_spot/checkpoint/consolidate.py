@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_spot.checkpoint import shares
 from lightning_spot.checkpoint.read import newest_intact
 from lightning_spot.checkpoint.shards import SafeReader
 from lightning_spot.checkpoint.storage import Storage
@@ -32,7 +33,11 @@ def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None
     storage = Storage(url, storage_options)
 
     def read(rel: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-        weights = _read_model(storage.url_of(rel), storage.options, manifest["files"])
+        if manifest.get("kind") == shares.KIND:  # snapshot shares: every stage's model tensors, once
+            names = {n for share in manifest["shares"].values() for n in share["names"].get("model", ())}
+            weights = shares.read_shares(storage, rel, manifest, {"model": names})["model"]
+        else:
+            weights = _read_model(storage.url_of(rel), storage.options, manifest["files"])
         for alias, name in manifest.get("tied", {}).items():  # a tied parameter is stored once
             if name in weights:
                 weights[alias] = weights[name]

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_spot._dist import broadcast_object, rank
+from lightning_spot.checkpoint import shares
 from lightning_spot.checkpoint.jsonstate import decode
 from lightning_spot.checkpoint.payload import (
     FLAT_OPTIMIZER_STATE,
@@ -184,6 +185,14 @@ def restore_training_state(
             f"the checkpoint has {len(saved_values)} optimizer(s) but configure_optimizers returned {len(optimizers)}"
         )
     target = _stored_target(module, optimizers, aliases)
+    if manifest.get("kind") == shares.KIND:  # each rank's snapshot files: read those holding our names
+        needs = {group_name: set(named) for group_name, named in target.items()}
+        target = shares.read_shares(storage, rel, manifest, needs, prefer=rank() if same_layout else None)
+        apply_training_state(module, optimizers, target, saved_values, aliases)
+        state = shares.read_share_state(storage, rel, manifest, rank()) if same_layout else None
+        if state is not None:
+            restore_rng(state["rng"])
+        return
     load_shards(storage.url_of(rel), target, storage.options, process_group=group, expected=manifest["files"])
     apply_training_state(module, optimizers, target, saved_values, aliases)
     rng_name = rng_filename(rank())

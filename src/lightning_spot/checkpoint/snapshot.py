@@ -46,6 +46,11 @@ def default_root() -> str:
     return os.path.join(tempfile.gettempdir(), "lightning-spot-snapshots")
 
 
+def share_name(rank: int, suffix: str) -> str:
+    """The file name of a rank's share: ``rank00003.pt`` (tensors) or ``rank00003.json`` (the rest)."""
+    return f"rank{rank:05d}{suffix}"
+
+
 def encode_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> bytes:
     """The bytes of a share's tensors file (also what a peer copy sends)."""
     buffer = io.BytesIO()
@@ -96,6 +101,16 @@ class SnapshotStore:
     def _step_dir(self, step: int) -> Path:
         return self.path / f"step-{step:09d}"
 
+    def share_path(self, step: int, rank: int, suffix: str) -> Path:
+        return self._step_dir(step) / share_name(rank, suffix)
+
+    def has_share(self, step: int, rank: int) -> bool:
+        return self.share_path(step, rank, ".json").is_file() and self.share_path(step, rank, ".pt").is_file()
+
+    def read_meta(self, step: int, rank: int) -> dict[str, Any]:
+        meta: dict[str, Any] = json.loads(self.share_path(step, rank, ".json").read_text())["meta"]
+        return meta
+
     def _write_whole(self, target: Path, data: bytes) -> None:
         tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
         with open(tmp, "wb") as f:
@@ -117,7 +132,7 @@ class SnapshotStore:
         """
         folder = self._step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"rank{rank:05d}.pt"
+        target = folder / share_name(rank, ".pt")
         if isinstance(tensors, bytes):
             self._write_whole(target, tensors)
         else:  # serialised straight into the file: no copy of the bytes in between
@@ -126,7 +141,7 @@ class SnapshotStore:
             tmp.rename(target)
         size = target.stat().st_size
         sidecar = json.dumps({"meta": {**meta, "step": step, "rank": rank, "bytes": size}, "state": state})
-        self._write_whole(folder / f"rank{rank:05d}.json", sidecar.encode())
+        self._write_whole(folder / share_name(rank, ".json"), sidecar.encode())
         return size + len(sidecar)
 
     def shares(self) -> dict[int, dict[int, dict[str, Any]]]:
@@ -142,12 +157,12 @@ class SnapshotStore:
         return found
 
     def read_tensors(self, step: int, rank: int) -> dict[str, dict[str, torch.Tensor]]:
-        path = self._step_dir(step) / f"rank{rank:05d}.pt"
+        path = self.share_path(step, rank, ".pt")
         tensors: dict[str, dict[str, torch.Tensor]] = torch.load(path, weights_only=True, mmap=True)
         return tensors
 
     def read_state(self, step: int, rank: int) -> dict[str, Any]:
-        state: dict[str, Any] = json.loads((self._step_dir(step) / f"rank{rank:05d}.json").read_text())["state"]
+        state: dict[str, Any] = json.loads(self.share_path(step, rank, ".json").read_text())["state"]
         return state
 
     def prune(self, keep: int = 2) -> None:

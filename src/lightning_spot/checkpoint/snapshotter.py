@@ -65,7 +65,7 @@ class Snapshotter:
         self.prev_peer = (rank - local_world) % world
         self.enabled = True
         self.taken: list[dict[str, Any]] = []  # step, stall_seconds, write_seconds, bytes
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # the newest snapshot's writer
         self._warned = False
 
     def take(self, checkpoint: dict[str, Any] | Payload, info: dict[str, Any]) -> float:
@@ -92,7 +92,7 @@ class Snapshotter:
         state["info"] = info
         record: dict[str, Any] = {"step": info["step"], "bytes": share.nbytes}
         self.taken.append(record)
-        self._thread = start_background(self._write, info["step"], share.tensors, meta, state, record)
+        self.thread = start_background(self._write, info["step"], share.tensors, meta, state, record)
         record["stall_seconds"] = time.monotonic() - start
         return record["stall_seconds"]
 
@@ -145,9 +145,9 @@ class Snapshotter:
                 self._warned = True
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
 
     def close(self) -> None:
         """Wait for the last snapshot; the node's first rank deletes them (call once training is over)."""

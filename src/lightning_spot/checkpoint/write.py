@@ -23,6 +23,8 @@ from lightning_spot._dist import gather_object_to_first, is_initialized, rank
 from lightning_spot._version import __version__
 from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.checkpoint.shards import save_shards
+from lightning_spot.checkpoint.shares import KIND, upload_share
+from lightning_spot.checkpoint.snapshot import SnapshotStore
 from lightning_spot.checkpoint.storage import MANIFEST, Storage, join, retry
 
 FORMAT = "lightning-spot-checkpoint/1"
@@ -52,35 +54,52 @@ def write_checkpoint(
     info: dict[str, Any],
     group: dist.ProcessGroup | None = None,
     thread_count: int = 2,
+    snapshot: tuple[SnapshotStore, int] | None = None,
 ) -> dict[str, Any] | None:
-    """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there."""
+    """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there.
+
+    With ``snapshot`` (a store and step holding this rank's share of the same state), the share's files
+    are uploaded as they are (a checkpoint of kind ``"shares"``) instead of DCP shards.
+    """
     start = time.monotonic()
     url = storage.url_of(rel)
     if rank(group) == 0 and storage.fs.exists(storage.path_of(rel)):
         storage.delete(rel)  # debris of an interrupted save of this step, or an older copy being replaced
     if is_initialized():
         dist.barrier(group=group)
-    # a failure on any rank is raised on all of them (DCP gathers the results), so all retry together
-    digests = retry(
-        lambda: save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count),
-        f"writing the shards of {url}",
-    )
-    rng_name = rng_filename(rank())
-    digests[rng_name] = storage.write_json(join(rel, rng_name), payload.rng)
+    share = None
+    if snapshot is not None:
+        store, step = snapshot
+        digests = retry(lambda: upload_share(storage, rel, store, step, rank()), f"uploading a share to {url}")
+        share = (rank(), store.read_meta(step, rank()))
+    else:
+        # a failure on any rank is raised on all of them (DCP gathers the results), so all retry together
+        digests = retry(
+            lambda: save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count),
+            f"writing the shards of {url}",
+        )
+        rng_name = rng_filename(rank())
+        digests[rng_name] = storage.write_json(join(rel, rng_name), payload.rng)
     first = rank(group) == 0
-    parts = gather_object_to_first((digests, payload.optimizer_values, payload.lightning if first else None), group)
+    parts = gather_object_to_first(
+        (digests, payload.optimizer_values, payload.lightning if first else None, share), group
+    )
     if parts is None:
         return None
     files: dict[str, Any] = {}
     optimizer_values: list[dict[str, Any]] = []
-    for rank_digests, values, _ in parts:
+    shares = {}
+    for rank_digests, values, _, rank_share in parts:
         files.update(rank_digests)
+        if rank_share is not None:
+            shares[str(rank_share[0])] = {k: rank_share[1][k] for k in ("names", "pp_rank")}
         for i, v in enumerate(values):
             if len(optimizer_values) <= i:
                 optimizer_values.append({})
             optimizer_values[i].update(v)
     manifest = {
         "format": FORMAT,
+        **({"kind": KIND, "shares": shares} if shares else {}),
         **{k: v for k, v in info.items() if k not in ("timings",)},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "files": files,

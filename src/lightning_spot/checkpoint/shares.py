@@ -1,0 +1,88 @@
+"""Durable checkpoints made of snapshot shares: each rank's snapshot files uploaded as they are.
+
+    digests = upload_share(storage, rel, store, step, rank)      # this rank's two files, CRC32 as they pass
+    tensors = read_shares(storage, rel, manifest, needs)         # the named tensors, from the files holding them
+
+With snapshots on, a durable checkpoint needs no second serialisation: the tensors file a snapshot
+already wrote to host memory is copied to storage in chunks (the copy, the CRC32 and the writes release
+the GIL), and no collective plans the save; the manifest (kind ``"shares"``) lists each rank's share
+with the names it holds. A reader picks, for the names it needs, the shares that hold them (its own
+first) and reads only those files, checking each against its size and CRC32.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from typing import Any
+
+import torch
+
+from lightning_spot.checkpoint.snapshot import SnapshotStore, share_name
+from lightning_spot.checkpoint.storage import ChecksumError, Storage, join
+
+KIND = "shares"
+CHUNK = 8 * 2**20
+Needs = dict[str, set[str]]
+
+
+def upload_share(storage: Storage, rel: str, store: SnapshotStore, step: int, rank: int) -> dict[str, Any]:
+    """Copy the share of ``rank`` at ``step`` from host memory into the checkpoint ``rel``; returns the digests."""
+    digests = {}
+    if storage.is_local:
+        storage.fs.makedirs(storage.path_of(rel), exist_ok=True)
+    for suffix in (".pt", ".json"):
+        name = share_name(rank, suffix)
+        crc, size = 0, 0
+        with (
+            open(store.share_path(step, rank, suffix), "rb") as src,
+            storage.fs.open(storage.path_of(join(rel, name)), "wb") as dst,
+        ):
+            while chunk := src.read(CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+                dst.write(chunk)
+        digests[name] = {"size": size, "crc32": f"{crc:08x}"}
+    return digests
+
+
+def _read_verified(storage: Storage, rel: str, name: str, expected: dict[str, Any]) -> bytes:
+    data: bytes = storage.fs.cat_file(storage.path_of(join(rel, name)))
+    if (len(data), f"{zlib.crc32(data):08x}") != (expected["size"], expected["crc32"]):
+        raise ChecksumError(
+            f"{name} fails its checksum ({len(data)} bytes, crc32 {zlib.crc32(data):08x}; expected "
+            f"{expected['size']} bytes, crc32 {expected['crc32']})"
+        )
+    return data
+
+
+def read_shares(
+    storage: Storage, rel: str, manifest: dict[str, Any], needs: Needs, *, prefer: int | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensors named in ``needs`` (group -> names) from the shares of checkpoint ``rel`` that hold them."""
+    remaining = {group: set(names) for group, names in needs.items()}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    shares = {int(r): meta for r, meta in manifest["shares"].items()}
+    for old in sorted(shares, key=lambda r: (r != prefer, r)):
+        held = shares[old]["names"]
+        take = {g: left & set(held.get(g, ())) for g, left in remaining.items()}
+        if not any(take.values()):
+            continue
+        name = share_name(old, ".pt")
+        tensors = torch.load(io.BytesIO(_read_verified(storage, rel, name, manifest["files"][name])), weights_only=True)
+        for g, names in take.items():
+            out.setdefault(g, {}).update({n: tensors[g][n] for n in names})
+            remaining[g] -= names
+    missing = sorted(f"{g}/{n}" for g, left in remaining.items() for n in left)
+    if missing:
+        raise ChecksumError(f"no share of {rel} holds {len(missing)} needed tensor(s), e.g. {missing[0]}")
+    return out
+
+
+def read_share_state(storage: Storage, rel: str, manifest: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """The JSON part of the share of ``rank`` (random states, ...), or ``None`` if it has none."""
+    name = share_name(rank, ".json")
+    if name not in manifest["files"]:
+        return None
+    state: dict[str, Any] = storage.read_json(join(rel, name), expected=manifest["files"][name])["state"]
+    return state
