@@ -9,7 +9,9 @@ repeated in alternating order (medians shown):
 * ``durable/20``: ``SpotCheckpoint(every_n_train_steps=20)`` to a local directory (the default async save);
 * ``snapshot/N``: ``SpotCheckpoint(every_n_train_steps=10**6, snapshot_every_n_train_steps=N)`` (memory
   only, apart from the checkpoint at the end);
-* ``both``: snapshots every 5 steps and durable checkpoints every 20.
+* ``durable/20+snapshot``: durable checkpoints every 20 steps made from a snapshot of the same step (the
+  snapshot's files uploaded as they are, checkpoint kind ``"shares"``);
+* ``both``: snapshots every 5 steps and durable checkpoints every 20 (from the snapshots).
 
 The figure is rank 0's wall time from the start of the first step to the end of the last step
 (everything the loop does, background work competing for the CPU included), over ``none``'s; goal for
@@ -52,14 +54,14 @@ def run(job: dict[str, Any]) -> None:
     from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
 
     class LoopTimer(L.Callback):
-        start = last = end = 0.0
+        start = last = end = cpu_start = cpu_last = 0.0
 
         def on_train_batch_start(self, *args: Any) -> None:
             if not self.start:
-                self.start = time.perf_counter()
+                self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, *args: Any) -> None:
-            self.last = time.perf_counter()
+            self.last, self.cpu_last = time.perf_counter(), time.process_time()
 
         def on_train_end(self, *args: Any) -> None:
             self.end = time.perf_counter()
@@ -68,8 +70,10 @@ def run(job: dict[str, Any]) -> None:
     variant = job["variant"]
     spot = None
     if variant != "none":
-        durable = {"durable/20": 20, "both": 20}.get(variant, 10**6)
-        snapshot = {"both": 5}.get(variant, int(variant.split("/")[1]) if variant.startswith("snapshot/") else 0)
+        durable = {"durable/20": 20, "both": 20, "durable/20+snapshot": 20}.get(variant, 10**6)
+        snapshot = {"both": 5, "durable/20+snapshot": 20}.get(
+            variant, int(variant.split("/")[1]) if variant.startswith("snapshot/") else 0
+        )
         spot = SpotCheckpoint(
             dirpath=job["root"] + "/ckpt",
             every_n_train_steps=durable,
@@ -96,7 +100,11 @@ def run(job: dict[str, Any]) -> None:
     )
     trainer.fit(make_mlp(job), train_dataloaders=loader)
     if trainer.is_global_zero:
-        out = {"loop_seconds": timer.last - timer.start, "after_seconds": timer.end - timer.last}
+        out = {
+            "loop_seconds": timer.last - timer.start,
+            "after_seconds": timer.end - timer.last,
+            "cpu_seconds": timer.cpu_last - timer.cpu_start,  # rank 0's process, every thread
+        }
         if spot is not None and spot.snapshotter is not None:
             taken = spot.snapshotter.taken
             out["snapshot_stall"] = statistics.mean(t["stall_seconds"] for t in taken)
@@ -111,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default="none,durable/20,snapshot/5,snapshot/20,both")
+    parser.add_argument("--variants", default="none,durable/20,durable/20+snapshot,snapshot/5,both")
     parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
     parser.add_argument("--json", help="write every run's figures here")
     args = parser.parse_args(argv)
@@ -142,23 +150,26 @@ def main(argv: list[str] | None = None) -> int:
                 run_ranks(2, {JOB_ENV: json.dumps(job)}, Path(tmp) / "logs" / tag, 600)
                 row = {"variant": variant, "repeat": rep, **json.loads(Path(job["result"]).read_text())}
                 rows.append(row)
-                print(f"  {variant:<12} run {rep + 1}: loop {row['loop_seconds']:.2f}s", flush=True)
+                print(f"  {variant:<20} run {rep + 1}: loop {row['loop_seconds']:.2f}s", flush=True)
     base = {r["repeat"]: r["loop_seconds"] for r in rows if r["variant"] == "none"}
+    base_cpu = {r["repeat"]: r["cpu_seconds"] for r in rows if r["variant"] == "none"}
     print(
-        f"\n{'variant':<12} {'loop s':>8} {'vs none':>8} {'stall ms':>9} {'bg ms':>7}  (medians; 'vs none': median of "
-        f"the ratios to the run without checkpoints of the same repeat; bg = background work per save)"
+        f"\n{'variant':<20} {'loop s':>8} {'vs none':>8} {'CPU vs none':>12} {'stall ms':>9} {'bg ms':>7}  (medians; "
+        f"'vs none': median of the ratios to the run without checkpoints of the same repeat; CPU: rank 0's process "
+        f"CPU time over the loop, likewise; bg = background work per save)"
     )
     for variant in variants:
         runs = [r for r in rows if r["variant"] == variant]
         loop = statistics.median(r["loop_seconds"] for r in runs)
         ratio = statistics.median(r["loop_seconds"] / base[r["repeat"]] for r in runs) if base else float("nan")
+        cpu = statistics.median(r["cpu_seconds"] / base_cpu[r["repeat"]] for r in runs) if base_cpu else float("nan")
         stall = [r.get("save_stall", r.get("snapshot_stall")) for r in runs]
         write = [r.get("save_write", r.get("snapshot_write")) for r in runs]
         extra = ""
         if stall[0] is not None:
             extra = f" {1000 * statistics.median(stall):9.1f} {1000 * statistics.median(write):7.1f}"
-        goal = f"  (goal {100 * GOAL:.0f}%)" if variant == "durable/20" else ""
-        print(f"{variant:<12} {loop:8.2f} {100 * (ratio - 1):+7.1f}%{extra}{goal}")
+        goal = f"  (goal {100 * GOAL:.0f}%)" if variant.startswith("durable/20") else ""
+        print(f"{variant:<20} {loop:8.2f} {100 * (ratio - 1):+7.1f}% {100 * (cpu - 1):+11.1f}%{extra}{goal}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
