@@ -353,3 +353,16 @@ def test_a_durable_checkpoint_from_a_snapshot_is_its_files_checked_when_read(tmp
     data[-100] ^= 0xFF
     damaged.write_bytes(bytes(data))
     assert torch.equal(load_full_state_dict(str(tmp_path / "run"))["b"], torch.full((3,), 2.0)), "step 2 is used"
+
+
+def test_checkpoint_copies_reuse_their_host_buffers() -> None:
+    from lightning_spot.checkpoint.payload import Staging, split_checkpoint
+
+    staging = Staging()
+    w = torch.ones(4, 4)
+    first = split_checkpoint({"state_dict": {"w": w}}, copy=True, with_lightning=False, staging=staging)
+    w.add_(1)  # training goes on: the copy keeps the step it was taken at
+    assert torch.equal(first.tensors["model"]["w"], torch.ones(4, 4))
+    second = split_checkpoint({"state_dict": {"w": w}}, copy=True, with_lightning=False, staging=staging)
+    assert second.tensors["model"]["w"].data_ptr() == first.tensors["model"]["w"].data_ptr(), "the same buffer"
+    assert torch.equal(second.tensors["model"]["w"], torch.full((4, 4), 2.0)) and staging.nbytes == 64

@@ -26,7 +26,7 @@ from lightning_spot._dist import all_gather_object, broadcast_object, is_initial
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.journal import Journal, read_events, summarize
-from lightning_spot.checkpoint.payload import split_checkpoint
+from lightning_spot.checkpoint.payload import Staging, split_checkpoint
 from lightning_spot.checkpoint.read import CheckpointError
 from lightning_spot.checkpoint.snapshot import SNAPSHOT_SCHEME, SnapshotStore
 from lightning_spot.checkpoint.snapshotter import Snapshotter
@@ -120,6 +120,7 @@ class SpotCheckpoint(L.Callback):
         self.storage: Optional[Storage] = None
         self.saves: list[dict[str, Any]] = []
         self._group: Optional[dist.ProcessGroup] = None
+        self._staging = Staging()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._last_step = -1
@@ -340,7 +341,10 @@ class SpotCheckpoint(L.Callback):
         background = self.async_save and not blocking and self._group is not None
         with_snapshot = self.snapshots is not None
         share = split_checkpoint(
-            checkpoint, copy=background or with_snapshot, with_lightning=trainer.is_global_zero or with_snapshot
+            checkpoint,
+            copy=background or with_snapshot,
+            with_lightning=trainer.is_global_zero or with_snapshot,
+            staging=self._staging,  # free again: the previous save (and its snapshot) is done
         )
         info = _host(trainer).checkpoint_info(checkpoint)
         snapshot: Optional[tuple[threading.Thread, SnapshotStore, int, int]] = None

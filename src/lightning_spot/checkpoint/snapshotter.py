@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_spot._dist import all_gather_object, exchange_bytes
 from lightning_spot.checkpoint.background import start_background
-from lightning_spot.checkpoint.payload import Payload, split_checkpoint
+from lightning_spot.checkpoint.payload import Payload, Staging, split_checkpoint
 from lightning_spot.checkpoint.snapshot import SnapshotStore, encode_tensors
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class Snapshotter:
         self.next_peer = (rank + local_world) % world
         self.prev_peer = (rank - local_world) % world
         self.enabled = True
+        self.staging = Staging()  # reused once the previous snapshot's thread is done with it
         self.taken: list[dict[str, Any]] = []  # step, stall_seconds, write_seconds, bytes
         self.thread: threading.Thread | None = None  # the newest snapshot's writer
         self._warned = False
@@ -78,7 +79,7 @@ class Snapshotter:
         if isinstance(checkpoint, Payload):
             share = checkpoint
         else:
-            share = split_checkpoint(checkpoint, copy=True, with_lightning=True)
+            share = split_checkpoint(checkpoint, copy=True, with_lightning=True, staging=self.staging)
         if not self.taken:
             self._check_room(share.nbytes)
         if not self.enabled:
