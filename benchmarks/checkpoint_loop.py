@@ -22,6 +22,10 @@ Usage::
     python benchmarks/checkpoint_loop.py                  # 200 steps, 3 repeats
     python benchmarks/checkpoint_loop.py --quick          # 40 steps, 1 repeat
     python benchmarks/checkpoint_loop.py --variants none,durable/20 --repeats 5
+    python benchmarks/checkpoint_loop.py --block 100 --steps 700 --variants durable/20,durable/20+snapshot
+
+``--block`` compares inside each run (checkpoints on in every other block of steps), which removes the
+run-to-run scatter of several percent that whole-run comparisons suffer on a shared machine.
 """
 
 from __future__ import annotations
@@ -56,12 +60,18 @@ def run(job: dict[str, Any]) -> None:
     class LoopTimer(L.Callback):
         start = last = end = cpu_start = cpu_last = 0.0
 
+        def __init__(self) -> None:
+            self.steps: list[float] = []  # seconds from the end of one step to the end of the next
+
         def on_train_batch_start(self, *args: Any) -> None:
             if not self.start:
                 self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, *args: Any) -> None:
-            self.last, self.cpu_last = time.perf_counter(), time.process_time()
+            now = time.perf_counter()
+            if self.last or self.start:
+                self.steps.append(now - (self.last or self.start))
+            self.last, self.cpu_last = now, time.process_time()
 
         def on_train_end(self, *args: Any) -> None:
             self.end = time.perf_counter()
@@ -84,6 +94,18 @@ def run(job: dict[str, Any]) -> None:
         callbacks.append(spot)
     timer = LoopTimer()
     callbacks.append(timer)  # after SpotCheckpoint: a step's time includes its save's stall
+    block = job.get("block", 0)
+    if block and spot is not None:  # A/B inside one process: checkpoints on in odd blocks of steps only
+        durable_every, snapshot_every = spot.every_n_train_steps, spot.snapshot_every_n_train_steps
+
+        class Blocks(L.Callback):
+            def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+                on = ((trainer.global_step + 1) // block) % 2 == 1  # the step about to run
+                assert spot is not None
+                spot.every_n_train_steps = durable_every if on else 10**6
+                spot.snapshot_every_n_train_steps = snapshot_every if on else 10**6
+
+        callbacks.insert(0, Blocks())
     L.seed_everything(0, verbose=False)
     loader = DataLoader(synthetic_dataset(job), batch_size=job["batch_size"], shuffle=False, drop_last=True)
     trainer = L.Trainer(
@@ -104,6 +126,7 @@ def run(job: dict[str, Any]) -> None:
             "loop_seconds": timer.last - timer.start,
             "after_seconds": timer.end - timer.last,
             "cpu_seconds": timer.cpu_last - timer.cpu_start,  # rank 0's process, every thread
+            "step_seconds": timer.steps,
         }
         if spot is not None and spot.snapshotter is not None:
             taken = spot.snapshotter.taken
@@ -115,6 +138,27 @@ def run(job: dict[str, Any]) -> None:
         Path(job["result"]).write_text(json.dumps(out))
 
 
+def block_ratio(steps: list[float], block: int) -> float:
+    """Mean step time with checkpoints / without, from one run's step times (warm-up block and last step out)."""
+    on, off = [], []
+    for j, seconds in enumerate(steps[:-1]):
+        if (j + 1) // block == 0:
+            continue
+        (on if ((j + 1) // block) % 2 == 1 else off).append(seconds)
+    return statistics.mean(on) / statistics.mean(off)
+
+
+def print_blocks(rows: list[dict[str, Any]], variants: list[str], block: int) -> None:
+    print(f"\n{'variant':<20} {'with / without, per run':<40} {'median':>8}  (blocks of {block} steps)")
+    for variant in variants:
+        if variant == "none":
+            continue
+        ratios = [block_ratio(r["step_seconds"], block) for r in rows if r["variant"] == variant]
+        runs = " ".join(f"{100 * (x - 1):+.1f}%" for x in ratios)
+        goal = f"  (goal {100 * GOAL:.0f}%)" if variant.startswith("durable/20") else ""
+        print(f"{variant:<20} {runs:<40} {100 * (statistics.median(ratios) - 1):+7.1f}%{goal}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -122,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="none,durable/20,durable/20+snapshot,snapshot/5,both")
     parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
     parser.add_argument("--json", help="write every run's figures here")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=0,
+        help="A/B inside each run: checkpoints on in every other block of this many steps; the figure is the "
+        "mean step time of the blocks with checkpoints over the blocks without (the first block is warm-up)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 40, 1
@@ -146,11 +197,17 @@ def main(argv: list[str] | None = None) -> int:
                     "seed": 0,
                     "root": f"{tmp}/{tag}",
                     "result": f"{tmp}/{tag}.json",
+                    "block": args.block,
                 }
                 run_ranks(2, {JOB_ENV: json.dumps(job)}, Path(tmp) / "logs" / tag, 600)
                 row = {"variant": variant, "repeat": rep, **json.loads(Path(job["result"]).read_text())}
                 rows.append(row)
                 print(f"  {variant:<20} run {rep + 1}: loop {row['loop_seconds']:.2f}s", flush=True)
+    if args.block:
+        print_blocks(rows, variants, args.block)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     base = {r["repeat"]: r["loop_seconds"] for r in rows if r["variant"] == "none"}
     base_cpu = {r["repeat"]: r["cpu_seconds"] for r in rows if r["variant"] == "none"}
     print(
