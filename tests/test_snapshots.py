@@ -134,25 +134,30 @@ def uninterrupted() -> dict[str, Any]:
     return reference_run({**CASE, "trainer": {"max_steps": STEPS}})
 
 
+def _config(tmp_path: Path, **overrides: Any) -> Path:
+    """The config of ``tests/workers/elastic_train.py``: P2 with 2 micro-batches, snapshots every 2 steps,
+    nothing durable until the end, slowed steps so that a test can act in the middle of the run."""
+    config = {
+        "out": str(tmp_path / "out"),
+        "run": str(tmp_path / "run"),
+        "max_steps": STEPS,
+        "step_seconds": 0.25,
+        "every": 1000,  # durable only at the end
+        "snapshot_every": 2,
+        "strategy": {"pipeline_stages": 2, "microbatches": 2},
+        **overrides,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.mark.slow
 def test_killed_worker_resumes_from_host_memory(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
     """No durable checkpoint since the start; one worker is SIGKILLed; the restarted workers read memory."""
     snapshots = tmp_path / "shm"
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "out": str(tmp_path / "out"),
-                "run": str(tmp_path / "run"),
-                "max_steps": STEPS,
-                "step_seconds": 0.25,
-                "every": 1000,  # durable only at the end
-                "snapshot_every": 2,
-                "snapshot_dir": str(snapshots),
-                "strategy": {"pipeline_stages": 2, "microbatches": 2},
-            }
-        )
-    )
+    snapshots = tmp_path / "shm"
+    config = _config(tmp_path, snapshot_dir=str(snapshots))
 
     def committed() -> list[int]:
         return sorted({int(p.parent.name.split("-")[1]) for p in snapshots.glob("*/step-*/rank*.json")})
@@ -183,20 +188,7 @@ def _two_nodes_lose_one(tmp_path: Path, *, run: str, gate: Path | None = None) -
     """Two agents of 2 workers train P2xD2 with snapshots every 2 steps and nothing durable; node b is
     SIGKILLed (agent and workers) after step 6. With ``gate``, storage is unreachable from the kill until
     the survivors have resumed. Returns the survivors' final records."""
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "out": str(tmp_path / "out"),
-                "run": run,
-                "max_steps": STEPS,
-                "step_seconds": 0.5,
-                "every": 1000,  # durable only at the end
-                "snapshot_every": 2,
-                "strategy": {"pipeline_stages": 2, "microbatches": 2},
-            }
-        )
-    )
+    config = _config(tmp_path, run=run, step_seconds=0.5)
     shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b")}
 
     def snapshot_steps(node: str) -> set[int]:
@@ -273,20 +265,7 @@ def test_a_joining_node_receives_its_state_from_the_other_nodes_memory(tmp_path:
     """One node trains P2xD1; a second joins; the new P2xD2 ranks on the new node hold nothing in memory
     and receive their stage's tensors point to point from the first node's snapshots."""
     steps = 40
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "out": str(tmp_path / "out"),
-                "run": str(tmp_path / "run"),
-                "max_steps": steps,
-                "step_seconds": 0.25,
-                "every": 1000,
-                "snapshot_every": 2,
-                "strategy": {"pipeline_stages": 2, "microbatches": 2},
-            }
-        )
-    )
+    config = _config(tmp_path, max_steps=steps)
     shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b")}
     port = free_port()
     args = ["tests/workers/elastic_train.py", str(config)]
@@ -310,20 +289,13 @@ def test_time_based_snapshots_are_agreed_by_all_ranks(tmp_path: Path) -> None:
     """snapshot_every_n_seconds: clocks differ between ranks, so they agree on the steps (one all-reduce)."""
     from tests.distributed import launch
 
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "out": str(tmp_path / "out"),
-                "run": str(tmp_path / "run"),
-                "max_steps": 12,
-                "step_seconds": 0.25,
-                "every": None,
-                "snapshot_every_seconds": 0.6,
-                "snapshot_dir": str(tmp_path / "shm"),
-                "strategy": {"pipeline_stages": 2, "microbatches": 2},
-            }
-        )
+    config = _config(
+        tmp_path,
+        max_steps=12,
+        every=None,
+        snapshot_every=None,
+        snapshot_every_seconds=0.6,
+        snapshot_dir=str(tmp_path / "shm"),
     )
     launch(2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp_path / "logs", timeout=240)
     steps = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt")["snapshot_steps"] for r in range(2)]
