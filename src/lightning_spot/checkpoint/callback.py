@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized
+from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized, rank
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.journal import Journal, read_events, summarize
@@ -347,13 +347,12 @@ class SpotCheckpoint(L.Callback):
             staging=self._staging,  # free again: the previous save (and its snapshot) is done
         )
         info = _host(trainer).checkpoint_info(checkpoint)
-        snapshot: Optional[tuple[threading.Thread, SnapshotStore, int, int]] = None
+        snapshot: Optional[threading.Thread] = None  # the writer of this step's snapshot
         if with_snapshot:  # the same copy is the step's snapshot: memory stays at least as new as storage,
             self._last_snapshot_time = time.monotonic()  # and the upload copies the snapshot's files
             snapshotter = self._snapshotter(trainer)
             snapshotter.take(share, dict(info))
-            if snapshotter.thread is not None:
-                snapshot = (snapshotter.thread, snapshotter.store, info["step"], trainer.global_rank)
+            snapshot = snapshotter.thread
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
         info["reason"] = reason
@@ -376,17 +375,18 @@ class SpotCheckpoint(L.Callback):
         share: Any,
         info: dict[str, Any],
         timeline: Optional[Timeline] = None,
-        snapshot: Optional[tuple[threading.Thread, SnapshotStore, int, int]] = None,
+        snapshot: Optional[threading.Thread] = None,
     ) -> None:
-        """Write a checkpoint: the snapshot's files of this step when it wrote them, else DCP shards."""
+        """Write a checkpoint: the files of this step's snapshot (written by the thread ``snapshot``) when
+        every rank has them, else DCP shards."""
         assert self.storage is not None
         started = time.perf_counter()
         from_snapshot = None
-        if snapshot is not None:
-            thread, store, step, rank = snapshot
-            thread.join()
-            written = all_gather_object(store.has_share(step, rank), self._group)  # one kind for every rank
-            from_snapshot = (store, step) if all(written) else None
+        if snapshot is not None and self.snapshots is not None:
+            snapshot.join()
+            written = self.snapshots.has_share(info["step"], rank())
+            if all(all_gather_object(written, self._group)):  # one kind for every rank
+                from_snapshot = (self.snapshots, info["step"])
         manifest = write_checkpoint(
             self.storage,
             rel,
@@ -418,7 +418,7 @@ class SpotCheckpoint(L.Callback):
         share: Any,
         info: dict[str, Any],
         timeline: Optional[Timeline],
-        snapshot: Optional[tuple[threading.Thread, SnapshotStore, int, int]],
+        snapshot: Optional[threading.Thread],
     ) -> None:
         try:
             self._write(rel, share, info, timeline, snapshot)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spot._dist import all_gather_object, exchange_bytes, rank
-from lightning_spot.checkpoint.snapshot import SnapshotStore
+from lightning_spot.checkpoint.snapshot import SnapshotStore, cover, encode_tensors
 
 Needs = dict[str, list[str]]  # group ("model", "optimizer_0", ...) -> stored names
 Tensors = dict[str, dict[str, torch.Tensor]]
@@ -46,7 +46,6 @@ class Recalled:
     info: dict[str, Any]
     rng: Any = None  # this rank's own RNG state, when its share of the same rank was among the sources
     layout: dict[str, Any] = field(default_factory=dict)  # the layout the snapshot was taken on
-    sources: list[Source] = field(default_factory=list)
 
 
 class Recall:
@@ -87,26 +86,15 @@ class Recall:
                 metas[old] = meta
         plan: dict[int, list[Source]] = {}
         for d, needs in enumerate(self.needs):
-            remaining = {g: set(names) for g, names in needs.items()}
-            sources = []
             # its own share first (RNG), then shares on its own node, then the others
-            for old in sorted(metas, key=lambda r: (r != d, d not in holders[r], r)):
-                take = {g: sorted(left & set(metas[old]["names"].get(g, ()))) for g, left in remaining.items()}
-                take = {g: names for g, names in take.items() if names}
-                if not take:
-                    continue
-                readers = holders[old]
-                reader = d if d in readers else readers[d % len(readers)]
-                sources.append(Source(reader, old, take))
-                for g, names in take.items():
-                    remaining[g] -= set(names)
-            missing = sorted(f"{g}/{n}" for g, left in remaining.items() for n in left)
+            order = sorted(metas, key=lambda r: (r != d, d not in holders[r], r))
+            used, missing = cover({g: set(n) for g, n in needs.items()}, [(r, metas[r]["names"]) for r in order])
             if missing:
                 return None, (
                     f"the snapshots of step {step} that survive (shares of ranks {sorted(metas)}) lack "
                     f"{len(missing)} tensor(s) rank {d} needs, e.g. {missing[0]}"
                 )
-            plan[d] = sources
+            plan[d] = [Source(_reader(d, holders[old]), old, take) for old, take in used]
         return plan, ""
 
     def newest_complete(self) -> tuple[int | None, str]:
@@ -140,7 +128,7 @@ class Recall:
         incoming = [s for s in plan[self.me] if s.reader != self.me]
         parts = [part(s) for s in plan[self.me] if s.reader == self.me]
         received = exchange_bytes(
-            [(d, s.old_rank, _encode(part(s))) for d, s in outgoing],
+            [(d, s.old_rank, encode_tensors(part(s))) for d, s in outgoing],
             [(s.reader, s.old_rank) for s in incoming],
             self.group,
         )
@@ -148,10 +136,9 @@ class Recall:
         return _assemble(parts, plan[self.me], self.me, self.held, step)
 
 
-def _encode(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+def _reader(rank: int, holders: list[int]) -> int:
+    """Who reads a share for ``rank``: itself when its node holds it, else one of the holders (spread by rank)."""
+    return rank if rank in holders else holders[rank % len(holders)]
 
 
 def _assemble(
@@ -180,5 +167,4 @@ def _assemble(
         info=first["state"]["info"],
         rng=own["state"]["rng"] if own is not None else None,
         layout=meta["layout"],
-        sources=sources,
     )

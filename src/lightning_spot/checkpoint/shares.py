@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_spot.checkpoint.snapshot import SnapshotStore, share_name
+from lightning_spot.checkpoint.snapshot import SnapshotStore, cover, share_name
 from lightning_spot.checkpoint.storage import ChecksumError, Storage, join
 
 KIND = "shares"
@@ -60,22 +60,16 @@ def read_shares(
     storage: Storage, rel: str, manifest: dict[str, Any], needs: Needs, *, prefer: int | None = None
 ) -> dict[str, dict[str, torch.Tensor]]:
     """The tensors named in ``needs`` (group -> names) from the shares of checkpoint ``rel`` that hold them."""
-    remaining = {group: set(names) for group, names in needs.items()}
+    shares = {int(r): meta["names"] for r, meta in manifest["shares"].items()}
+    used, missing = cover(needs, [(r, shares[r]) for r in sorted(shares, key=lambda r: (r != prefer, r))])
+    if missing:
+        raise ChecksumError(f"no share of {rel} holds {len(missing)} needed tensor(s), e.g. {missing[0]}")
     out: dict[str, dict[str, torch.Tensor]] = {}
-    shares = {int(r): meta for r, meta in manifest["shares"].items()}
-    for old in sorted(shares, key=lambda r: (r != prefer, r)):
-        held = shares[old]["names"]
-        take = {g: left & set(held.get(g, ())) for g, left in remaining.items()}
-        if not any(take.values()):
-            continue
+    for old, take in used:
         name = share_name(old, ".pt")
         tensors = torch.load(io.BytesIO(_read_verified(storage, rel, name, manifest["files"][name])), weights_only=True)
         for g, names in take.items():
             out.setdefault(g, {}).update({n: tensors[g][n] for n in names})
-            remaining[g] -= names
-    missing = sorted(f"{g}/{n}" for g, left in remaining.items() for n in left)
-    if missing:
-        raise ChecksumError(f"no share of {rel} holds {len(missing)} needed tensor(s), e.g. {missing[0]}")
     return out
 
 

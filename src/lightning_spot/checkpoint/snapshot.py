@@ -51,11 +51,28 @@ def share_name(rank: int, suffix: str) -> str:
     return f"rank{rank:05d}{suffix}"
 
 
-def encode_tensors(tensors: dict[str, dict[str, torch.Tensor]]) -> bytes:
-    """The bytes of a share's tensors file (also what a peer copy sends)."""
+def encode_tensors(obj: Any) -> bytes:
+    """``torch.save`` bytes of tensors (a share's tensors file, what a peer copy or a recall sends)."""
     buffer = io.BytesIO()
-    torch.save(tensors, buffer)
+    torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def cover(
+    needs: dict[str, set[str]], shares: list[tuple[int, dict[str, Any]]]
+) -> tuple[list[tuple[int, dict[str, list[str]]]], list[str]]:
+    """Which of ``shares`` (``(rank, names by group)``, in order of preference) provide ``needs``: the shares
+    used with the names taken from each, and the names (``group/name``) that none holds."""
+    remaining = {group: set(names) for group, names in needs.items()}
+    used = []
+    for rank, held in shares:
+        take = {g: sorted(left & set(held.get(g, ()))) for g, left in remaining.items()}
+        take = {g: names for g, names in take.items() if names}
+        if take:
+            used.append((rank, take))
+            for g, names in take.items():
+                remaining[g] -= set(names)
+    return used, sorted(f"{g}/{n}" for g, left in remaining.items() for n in left)
 
 
 class SnapshotStore:
