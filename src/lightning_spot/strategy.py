@@ -644,28 +644,28 @@ class SpotPipelineStrategy(ParallelStrategy):
         url = self.broadcast(str(checkpoint_path))
         started = time.monotonic()
         if url.startswith(SNAPSHOT_SCHEME):
-            step = int(url[len(SNAPSHOT_SCHEME) :])
-            checkpoint, info = load_snapshot(
+            tier = "memory"
+            checkpoint, record = load_snapshot(
                 self._recall(),
-                step,
+                int(url[len(SNAPSHOT_SCHEME) :]),
                 self.lightning_module,
                 list(self.optimizers),
                 layout=self.pipeline_layout,
                 aliases=self._tied_aliases(),
             )
-            self._engine().samples_seen = int(info.get("data", {}).get("samples_consumed") or 0)
-            self.restored_manifest = {**info, "tier": "memory", "restore_seconds": time.monotonic() - started}
-            return checkpoint
-        checkpoint, manifest = load_checkpoint(
-            url,
-            self._storage_options,
-            self.lightning_module,
-            list(self.optimizers),
-            layout=self.pipeline_layout,
-            aliases=self._tied_aliases(),
-        )
-        self._engine().samples_seen = int(manifest.get("data", {}).get("samples_consumed") or 0)
-        self.restored_manifest = {**manifest, "tier": "storage", "restore_seconds": time.monotonic() - started}
+            self._recalled = None  # gathered for this resume only
+        else:
+            tier = "storage"
+            checkpoint, record = load_checkpoint(
+                url,
+                self._storage_options,
+                self.lightning_module,
+                list(self.optimizers),
+                layout=self.pipeline_layout,
+                aliases=self._tied_aliases(),
+            )
+        self._engine().samples_seen = int(record.get("data", {}).get("samples_consumed") or 0)
+        self.restored_manifest = {**record, "tier": tier, "restore_seconds": time.monotonic() - started}
         return checkpoint
 
     @override
