@@ -120,8 +120,8 @@ class MetaInitPipelineModel(TinyPipelineModel):
 class TiedEmbeddingModel(TinyPipelineModel):
     """Input projection and output projection share one weight (tied across the first and last stage)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.embed = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, HIDDEN, bias=False))
         self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN, bias=False), nn.Linear(HIDDEN, OUT))
         self.head[0].weight = self.embed[1].weight

@@ -127,7 +127,44 @@ WORLD_3 = [
         model={"num_layers": 5, "optimizer": "sgd"},
     ),
 ]
-ALL = {4: WORLD_4, 2: WORLD_2, 3: WORLD_3}
+# pipelines of mixed depths: every rank trains whatever the world size (split: micro-batches per pipeline)
+WORLD_3 += [
+    scenario("mixed-P1+P2-adam", strategy={"pipeline_stages": [1, 2], "microbatches": 4}, expect_split=[1, 3]),
+    scenario(
+        "mixed-P1+P2-clip-sgd",
+        strategy={"pipeline_stages": [1, 2], "microbatches": [2, 2]},
+        model={"optimizer": "sgd"},
+        trainer={"max_steps": 4, "gradient_clip_val": 0.05},
+        expect_split=[2, 2],
+    ),
+]
+WORLD_4 += [
+    scenario("mixed-P1+P3-adam", strategy={"pipeline_stages": [1, 3], "microbatches": 4}, expect_split=[1, 3]),
+    scenario(
+        "mixed-P1+P3-tied-embeddings",
+        strategy={"pipeline_stages": [1, 3], "microbatches": [2, 6]},
+        model={"cls": "TiedEmbeddingModel"},
+        expect_split=[2, 6],
+    ),
+]
+WORLD_5 = [
+    scenario("mixed-P2+P3-uneven-split-3-5", strategy={"pipeline_stages": [2, 3], "microbatches": [3, 5]}),
+    scenario(
+        "mixed-P2+P3-clip-tied-shuffle",
+        strategy={"pipeline_stages": [2, 3]},
+        model={"cls": "TiedEmbeddingModel", "optimizer": "sgd"},
+        loader={"batch_size": 8, "n": 48, "shuffle": True},
+        trainer={"max_steps": 6, "gradient_clip_val": 0.05},
+    ),
+    # the expensive first layer gets a stage of its own in the depth-2 pipeline; the faster pipeline gets more
+    scenario(
+        "mixed-P2+P3-balanced-uneven-layers",
+        strategy={"pipeline_stages": [2, 3], "microbatches": 8, "partition": "balanced", "profile_cache": None},
+        model={"cls": "UnevenPipelineModel", "lr": 0.01},
+        expect_cuts={2: [1]},
+    ),
+]
+ALL = {4: WORLD_4, 2: WORLD_2, 3: WORLD_3, 5: WORLD_5}
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +198,14 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
 
-    if "expect_cuts" in case:
+    if "+" in ranks[0]["layout"]:
+        _check_mixed_placement(ranks, ref["state_dict"], case.get("expect_split"))
+    if isinstance(case.get("expect_cuts"), dict):  # pipeline depth -> its cuts
+        depths = [int(d[1:]) for d in ranks[0]["layout"].split("+")]
+        for r in ranks:
+            want = case["expect_cuts"].get(depths[r["pipeline"]])
+            assert want is None or r["cuts"] == want, [r["cuts"] for r in ranks]
+    elif "expect_cuts" in case:
         assert all(r["cuts"] == case["expect_cuts"] for r in ranks), [r["cuts"] for r in ranks]
     if "expect_min_stages" in case:
         assert int(ranks[0]["layout"].split("xD")[0][1:]) >= case["expect_min_stages"], ranks[0]["layout"]
@@ -180,6 +224,18 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
             assert r["validate"]["val_loss"] == pytest.approx(ref["validate"]["val_loss"], abs=1e-5)
             assert r["test"]["test_loss"] == pytest.approx(ref["test"]["test_loss"], abs=1e-5)
         _check_predictions(ranks, ref["predict"])
+
+
+def _check_mixed_placement(ranks: list[dict], full: dict[str, torch.Tensor], split: list[int] | None) -> None:
+    """Every parameter lives on exactly one rank of every pipeline; only a depth-1 pipeline holds the whole model."""
+    depths = [int(d[1:]) for d in ranks[0]["layout"].split("+")]
+    for name in full:
+        holders = sorted(r["pipeline"] for r in ranks if name in r["state_dict"])
+        assert holders == list(range(len(depths))), (name, holders)
+    for r in ranks:
+        assert (len(r["state_dict"]) == len(full)) == (depths[r["pipeline"]] == 1)
+    if split is not None:
+        assert [next(r["microbatches"] for r in ranks if r["pipeline"] == p) for p in range(len(depths))] == split
 
 
 def test_clipping_and_accumulation_are_active() -> None:

@@ -11,7 +11,7 @@ as ``DistributedSampler``), because a ``RandomSampler`` draws from each process'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -68,8 +68,15 @@ def explain_indivisible_batch(size: int, dp_size: int, microbatches: int | None,
     return " ".join(parts)
 
 
-def replica_slice(size: int, dp_rank: int, dp_size: int) -> slice:
-    """The contiguous part of a global batch of ``size`` samples that replica ``dp_rank`` owns."""
+def replica_slice(size: int, dp_rank: int, dp_size: int, weights: Sequence[int] | None = None) -> slice:
+    """The contiguous part of a global batch of ``size`` samples that replica ``dp_rank`` owns.
+
+    ``weights`` (pipelines of mixed depths: each pipeline's micro-batches) give each replica a share in
+    proportion; else the shares are equal.
+    """
+    if weights is not None:
+        total, before = sum(weights), sum(weights[:dp_rank])
+        return slice(size * before // total, size * (before + weights[dp_rank]) // total)
     base, extra = divmod(size, dp_size)
     start = dp_rank * base + min(dp_rank, extra)
     return slice(start, start + base + (1 if dp_rank < extra else 0))
@@ -79,15 +86,23 @@ class ReplicaBatchSampler(Sampler[list[int]]):
     """Yields this replica's share of every global batch of ``batch_sampler``.
 
     With ``divisor`` set (training), every global batch must be a multiple of it
-    (``data_parallel x microbatches``) so that all replicas and micro-batches are equal.
+    (``data_parallel x microbatches``, the total micro-batches) so that all micro-batches are equal.
+    ``weights``: shares in proportion (pipelines of mixed depths), see :func:`replica_slice`.
     """
 
     def __init__(
-        self, batch_sampler: Any, dp_rank: int, dp_size: int, divisor: int | None, world_size: int | None = None
+        self,
+        batch_sampler: Any,
+        dp_rank: int,
+        dp_size: int,
+        divisor: int | None,
+        world_size: int | None = None,
+        weights: Sequence[int] | None = None,
     ) -> None:
         self.batch_sampler = batch_sampler
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.weights = list(weights) if weights is not None else None
         self.divisor = divisor
         self.world_size = world_size
         self.epoch = 0
@@ -120,16 +135,24 @@ class ReplicaBatchSampler(Sampler[list[int]]):
                 continue
             batch = list(batch)
             if self.divisor is not None and len(batch) % self.divisor:
+                if self.weights is not None:
+                    raise LayoutError(
+                        f"A global batch of {len(batch)} samples cannot be cut into the {self.divisor} equal "
+                        f"micro-batches that the pipelines of mixed depths run ({'+'.join(map(str, self.weights))}). "
+                        f"Use a DataLoader batch_size that is a multiple of {self.divisor} "
+                        f"(e.g. {valid_global_batches(self.divisor, len(batch))}), or drop_last=True."
+                    )
                 m = self.divisor // self.dp_size
                 raise LayoutError(
                     explain_indivisible_batch(len(batch), self.dp_size, m if m > 1 else None, self.world_size)
                 )
-            if len(batch) < self.dp_size:
+            share = replica_slice(len(batch), self.dp_rank, self.dp_size, self.weights)
+            if len(batch) < self.dp_size or share.stop <= share.start:
                 raise LayoutError(
-                    f"A batch of {len(batch)} samples is smaller than the {self.dp_size} data-parallel replicas; "
+                    f"A batch of {len(batch)} samples is too small for the {self.dp_size} data-parallel replicas; "
                     f"use a larger batch_size or drop_last=True."
                 )
-            yield batch[replica_slice(len(batch), self.dp_rank, self.dp_size)]
+            yield batch[share]
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -194,8 +217,9 @@ def shard_dataloader(
     seed: int,
     progress: Callable[[], int] | None = None,
     world_size: int | None = None,
+    weights: Sequence[int] | None = None,
 ) -> ShardedDataLoader:
-    """A copy of ``loader`` that yields this replica's share of each global batch."""
+    """A copy of ``loader`` that yields this replica's share of each global batch (in proportion to ``weights``)."""
     from torch.utils.data import IterableDataset
 
     if isinstance(loader.dataset, IterableDataset):
@@ -229,7 +253,7 @@ def shard_dataloader(
         kwargs["prefetch_factor"] = loader.prefetch_factor
     sharded = ShardedDataLoader(
         loader.dataset,
-        batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size),
+        batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size, weights),
         **kwargs,
     )
     sharded.progress = progress

@@ -74,14 +74,35 @@ if TYPE_CHECKING:
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
 
 
+def _mixed_groups(grid: Layout, rank: int) -> tuple[Any, Any]:
+    """(this rank's pipeline group, the group of every pipeline's last stage if this rank holds one) for pipelines
+    of mixed depths. Collective: every rank makes every group, in the same order."""
+    pp_group = last_group = None
+    for pipeline in range(grid.data_parallel):
+        ranks = grid.pipeline_ranks(pipeline)
+        made = torch.distributed.new_group(ranks)
+        if rank in ranks:
+            pp_group = made
+    lasts = [grid.pipeline_ranks(p)[-1] for p in range(grid.data_parallel)]
+    made = torch.distributed.new_group(lasts)
+    if rank in lasts:
+        last_group = made
+    return pp_group, last_group
+
+
 class SpotPipelineStrategy(ParallelStrategy):
     """Split a LightningModule's layer sequence into pipeline stages and replicate the pipeline.
 
     Args:
         pipeline_stages: pipeline depth P; ``"auto"``: chosen by the planner from a profile of the model
             (without training data: the deepest pipeline that fits). The data-parallel width is D = world size / P.
+            A list gives pipelines of mixed depths, one entry per pipeline (``[2, 3]`` on 5 processes): every
+            process trains whatever the world size; each pipeline gets its own cuts.
         microbatches: micro-batches per replica and step; ``"auto"``: chosen by the planner (else at least
             2 x P). The DataLoader's ``batch_size`` is the global batch: divisible by D x microbatches.
+            With pipelines of mixed depths: the total over all pipelines (split in proportion to each pipeline's
+            predicted speed), or a list with each pipeline's count (``[3, 5]``); the global batch is divisible by
+            the total.
         schedule: a ``torch.distributed.pipelining`` schedule name, any case: ``GPipe``, ``1F1B``,
             ``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``;
             ``"auto"``: chosen by the planner (GPipe or 1F1B), else 1F1B.
@@ -110,7 +131,7 @@ class SpotPipelineStrategy(ParallelStrategy):
     def __init__(
         self,
         pipeline_stages: StagesArg = "auto",
-        microbatches: Union[int, Literal["auto"]] = "auto",
+        microbatches: Union[int, list[int], Literal["auto"]] = "auto",
         schedule: str = "auto",
         stages_per_rank: Optional[int] = None,
         partition: Union[Literal["auto", "uniform", "balanced"], Sequence[int]] = "auto",
@@ -137,8 +158,19 @@ class SpotPipelineStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
-            raise LayoutError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
+        if isinstance(microbatches, (list, tuple)):
+            if isinstance(pipeline_stages, (int, str)) or len(microbatches) != len(pipeline_stages):
+                raise LayoutError(
+                    f"microbatches={list(microbatches)} gives one count per pipeline; it needs pipeline_stages as a list "
+                    f"of as many depths (e.g. pipeline_stages=[2, 3], microbatches=[3, 5]), got {pipeline_stages!r}"
+                )
+            if any(not isinstance(m, int) or m < 1 for m in microbatches):
+                raise LayoutError(f"microbatches must be positive ints, got {list(microbatches)}")
+            microbatches = [int(m) for m in microbatches]
+        elif microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
+            raise LayoutError(f"microbatches must be a positive int, a list of them or 'auto', got {microbatches!r}")
+        if not isinstance(pipeline_stages, (int, str)):
+            pipeline_stages = [int(p) for p in pipeline_stages]
         if schedule != "auto":
             resolve_schedule(schedule, stages_per_rank)  # unknown names fail here, not after start-up
         if isinstance(partition, str) and partition not in ("auto", "uniform", "balanced"):
@@ -371,7 +403,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         describe_choice(choice)
         self._layout = layout = choice.layout
         grid = layout.grid
-        if is_initialized():
+        if is_initialized() and grid.is_mixed:
+            pp_group, dp_group = _mixed_groups(grid, self.global_rank)
+        elif is_initialized():
             self._device_mesh = grid.device_mesh(self.root_device.type)
             pp_group, dp_group = self._device_mesh.get_group("pp"), self._device_mesh.get_group("dp")
         else:
@@ -393,6 +427,16 @@ class SpotPipelineStrategy(ParallelStrategy):
             activation_checkpointing=choice.activation_checkpointing,
         )
         checkpointing = ", activation checkpointing" if choice.activation_checkpointing else ""
+        if grid.is_mixed:
+            pipes = ", ".join(
+                f"depth {d} cut at {list(layout.cuts_of(i))} with {layout.microbatches_of(i)} micro-batches"
+                for i, d in enumerate(grid.pipeline_depths)
+            )
+            rank_zero_info(
+                f"spot_pipeline: layout {grid} ({grid.data_parallel} pipelines of mixed depths: {pipes}), schedule "
+                f"{layout.schedule}, layers of `{split.layers_path}` ({split.num_layers} blocks){checkpointing}"
+            )
+            return engine
         rank_zero_info(
             f"spot_pipeline: layout {grid} ({grid.pipeline_stages} pipeline stages x {grid.data_parallel} "
             f"data-parallel replicas), schedule {layout.schedule}, {layout.stages} stages, layer cuts "
@@ -414,12 +458,14 @@ class SpotPipelineStrategy(ParallelStrategy):
         """Clip by the global norm over all stages instead of each rank's local norm."""
         engine = self.engine
         assert engine is not None
-        pp_group = engine.ctx.pp_group
+        mixed = engine.layout.is_mixed
+        group = torch.distributed.group.WORLD if mixed and is_initialized() else engine.ctx.pp_group
+        counts = engine.ctx.dp_rank == 0 or not mixed
         duplicates = engine.ties.duplicates
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_global(params, float(clip_val), pp_group, duplicates=duplicates)
+            clip_grad_norm_global(params, float(clip_val), group, duplicates=duplicates, counts=counts)
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -473,7 +519,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             "compute_seconds": engine.last_compute_seconds,
             "bubble": measured_bubble(engine.last_step_seconds, engine.last_compute_seconds),
             "bubble_theory": theoretical_bubble(
-                engine.spec.name, self.layout.pipeline_stages, engine.spec.stages_per_rank, engine.last_microbatches
+                engine.spec.name, engine.plan.pp_size, engine.spec.stages_per_rank, engine.last_microbatches
             ),
         }
 
@@ -528,16 +574,18 @@ class SpotPipelineStrategy(ParallelStrategy):
         progress = None
         if training:
             assert trainer is not None
-            divisor = self.layout.data_parallel * engine.microbatches
+            divisor = self.pipeline_layout.total_microbatches
             fit_loop = trainer.fit_loop
 
             def progress() -> int:  # global batches trained in the current epoch (same on every layout)
                 return fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
 
+        layout = self.pipeline_layout
         return shard_dataloader(
             dataloader,
             dp_rank=engine.ctx.dp_rank,
             dp_size=self.layout.data_parallel,
+            weights=layout.pipeline_microbatches if layout.is_mixed else None,
             divisor=divisor,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             progress=progress,

@@ -89,6 +89,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
+        "pipeline": strategy.engine.ctx.dp_rank,
+        "microbatches": strategy.engine.microbatches,
         "parameters": strategy.count_parameters(),
     }
     if throughput is not None:

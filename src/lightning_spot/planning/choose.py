@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union, cast
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,12 +32,19 @@ from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, Candidate, evaluate, plan_layouts
 from lightning_spot.planning.hardware import Hardware, default_hardware
 from lightning_spot.planning.memory import PlanMemory, PlanPlace, keep_or_switch, plan_key, reuse_or_measure
+from lightning_spot.planning.mixed import (
+    fewest_microbatches,
+    layer_count_seconds,
+    mixed_cuts,
+    split_microbatches,
+    total_microbatches,
+)
 from lightning_spot.planning.profile import ModelProfile, forward_inputs, profile_model
 from lightning_spot.runtime.schedules import resolve_schedule
 
 log = logging.getLogger(__name__)
 Partition = Union[Literal["auto", "uniform", "balanced"], Sequence[int]]
-MicrobatchesArg = Union[int, Literal["auto"]]
+MicrobatchesArg = Union[int, list[int], Literal["auto"]]
 
 
 @dataclass(frozen=True)
@@ -88,10 +95,13 @@ class _Draft:
     microbatches: MicrobatchesArg
     schedule: str
     activation_checkpointing: bool
-    cuts: list[int] | None
+    #: the cuts; with pipelines of mixed depths one list per pipeline
+    cuts: list[int] | list[list[int]] | None
     plan: dict[str, Any] | None = None
     runners_up: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
+    #: pipelines of mixed depths: each one's predicted slowest stage per micro-batch (splits the batch)
+    stage_seconds: list[float] | None = None
 
 
 def sample_batch(trainer: Any) -> tuple[int, Any] | None:
@@ -112,7 +122,7 @@ def _first_samples(batch: Any, size: int, count: int) -> Any:
 
 
 def _fallback(requested: Requested) -> _Draft:
-    cuts = list(requested.partition) if not isinstance(requested.partition, str) else None
+    cuts: Any = list(requested.partition) if not isinstance(requested.partition, str) else None
     schedule = "1F1B" if requested.schedule == "auto" else requested.schedule
     return _Draft(
         requested.pipeline_stages, requested.microbatches, schedule, bool(requested.activation_checkpointing), cuts
@@ -136,14 +146,53 @@ def _settle(
     """Cut the stages and fix the micro-batch count: the :class:`PipelineLayout` every rank builds."""
     spec = resolve_schedule(draft.schedule, requested.stages_per_rank)
     grid = Layout.for_world(world_size, draft.pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank)
+    if grid.is_mixed:
+        return _settle_mixed(draft, grid, spec.name, split, global_batch)
+    cuts = cast(Optional[list[int]], draft.cuts)
     plan = plan_stages(
-        split.num_layers, grid.pipeline_stages, stages_per_rank=spec.stages_per_rank, style=spec.style, cuts=draft.cuts
+        split.num_layers, grid.pipeline_stages, stages_per_rank=spec.stages_per_rank, style=spec.style, cuts=cuts
     )
     microbatches = draft.microbatches
+    if isinstance(microbatches, list):
+        raise LayoutError(
+            f"microbatches={microbatches} gives one count per pipeline: pipelines of one depth take an int"
+        )
     if microbatches == "auto":
         microbatches = default_microbatches(grid, plan.num_stages, global_batch)
     layout = PipelineLayout(grid, spec.name, plan.num_stages, tuple(plan.cuts), microbatches)
     return LayoutChoice(layout, draft.activation_checkpointing, draft.plan, tuple(draft.runners_up), draft.reason)
+
+
+def _settle_mixed(
+    draft: _Draft, grid: Layout, schedule: str, split: ModelSplit, global_batch: int | None
+) -> LayoutChoice:
+    """Pipelines of mixed depths: each one's cuts (planned, else even) and its share of the micro-batches."""
+    if schedule not in PLANNED_SCHEDULES:
+        raise LayoutError(
+            f"pipelines of mixed depths ({grid}) run 1F1B or GPipe (one stage per rank), not {schedule}. "
+            f"Use schedule='1F1B', 'GPipe' or 'auto'."
+        )
+    depths = grid.pipeline_depths
+    cuts = draft.cuts
+    if cuts is not None and not all(isinstance(c, list) for c in cuts):
+        raise LayoutError(
+            "explicit cut indices fit one pipeline depth; with pipelines of mixed depths use "
+            "partition='balanced' (cut by measured cost) or 'uniform' (even layer counts)."
+        )
+    given = cast(list[list[int]], cuts) if cuts is not None else [None] * len(depths)
+    per_pipeline = [plan_stages(split.num_layers, d, cuts=c).cuts for d, c in zip(depths, given)]
+    microbatches = draft.microbatches
+    if not isinstance(microbatches, list):
+        total = total_microbatches(depths, schedule, global_batch) if microbatches == "auto" else microbatches
+        seconds = draft.stage_seconds or [
+            layer_count_seconds(split.num_layers, d, c) for d, c in zip(depths, per_pipeline)
+        ]
+        microbatches = split_microbatches(int(total), depths, seconds, schedule)
+    for d, m in zip(depths, microbatches):
+        if m < fewest_microbatches(d, schedule):
+            raise LayoutError(f"{schedule} needs at least {d} micro-batches on a pipeline of depth {d}, got {m}")
+    layout = PipelineLayout.mixed(grid, schedule, per_pipeline, microbatches)
+    return LayoutChoice(layout, draft.activation_checkpointing, None, (), draft.reason)
 
 
 def choose_layout(
@@ -164,8 +213,8 @@ def choose_layout(
     ``plan_places`` and kept at the next start-up unless a new one is clearly better (``memory``).
     """
     if requested.pipeline_stages != "auto":  # clear errors if the fixed depth cannot fit, before any profiling
-        Layout.for_world(world_size, requested.pipeline_stages)
-        plan_stages(split.num_layers, requested.pipeline_stages, stages_per_rank=requested.per_rank(requested.schedule))
+        grid = Layout.for_world(world_size, requested.pipeline_stages)
+        plan_stages(split.num_layers, max(grid.pipeline_depths), stages_per_rank=requested.per_rank(requested.schedule))
     if not requested.wants_plan:
         return _settle(_fallback(requested), requested, split, world_size, None)
     is_rank_zero = rank() == 0
@@ -225,6 +274,8 @@ def _decide(
     previous: Candidate | None = None,
 ) -> _Draft:
     explicit_cuts = None if isinstance(requested.partition, str) else list(requested.partition)
+    if isinstance(requested.pipeline_stages, list) and explicit_cuts is None:
+        return _decide_mixed(profile, requested, global_batch, hardware)
     if requested.schedule not in ("auto", *PLANNED_SCHEDULES) or explicit_cuts is not None:
         # layouts the planner does not model: keep the simple rules, balance the cuts by time if asked
         draft = _fallback(requested)
@@ -281,6 +332,36 @@ def _decide(
         runners_up=[c.to_dict() for c in candidates[:4] if c is not best][:3],
         reason=reason,
     )
+
+
+def _decide_mixed(profile: ModelProfile, requested: Requested, global_batch: int, hardware: Hardware) -> _Draft:
+    """Pipelines of the requested mixed depths: cost-balanced cuts and predicted speeds to split the batch by."""
+    draft = _fallback(requested)
+    assert isinstance(requested.pipeline_stages, list)
+    depths = [int(d) for d in requested.pipeline_stages]
+    draft.activation_checkpointing = bool(requested.activation_checkpointing)
+    m = requested.microbatches
+    total = sum(m) if isinstance(m, list) else m if isinstance(m, int) else None
+    total = total or total_microbatches(depths, draft.schedule, global_batch)
+    if global_batch % total:
+        return draft  # the data loader reports the indivisible batch with every way out
+    cuts, seconds = mixed_cuts(
+        profile,
+        depths,
+        samples=global_batch // total,
+        schedule=draft.schedule,
+        checkpointing=draft.activation_checkpointing,
+        hardware=hardware,
+    )
+    if requested.partition in ("auto", "balanced"):
+        draft.cuts = cuts
+        draft.stage_seconds = seconds
+    if not isinstance(m, list):
+        draft.microbatches = total
+    draft.reason = "pipelines of mixed depths " + ", ".join(
+        f"P{d}: slowest stage {s * 1000:.2f} ms per micro-batch" for d, s in zip(depths, seconds)
+    )
+    return draft
 
 
 def _reevaluate(

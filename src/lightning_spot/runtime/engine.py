@@ -28,6 +28,7 @@ from lightning_spot.layout import LayoutError, PipelineLayout
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages, placement_of
+from lightning_spot.runtime.cross_pipeline import CrossPipelineSync
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
 from lightning_spot.runtime.logging_bridge import LastStageShare, LogCapture, LogRecord, reduce_records, replay
 from lightning_spot.runtime.schedules import resolve_schedule
@@ -44,6 +45,8 @@ class ParallelContext:
     pp_rank: int
     dp_rank: int
     pp_group: dist.ProcessGroup | None
+    #: the replicas of this rank's stage (P x D grids); with pipelines of mixed depths, the last stages of all
+    #: pipelines on the ranks holding one (logged values are combined over it), else ``None``
     dp_group: dist.ProcessGroup | None
     device: torch.device
 
@@ -66,14 +69,25 @@ class PipelineEngine:
     ) -> None:
         self.module = module
         self.layout = layout
+        self.split = split
         self.spec = resolve_schedule(layout.schedule, layout.stages // layout.pipeline_stages)
-        self.plan = plan = plan_stages(
-            split.num_layers,
-            layout.pipeline_stages,
-            stages_per_rank=self.spec.stages_per_rank,
-            style=self.spec.style,
-            cuts=layout.cuts,
-        )
+        if layout.is_mixed and self.spec.stages_per_rank != 1:
+            raise LayoutError(
+                f"pipelines of mixed depths ({layout.grid}) run one stage per rank; schedule {self.spec.name} loops "
+                f"over several. Use schedule='1F1B' or 'GPipe', or pipelines of one depth."
+            )
+        #: the stage plan of every pipeline (one per data-parallel replica; all the same on a P x D grid)
+        self.plans = [
+            plan_stages(
+                split.num_layers,
+                depth,
+                stages_per_rank=self.spec.stages_per_rank,
+                style=self.spec.style,
+                cuts=layout.cuts_of(pipeline),
+            )
+            for pipeline, depth in enumerate(layout.grid.pipeline_depths)
+        ]
+        self.plan = plan = self.plans[ctx.dp_rank]
         self.ctx = ctx
         self.capture = LogCapture()
         self.runner = StepRunner(module, plan.num_stages, self.capture, ctx.device)
@@ -92,11 +106,13 @@ class PipelineEngine:
         self.ties = TiedCopies(
             module,
             placement.ties if placement is not None else (),
-            plan,
-            layout,
+            split,
+            self.plans,
+            layout.grid,
             pp_rank=ctx.pp_rank,
             dp_rank=ctx.dp_rank,
         )
+        self.cross: CrossPipelineSync | None = None
         self.stage_modules = {s: StageModule(placed[s], self.runner) for s in self.local_stages}
         self.train_modules: dict[int, nn.Module] = dict(self.stage_modules)
         self.params: list[nn.Parameter] = []
@@ -116,8 +132,12 @@ class PipelineEngine:
 
     @property
     def microbatches(self) -> int:
-        """Micro-batches per replica and training step."""
-        return self.layout.microbatches
+        """Micro-batches this rank's pipeline runs per training step."""
+        return self.layout.microbatches_of(self.ctx.dp_rank)
+
+    def global_batch_of(self, local: int) -> int:
+        """The global batch of a step in which this pipeline trains ``local`` samples."""
+        return local * self.layout.total_microbatches // self.microbatches
 
     def wrap_data_parallel(self, trace_allreduce: bool = False) -> None:
         """Sync gradients across replicas: DDP per stage (overlapped with the last backward), except for
@@ -128,6 +148,18 @@ class PipelineEngine:
         """
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.ties.make_equal()
+        if self.layout.is_mixed:
+            placement = placement_of(self.module)
+            self.cross = CrossPipelineSync(
+                self.module,
+                self.split,
+                self.layout.grid,
+                self.plans,
+                rank=dist.get_rank(),
+                ties=placement.ties if placement is not None else (),
+            )
+            self.cross.make_equal()
+            return
         if self.layout.data_parallel == 1 or self.spec.splits_backward:
             return
         for s, m in self.stage_modules.items():
@@ -191,7 +223,7 @@ class PipelineEngine:
             raise LayoutError(
                 f"Each of the {D} data-parallel replicas gets {local_size} samples, which cannot be cut into "
                 f"microbatches={m} equal micro-batches. Valid microbatches for this batch: {divisors(local_size)}; "
-                f"or use a global batch that is a multiple of {D * m}."
+                f"or use a global batch that is a multiple of {self.layout.total_microbatches}."
             )
         return m
 
@@ -203,7 +235,7 @@ class PipelineEngine:
         local = batch_size_of(batch)
         m = self.train_microbatches(local)
         self.last_microbatches = m
-        self.last_global_batch = local * self.layout.data_parallel
+        self.last_global_batch = global_batch = self.global_batch_of(local)
         program = self._program("train", "training_step", m, batch)
         saved = take_grads(self.params)
         losses: list[Tensor] = []
@@ -220,9 +252,12 @@ class PipelineEngine:
             with clock.span("all-reduce", "allreduce", lane="allreduce"):
                 all_reduce_mean(self.params, self.ctx.dp_group)
         self.ties.sum_grads()
+        if self.cross is not None:
+            with clock.span("all-reduce", "allreduce", lane="allreduce"):
+                self.cross.reduce(scale=m / self.layout.total_microbatches)
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
-        self.samples_seen += local * self.layout.data_parallel
+        self.samples_seen += global_batch
         extra = (
             [LogRecord("__loss__", torch.stack([x.detach().float() for x in losses]).mean(), float(local), {})]
             if self.holds_last
@@ -230,7 +265,7 @@ class PipelineEngine:
         )
         logged = self._share_logs(extra)
         loss = logged.pop("__loss__")[0]
-        replay(self.module, logged, batch_size=local * self.layout.data_parallel, device=self.ctx.device)
+        replay(self.module, logged, batch_size=global_batch, device=self.ctx.device)
         return torch.tensor(loss, device=self.ctx.device)
 
     def restore_grads(self, scale: float) -> None:

@@ -73,16 +73,20 @@ def clip_grad_norm_global(
     group: dist.ProcessGroup | None,
     norm_type: float = 2.0,
     duplicates: Sequence[Tensor] = (),
+    counts: bool = True,
 ) -> Tensor:
     """Clip by the norm over *all* pipeline stages: the local norms are combined over ``group``.
 
     Data-parallel replicas hold identical (already averaged) gradients, so ``group`` is the
     pipeline group of this rank; every rank gets the same total norm and clip coefficient.
     ``duplicates`` (copies of tied parameters counted on another rank) are clipped, not counted.
+    Pipelines of mixed depths cut the model differently, and summing in another order could give
+    each pipeline a slightly different norm: there ``group`` is the whole world and only the ranks of
+    pipeline 0 count (``counts``), so that every rank gets the very same coefficient.
     """
     grads = [p.grad for p in params if p.grad is not None]
     skip = {id(p) for p in duplicates}
-    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip and counts]
     device = grads[0].device if grads else torch.device("cpu")
     if math.isinf(norm_type):
         local = (

@@ -1,6 +1,6 @@
 """Parameters tied across pipeline stages, kept as Megatron-LM keeps its embedding group.
 
-    ties = TiedCopies(module, placement.ties, plan, layout, pp_rank=1, dp_rank=0)   # collective: makes groups
+    ties = TiedCopies(module, placement.ties, split, plans, grid, pp_rank=1, dp_rank=0)   # collective: makes groups
     ties.make_equal()      # every copy starts as the reference copy (the stage holding the first name)
     ties.sum_grads()       # after backward: each copy's gradient becomes the sum over the copies
     ties.duplicates        # this rank's copies that are not the reference (left out of gradient norms)
@@ -15,6 +15,7 @@ pipeline stage, or a V-shaped schedule with the first and last stage on one rank
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_spot._dist import is_initialized
-from lightning_spot.layout import PipelineLayout
+from lightning_spot.layout import Layout
 from lightning_spot.partition.cuts import StagePlan
-from lightning_spot.partition.placement import TiedParameter
+from lightning_spot.partition.discovery import ModelSplit
+from lightning_spot.partition.placement import TiedParameter, stage_of_parameter
+
+
+def _stages_of(tie: TiedParameter, split: ModelSplit, plan: StagePlan) -> set[int]:
+    """The stages that use ``tie`` when the layers are cut as in ``plan`` (another pipeline's, perhaps)."""
+    stages = {stage_of_parameter(name, split, plan) for name in tie.stages}
+    return {s for s in stages if s is not None}
 
 
 @dataclass
@@ -45,25 +53,29 @@ class TiedCopies:
         self,
         module: nn.Module,
         ties: tuple[TiedParameter, ...],
-        plan: StagePlan,
-        layout: PipelineLayout,
+        split: ModelSplit,
+        plans: Sequence[StagePlan],
+        grid: Layout,
         *,
         pp_rank: int,
         dp_rank: int,
     ) -> None:
+        """``plans``: the stage plan of every pipeline (replica); this rank is ``pp_rank`` in pipeline ``dp_rank``."""
         self.aliases = {alias: tie.name for tie in ties for alias in tie.aliases}
         self._groups: list[_TieGroup] = []
         local = dict(module.named_parameters(remove_duplicate=False))
-        D = layout.data_parallel
+        plan = plans[dp_rank]
         for tie in ties:
             holders = sorted({plan.rank_of_stage(s) for s in tie.stages.values()})
             owner_pp = plan.rank_of_stage(tie.owner_stage)
             group = None
-            if len(holders) > 1 and is_initialized():
-                for d in range(D):  # every rank creates every group, in the same order
-                    made = dist.new_group([pp * D + d for pp in holders])
-                    if d == dp_rank:
-                        group = made
+            if is_initialized():
+                for d, other in enumerate(plans):  # every rank creates every group, in the same order
+                    ranks = sorted({grid.rank_of(d, other.rank_of_stage(s)) for s in _stages_of(tie, split, other)})
+                    if len(ranks) > 1:
+                        made = dist.new_group(ranks)
+                        if d == dp_rank:
+                            group = made
             copies: list[nn.Parameter] = []
             for name in tie.stages:  # the stored name first: on the owner's rank that copy is the reference
                 if name in local and all(local[name] is not c for c in copies):
