@@ -95,6 +95,11 @@ class Layout:
             start += depth
         raise LayoutError(f"rank {rank} is outside the layout {self} of {self.world_size} ranks")
 
+    def same_state_key(self, rank: int) -> int:
+        """Ranks with equal keys hold the same parameters (the replicas of one stage). Pipelines of mixed depths
+        are cut differently, so there every rank counts as holding a state of its own."""
+        return rank if self.depths else self.pp_rank(rank)
+
     def __str__(self) -> str:
         if self.depths:
             return "+".join(f"P{d}" for d in self.depths)

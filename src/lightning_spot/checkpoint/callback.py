@@ -465,7 +465,7 @@ class SpotCheckpoint(L.Callback):
                 rank=trainer.global_rank,
                 world=trainer.world_size,
                 local_world=trainer.num_devices,
-                stage_of=_host(trainer).pipeline_layout.grid.pp_rank,
+                stage_of=_host(trainer).pipeline_layout.grid.same_state_key,
             )
         return self.snapshotter
 

@@ -1,6 +1,6 @@
 """Take in-memory snapshots: copy on the training thread, write and copy to a peer node in the background.
 
-    snapshotter = Snapshotter(store, group, rank=r, world=w, local_world=lw, pp_rank=p, stage_of=layout.grid.pp_rank)
+    snapshotter = Snapshotter(store, group, rank=r, world=w, local_world=lw, pp_rank=p, stage_of=layout.grid.same_state_key)
     snapshotter.take(checkpoint, info)       # a Lightning checkpoint dict of this step; returns the stall
     snapshotter.wait(); snapshotter.close()
 

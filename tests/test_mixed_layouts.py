@@ -1,0 +1,90 @@
+"""Checkpoints move between uniform layouts and pipelines of mixed depths with the same training math.
+
+One run, four jobs in a row on one run directory, each resuming the previous one's last checkpoint:
+P2xD2 (4 processes, 3 steps) -> [1, 2] (a one-GPU node lost: 3 processes, to step 7) -> [2, 3] (two GPUs
+joined: 5 processes, to step 10) -> P2xD1 (2 processes, to step 12). The end state must equal 12
+uninterrupted single-process steps (Adam, StepLR, shuffled data, mid-epoch stops). The [1, 2] job also takes
+in-memory snapshots, so the checkpoint it writes is of kind "shares" (its snapshots' files); the [2, 3]
+job writes DCP shards. Both kinds written by mixed layouts are read back onto another layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_spot.checkpoint.storage import Storage
+from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios
+
+COMMON: dict[str, Any] = {"model": {"scheduler": True}, "loader": {"batch_size": 16, "n": 80, "shuffle": True}}
+TOTAL_STEPS = 12
+# (world, strategy, last step, snapshots)
+CHAIN: list[tuple[int, dict[str, Any], int, bool]] = [
+    (4, {"pipeline_stages": 2, "microbatches": 2}, 3, False),
+    (3, {"pipeline_stages": [1, 2]}, 7, True),
+    (5, {"pipeline_stages": [2, 3], "microbatches": [3, 5]}, 10, False),
+    (2, {"pipeline_stages": 2, "microbatches": 4}, TOTAL_STEPS, False),
+]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("mixed")
+    run = str(tmp / "run")
+    results, manifests = [], []
+    for i, (world, strategy, steps, snapshots) in enumerate(CHAIN):
+        spot: dict[str, Any] = {"dirpath": run, "every_n_train_steps": 2, "keep_last": 2, "resume": True}
+        if snapshots:
+            spot.update(snapshot_every_n_train_steps=1, snapshot_dir=str(tmp / "shm" / str(i)))
+        phase = {
+            **COMMON,
+            "name": f"phase{i}",
+            "strategy": strategy,
+            "trainer": {"max_steps": steps},
+            "spot_checkpoint": spot,
+        }
+        results.append(run_scenarios(world, [phase], tmp / f"phase{i}", timeout=300)[f"phase{i}"])
+        manifests.append(Storage(run).read_json(f"step-{steps:09d}/manifest.json"))
+    return {"results": results, "manifests": manifests}
+
+
+@pytest.mark.timeout(900)
+def test_uniform_to_mixed_to_mixed_to_uniform_has_the_same_math(chain: dict[str, Any]) -> None:
+    ref = reference_run({**COMMON, "trainer": {"max_steps": TOTAL_STEPS}})
+    for i, ranks in enumerate(chain["results"][1:], start=1):
+        resumed_from = CHAIN[i - 1][2]
+        assert all(r["restored_step"] == resumed_from for r in ranks), (i, [r.get("restored_step") for r in ranks])
+    last = chain["results"][-1]
+    assert_same_params(merged_state(last), ref)
+    for r in last:
+        assert r["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=1e-5)
+
+
+def test_every_rank_of_a_mixed_layout_trains_its_share(chain: dict[str, Any]) -> None:
+    """[1, 2] and [2, 3]: every process holds parameters and runs micro-batches; layouts recorded in manifests."""
+    for i in (1, 2):
+        world, strategy, _, _ = CHAIN[i]
+        ranks = chain["results"][i]
+        assert len(ranks) == world and all(r["state_dict"] and r["microbatches"] >= 1 for r in ranks)
+        layout = chain["manifests"][i]["layout"]
+        assert [p["depth"] for p in layout["pipelines"]] == strategy["pipeline_stages"]
+        assert sum(p["microbatches"] for p in layout["pipelines"]) == layout["microbatches"]
+        assert layout["world_size"] == world
+    assert chain["manifests"][1]["kind"] == "shares"  # the [1, 2] job's snapshots, uploaded as they are
+    assert sorted(chain["manifests"][1]["shares"]) == ["0", "1", "2"]
+    assert "kind" not in chain["manifests"][2]  # DCP shards
+    assert [p["microbatches"] for p in chain["manifests"][2]["layout"]["pipelines"]] == [3, 5]
+
+
+def test_a_mixed_layout_restores_its_own_random_state(tmp_path: Path) -> None:
+    """Manifests of mixed layouts read back to the same layout (so a restart on it restores RNG states)."""
+    from lightning_spot.layout import Layout, PipelineLayout
+
+    layout = PipelineLayout.mixed(Layout.of_depths([2, 3]), "1F1B", [[2], [1, 3]], [3, 5])
+    assert PipelineLayout.from_dict(layout.to_dict()) == layout
+    assert str(layout) == "P2+P3 1F1B M=3+5"
+    assert PipelineLayout.from_dict(layout.to_dict()) != PipelineLayout.mixed(
+        Layout.of_depths([2, 3]), "1F1B", [[2], [1, 3]], [4, 4]
+    )
