@@ -128,6 +128,7 @@ def worker() -> None:
         partition=job["partition"],
         activation_checkpointing=job["ac"],
         profile_cache=job["cache"],
+        device_memory=job.get("device_memory"),
     )
     timer = PipelineThroughput(warmup_steps=job["warmup"], prog_bar=False)
     extra: list[Any] = []
@@ -154,18 +155,25 @@ def worker() -> None:
     trainer.fit(build_model(job), train_dataloaders=loader)
     if not trainer.is_global_zero:
         return
-    plan = strategy.layout_choice.plan if strategy.layout_choice is not None else None
+    from lightning_spot.layout import PipelineLayout
+
+    choice = strategy.layout_choice
+    plan = (choice.plan or choice.mixed_plan) if choice is not None else None
     times = timer.step_times
+    built = PipelineLayout.from_dict(seen)
     result = {
-        "layout": f"P{seen['pipeline_stages']}xD{seen['data_parallel']}",
+        "layout": str(built.grid),
+        "pipeline_microbatches": list(built.pipeline_microbatches),
+        "pipeline_cuts": [list(c) for c in built.pipeline_cuts],
+        "samples_per_second": job["batch"] / statistics.median(times),
         "microbatches": seen["microbatches"],
         "schedule": seen["schedule"],
         "cuts": seen["cuts"],
         "ac": bool(plan["activation_checkpointing"]) if plan else bool(job["ac"]),
         "measured": statistics.median(times),
         "predicted": plan["predicted_step_seconds"] if plan else None,
-        "predicted_stage_seconds": plan["stage_seconds"] if plan else None,
-        "predicted_detail": plan["detail"] if plan else None,
+        "predicted_stage_seconds": plan.get("stage_seconds") if plan else None,
+        "predicted_detail": plan.get("detail") if plan else None,
         "optimizer_seconds": statistics.median(optimizer_times) if optimizer_times else None,
     }
     Path(job["result"]).write_text(json.dumps(result))

@@ -33,9 +33,12 @@ from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, Candidate, eva
 from lightning_spot.planning.hardware import Hardware, default_hardware
 from lightning_spot.planning.memory import PlanMemory, PlanPlace, keep_or_switch, plan_key, reuse_or_measure
 from lightning_spot.planning.mixed import (
+    MixedCandidate,
     fewest_microbatches,
     layer_count_seconds,
     mixed_cuts,
+    plan_mixed,
+    predict_mixed,
     split_microbatches,
     total_microbatches,
 )
@@ -85,6 +88,8 @@ class LayoutChoice:
     runners_up: tuple[dict[str, Any], ...] = ()
     #: why this plan (kept from the last start, changed, or new), for the log
     reason: str = ""
+    #: the chosen :class:`MixedCandidate` as a dict, when the planner chose pipelines of mixed depths
+    mixed_plan: dict[str, Any] | None = None
 
 
 @dataclass
@@ -100,8 +105,7 @@ class _Draft:
     plan: dict[str, Any] | None = None
     runners_up: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
-    #: pipelines of mixed depths: each one's predicted slowest stage per micro-batch (splits the batch)
-    stage_seconds: list[float] | None = None
+    mixed_plan: dict[str, Any] | None = None
 
 
 def sample_batch(trainer: Any) -> tuple[int, Any] | None:
@@ -184,15 +188,13 @@ def _settle_mixed(
     microbatches = draft.microbatches
     if not isinstance(microbatches, list):
         total = total_microbatches(depths, schedule, global_batch) if microbatches == "auto" else microbatches
-        seconds = draft.stage_seconds or [
-            layer_count_seconds(split.num_layers, d, c) for d, c in zip(depths, per_pipeline)
-        ]
+        seconds = [layer_count_seconds(split.num_layers, d, c) for d, c in zip(depths, per_pipeline)]
         microbatches = split_microbatches(int(total), depths, seconds, schedule)
     for d, m in zip(depths, microbatches):
         if m < fewest_microbatches(d, schedule):
             raise LayoutError(f"{schedule} needs at least {d} micro-batches on a pipeline of depth {d}, got {m}")
     layout = PipelineLayout.mixed(grid, schedule, per_pipeline, microbatches)
-    return LayoutChoice(layout, draft.activation_checkpointing, None, (), draft.reason)
+    return LayoutChoice(layout, draft.activation_checkpointing, None, (), draft.reason, draft.mixed_plan)
 
 
 def choose_layout(
@@ -292,17 +294,34 @@ def _decide(
             )
         return draft
     fixed_p = requested.pipeline_stages if isinstance(requested.pipeline_stages, int) else None
-    candidates = plan_layouts(
-        profile,
-        world_size=world_size,
-        global_batch=global_batch,
-        hardware=hardware,
-        schedules=PLANNED_SCHEDULES if requested.schedule == "auto" else (requested.schedule,),
-        checkpointing=(False, True)
-        if requested.activation_checkpointing is None
-        else (requested.activation_checkpointing,),
-        pipeline_stages=fixed_p,
+    schedules = PLANNED_SCHEDULES if requested.schedule == "auto" else (requested.schedule,)
+    checkpointing = (
+        (False, True) if requested.activation_checkpointing is None else (requested.activation_checkpointing,)
     )
+    mixes = []
+    if requested.pipeline_stages == "auto" and requested.microbatches == "auto" and explicit_cuts is None:
+        mixes = plan_mixed(
+            profile,
+            world_size=world_size,
+            global_batch=global_batch,
+            hardware=hardware,
+            schedules=schedules,
+            checkpointing=checkpointing,
+        )
+    try:
+        candidates = plan_layouts(
+            profile,
+            world_size=world_size,
+            global_batch=global_batch,
+            hardware=hardware,
+            schedules=schedules,
+            checkpointing=checkpointing,
+            pipeline_stages=fixed_p,
+        )
+    except LayoutError:
+        if not mixes:
+            raise
+        return _mixed_draft(mixes, None, idle_note(profile, world_size, global_batch, hardware, mixes[0], schedules))
     if isinstance(requested.microbatches, int):
         fitting = [c for c in candidates if c.microbatches == requested.microbatches]
         if not fitting:
@@ -321,6 +340,11 @@ def _decide(
         candidates = fitting
     previous_now = _reevaluate(previous, profile, world_size, global_batch, hardware) if previous else None
     best, reason = keep_or_switch(candidates[0], previous, previous_now)
+    if mixes and mixes[0].predicted_step_seconds < best.predicted_step_seconds * (1 - MIXED_MARGIN):
+        note = idle_note(profile, world_size, global_batch, hardware, mixes[0], schedules)
+        return _mixed_draft(mixes, best, note)
+    if requested.pipeline_stages == "auto":
+        reason += idle_note(profile, world_size, global_batch, hardware, best, schedules)
     cuts = best.cuts if requested.partition in ("auto", "balanced") else None
     return _Draft(
         best.pipeline_stages,
@@ -332,6 +356,58 @@ def _decide(
         runners_up=[c.to_dict() for c in candidates[:4] if c is not best][:3],
         reason=reason,
     )
+
+
+#: a mix of pipeline depths is chosen over the best uniform layout only when predicted this much faster
+MIXED_MARGIN = 0.03
+
+
+def _mixed_draft(mixes: list[MixedCandidate], uniform: Candidate | None, note: str) -> _Draft:
+    """The planner's pick among pipelines of mixed depths, with why (the best uniform layout it beat)."""
+    best = mixes[0]
+    if uniform is None:
+        why = f"no uniform layout of {sum(best.depths)} processes fits"
+    else:
+        gain = uniform.predicted_step_seconds / best.predicted_step_seconds - 1
+        why = f"{gain:.0%} faster than the best uniform layout, {uniform.describe()}"
+    lines = [f"pipelines of mixed depths {best.describe()}", f"  why: {why}{note}"]
+    lines += [f"  runner-up: {c.describe()}" for c in mixes[1:4]]
+    return _Draft(
+        list(best.depths),
+        list(best.microbatches),
+        best.schedule,
+        best.activation_checkpointing,
+        [list(c) for c in best.cuts],
+        reason="\n".join(lines),
+        mixed_plan=best.to_dict(),
+    )
+
+
+def idle_note(
+    profile: ModelProfile,
+    world_size: int,
+    global_batch: int,
+    hardware: Hardware,
+    chosen: MixedCandidate | Candidate,
+    schedules: Sequence[str],
+) -> str:
+    """What idling processes would gain: the planner keeps every process training and says when fewer would do
+    better (a uniform layout on the largest smaller world that has one)."""
+    for fewer in range(world_size - 1, 0, -1):
+        try:
+            best = plan_layouts(
+                profile, world_size=fewer, global_batch=global_batch, hardware=hardware, schedules=tuple(schedules)
+            )[0]
+        except LayoutError:
+            continue
+        gain = chosen.predicted_step_seconds / best.predicted_step_seconds - 1
+        if gain > 0.001:
+            return (
+                f"; note: {best.describe()} on {fewer} of the {world_size} processes is predicted {gain:.1%} faster "
+                f"(idling {world_size - fewer}); spot_pipeline keeps every process training"
+            )
+        return ""
+    return ""
 
 
 def _decide_mixed(profile: ModelProfile, requested: Requested, global_batch: int, hardware: Hardware) -> _Draft:
@@ -353,14 +429,24 @@ def _decide_mixed(profile: ModelProfile, requested: Requested, global_batch: int
         checkpointing=draft.activation_checkpointing,
         hardware=hardware,
     )
+    counts = list(m) if isinstance(m, list) else split_microbatches(total, depths, seconds, draft.schedule)
     if requested.partition in ("auto", "balanced"):
         draft.cuts = cuts
-        draft.stage_seconds = seconds
-    if not isinstance(m, list):
-        draft.microbatches = total
-    draft.reason = "pipelines of mixed depths " + ", ".join(
-        f"P{d}: slowest stage {s * 1000:.2f} ms per micro-batch" for d, s in zip(depths, seconds)
+    else:
+        cuts = [plan_stages(len(profile.layers), d).cuts for d in depths]
+    draft.microbatches = counts
+    predicted = predict_mixed(
+        profile,
+        depths,
+        counts,
+        cuts,
+        schedule=draft.schedule,
+        checkpointing=draft.activation_checkpointing,
+        samples=global_batch // total,
+        hardware=hardware,
     )
+    draft.mixed_plan = predicted.to_dict()
+    draft.reason = f"pipelines of mixed depths {predicted.describe()}"
     return draft
 
 
@@ -394,6 +480,8 @@ def _reevaluate(
 def describe_choice(choice: LayoutChoice) -> None:
     """Log the plan and its runners-up (rank 0), when the planner chose."""
     if choice.plan is None:
+        if choice.layout.is_mixed and choice.reason:
+            rank_zero_info(f"spot_pipeline plan: {choice.reason}")
         return
     best = Candidate(**choice.plan)
     lines = [f"spot_pipeline plan: {best.describe()}"]

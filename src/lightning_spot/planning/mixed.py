@@ -2,6 +2,7 @@
 
     cuts, per_mb = mixed_cuts(profile, depths=[2, 3], samples=8, schedule="1F1B", hardware=hw)
     split_microbatches(8, depths=[2, 3], stage_seconds=per_mb, schedule="1F1B")    # -> e.g. [3, 5]
+    best = plan_mixed(profile, world_size=5, global_batch=64, hardware=hw)[0]      # the planner's mixes
 
 A pipeline of depth ``p`` whose slowest stage takes ``s`` per micro-batch runs ``m`` micro-batches in
 about ``(m + p - 1) x s`` (fill, steady state, drain). The step waits for the slowest pipeline, so
@@ -13,11 +14,12 @@ one keeps the step's gradient the mean over the global batch whatever the split.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
-from lightning_spot._units import divisors
+from lightning_spot._units import divisors, format_bytes
 from lightning_spot.layout import LayoutError
 from lightning_spot.partition.cuts import even_cuts
-from lightning_spot.planning.cost_model import evaluate
+from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, evaluate
 from lightning_spot.planning.hardware import Hardware
 from lightning_spot.planning.profile import ModelProfile
 
@@ -96,3 +98,137 @@ def mixed_cuts(
         cuts.append(list(candidate.cuts))
         per_microbatch.append(max(candidate.stage_seconds) / m)
     return cuts, per_microbatch
+
+
+@dataclass
+class MixedCandidate:
+    """One evaluated layout of pipelines of mixed depths (the step waits for the slowest pipeline)."""
+
+    depths: list[int]
+    microbatches: list[int]
+    schedule: str
+    activation_checkpointing: bool
+    cuts: list[list[int]]
+    pipeline_seconds: list[float]
+    stage_bytes: int  # the largest stage's memory
+    predicted_step_seconds: float
+    samples_per_second: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        ac = ", activation checkpointing" if self.activation_checkpointing else ""
+        times = ", ".join(f"{t * 1000:.1f}" for t in self.pipeline_seconds)
+        return (
+            f"{'+'.join(f'P{d}' for d in self.depths)}, {'+'.join(map(str, self.microbatches))} micro-batches, "
+            f"{self.schedule}{ac}: {self.predicted_step_seconds * 1000:.1f} ms/step ({self.samples_per_second:.1f} "
+            f"samples/s; pipelines {times} ms), max {format_bytes(self.stage_bytes)} per device, "
+            f"cuts {' | '.join(str(c) for c in self.cuts)}"
+        )
+
+
+def depth_mixes(world_size: int, deepest: int, limit: int = 24) -> list[list[int]]:
+    """Pipelines of two different depths (at most ``deepest``) that use all ``world_size`` processes, closest
+    depths first (at most ``limit``): ``depth_mixes(5, 4)`` -> [[2, 3], [1, 1, 1, 2], [1, 2, 2], [1, 4], ...]."""
+    mixes = []
+    for a in range(1, deepest + 1):
+        for b in range(a + 1, deepest + 1):
+            for x in range(1, world_size // a + 1):
+                rest = world_size - x * a
+                if rest > 0 and rest % b == 0:
+                    mixes.append([a] * x + [b] * (rest // b))
+    mixes.sort(key=lambda m: (max(m) - min(m), len(m)))
+    return mixes[:limit]
+
+
+def predict_mixed(
+    profile: ModelProfile,
+    depths: Sequence[int],
+    microbatches: Sequence[int],
+    cuts: Sequence[Sequence[int]],
+    *,
+    schedule: str,
+    checkpointing: bool,
+    samples: int,
+    hardware: Hardware,
+) -> MixedCandidate:
+    """The predicted step of one mix: each pipeline as in a uniform layout of as many replicas (the all-reduce
+    included), the step as long as the slowest pipeline."""
+    n = len(depths)
+    per_pipeline = [
+        evaluate(
+            profile,
+            pipeline_stages=d,
+            data_parallel=n,
+            microbatches=m,
+            global_batch=samples * m * n,
+            schedule=schedule,
+            checkpointing=checkpointing,
+            hardware=hardware,
+            cuts=list(c),
+        )
+        for d, m, c in zip(depths, microbatches, cuts)
+    ]
+    step = max(c.predicted_step_seconds for c in per_pipeline)
+    return MixedCandidate(
+        list(depths),
+        list(microbatches),
+        schedule,
+        checkpointing,
+        [list(c) for c in cuts],
+        [c.predicted_step_seconds for c in per_pipeline],
+        int(max(max(c.stage_bytes) for c in per_pipeline)),
+        step,
+        samples * sum(microbatches) / step,
+    )
+
+
+def plan_mixed(
+    profile: ModelProfile,
+    *,
+    world_size: int,
+    global_batch: int,
+    hardware: Hardware,
+    schedules: Sequence[str] = PLANNED_SCHEDULES,
+    checkpointing: Sequence[bool] = (False, True),
+    max_microbatches: int = 64,
+) -> list[MixedCandidate]:
+    """Every feasible layout of pipelines of mixed depths for ``world_size`` processes, best first (may be empty).
+
+    Each pipeline gets cost-balanced cuts within the memory, the micro-batches are split by predicted speed,
+    and each pipeline's step is predicted as for a uniform layout of as many replicas (the all-reduce included).
+    """
+    found: list[MixedCandidate] = []
+    for depths in depth_mixes(world_size, len(profile.layers)):
+        n = len(depths)
+        for schedule in schedules:
+            least = sum(fewest_microbatches(d, schedule) for d in depths)
+            for ac in checkpointing:
+                for total in divisors(global_batch):
+                    if total < least:
+                        continue
+                    if total > max_microbatches * n:
+                        break
+                    samples = global_batch // total
+                    try:
+                        cuts, seconds = mixed_cuts(
+                            profile, depths, samples=samples, schedule=schedule, checkpointing=ac, hardware=hardware
+                        )
+                    except LayoutError:
+                        continue
+                    counts = split_microbatches(total, depths, seconds, schedule)
+                    candidate = predict_mixed(
+                        profile,
+                        depths,
+                        counts,
+                        cuts,
+                        schedule=schedule,
+                        checkpointing=ac,
+                        samples=samples,
+                        hardware=hardware,
+                    )
+                    if hardware.memory_bytes is None or candidate.stage_bytes <= hardware.memory_bytes:
+                        found.append(candidate)
+    found.sort(key=lambda c: (c.predicted_step_seconds, c.stage_bytes))
+    return found
