@@ -129,6 +129,13 @@ WORLD_3 = [
 ]
 # pipelines of mixed depths: every rank trains whatever the world size (split: micro-batches per pipeline)
 WORLD_3 += [
+    # everything "auto" with two layers on three processes: no uniform layout fits (P3 > layers, 16 % 3), a mix does
+    scenario(
+        "auto-planned-mixed-two-layers",
+        strategy={"profile_cache": None},
+        model={"num_layers": 2},
+        expect_layout="P1+P2",
+    ),
     scenario("mixed-P1+P2-adam", strategy={"pipeline_stages": [1, 2], "microbatches": 4}, expect_split=[1, 3]),
     scenario(
         "mixed-P1+P2-clip-sgd",
@@ -198,6 +205,8 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
 
+    if "expect_layout" in case:
+        assert ranks[0]["layout"] == case["expect_layout"]
     if "+" in ranks[0]["layout"]:
         _check_mixed_placement(ranks, ref["state_dict"], case.get("expect_split"))
     if isinstance(case.get("expect_cuts"), dict):  # pipeline depth -> its cuts

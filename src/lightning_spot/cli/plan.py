@@ -25,6 +25,7 @@ from lightning_spot.layout import LayoutError
 from lightning_spot.partition.discovery import ModelContractError, discover
 from lightning_spot.planning.cost_model import plan_layouts
 from lightning_spot.planning.hardware import Hardware
+from lightning_spot.planning.mixed import plan_mixed
 from lightning_spot.planning.profile import profile_model
 
 
@@ -97,7 +98,19 @@ def main(argv: Sequence[str]) -> int:
             hw = Hardware(**{**hw.__dict__, "p2p_bytes_per_s": args.p2p_gbps * 1e9})
         if args.allreduce_gbps:
             hw = Hardware(**{**hw.__dict__, "allreduce_bytes_per_s": args.allreduce_gbps * 1e9})
-        candidates = plan_layouts(profile, world_size=args.world_size, global_batch=args.global_batch, hardware=hw)
+        mixes = plan_mixed(profile, world_size=args.world_size, global_batch=args.global_batch, hardware=hw)
+        try:
+            candidates = plan_layouts(profile, world_size=args.world_size, global_batch=args.global_batch, hardware=hw)
+        except LayoutError:
+            if not mixes:
+                raise
+            if args.json:
+                print(json.dumps({"mixed": mixes[0].to_dict(), "runner_ups": [m.to_dict() for m in mixes[1:4]]}))
+                return 0
+            print(f"no uniform layout of {args.world_size} devices fits; pipelines of mixed depths do:")
+            for m in mixes[:4]:
+                print(f"  {m.describe()}")
+            return 0
     except (LayoutError, ModelContractError) as err:
         print(f"lightning-spot plan: {err}", file=sys.stderr)
         return 1
@@ -108,6 +121,7 @@ def main(argv: Sequence[str]) -> int:
                 {
                     **best.to_dict(),
                     "runner_ups": [c.to_dict() for c in runners],
+                    "mixed": mixes[0].to_dict() if mixes else None,
                     "profile": {"samples": profile.samples, "device": profile.device, "layers": len(profile.layers)},
                 }
             )
@@ -127,4 +141,8 @@ def main(argv: Sequence[str]) -> int:
     print(f"  predicted step: {best.predicted_step_seconds * 1000:.1f} ms ({best.samples_per_second:.1f} samples/s)")
     for c in runners:
         print(f"  runner-up: {c.describe()}")
+    if mixes:
+        faster = mixes[0].predicted_step_seconds < best.predicted_step_seconds
+        verdict = "predicted faster than the best uniform layout" if faster else "not faster"
+        print(f"  pipelines of mixed depths, best: {mixes[0].describe()} ({verdict})")
     return 0

@@ -34,12 +34,17 @@ class PipelineHost(Protocol):
         """Layout and bubble of the last training step on this rank (empty before the first one)."""
         ...
 
+    @property
+    def last_global_batch(self) -> Optional[int]:
+        """Samples in the last trained global batch (``None`` before the first step)."""
+        ...
+
     def count_parameters(self) -> int:
         """Parameters of the whole model, over all pipeline stages (collective)."""
         ...
 
 
-_MEMBERS = ("step_clock", "pipeline_layout", "pipeline_stats", "count_parameters")
+_MEMBERS = ("step_clock", "pipeline_layout", "pipeline_stats", "count_parameters", "last_global_batch")
 
 
 def pipeline_host(strategy: object) -> Optional[PipelineHost]:

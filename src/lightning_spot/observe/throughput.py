@@ -81,8 +81,9 @@ class PipelineThroughput(L.Callback):
 
     def _global_batch(self, trainer: L.Trainer, batch: Any) -> int:
         host = pipeline_host(trainer.strategy)
-        replicas = host.pipeline_layout.data_parallel if host is not None else trainer.world_size
-        return batch_size_of(batch) * replicas
+        if host is not None and host.last_global_batch:
+            return host.last_global_batch  # pipelines of mixed depths load shares of different sizes
+        return batch_size_of(batch) * trainer.world_size
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
