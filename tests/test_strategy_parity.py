@@ -243,6 +243,8 @@ def _check_mixed_placement(ranks: list[dict], full: dict[str, torch.Tensor], spl
         assert holders == list(range(len(depths))), (name, holders)
     for r in ranks:
         assert (len(r["state_dict"]) == len(full)) == (depths[r["pipeline"]] == 1)
+        # every rank starts reducing gradients during the backward, as DDP does (at least once per step)
+        assert r["reduced_during_backward"] >= 4, r["reduced_during_backward"]
     if split is not None:
         assert [next(r["microbatches"] for r in ranks if r["pipeline"] == p) for p in range(len(depths))] == split
 

@@ -1,26 +1,37 @@
 """Gradient sync across pipelines of mixed depths: each parameter is reduced among exactly its holders.
 
-    sync = CrossPipelineSync(module, split, layout, plans, rank=r, ties=placement.ties)   # collective
-    sync.make_equal()        # every copy starts as pipeline 0's (what DDP's first broadcast does)
-    sync.reduce(scale)       # each gradient becomes the sum over its holders of scale x their gradient
+    sync = CrossPipelineSync(module, split, grid, plans, rank=r, ties=placement.ties)   # collective: makes groups
+    sync.make_equal()                  # every copy starts as pipeline 0's (what DDP's first broadcast does)
+    sync.start_step(microbatches=3, total=8)      # before the schedule: arm the hooks
+    ...                                # the schedule's backward launches each bucket as soon as it is final
+    sync.finish_step()                 # after it (and after tied copies are summed): wait, write the sums back
 
 With pipelines of different depths (``[2, 3]``) the stages have different cuts, so there is no
 data-parallel group per stage. A parameter is held by one rank in every pipeline; the ranks that
 hold it are a function of its name, the same on every rank, so every rank can build every group
 in the same order. Gradients are reduced in flat buckets, one all-reduce per holder group and
-bucket. A pipeline running ``m`` of the step's ``M`` micro-batches scales its (micro-batch
-averaged) gradients by ``m / M`` before the sum: the result is the mean over all ``M`` micro-batches,
-as one process training on the whole global batch gets it, however the batch is split.
+bucket. A pipeline running ``m`` of the step's ``M`` micro-batches contributes ``m / M`` times its
+micro-batch-averaged gradient (the sum of its micro-batches' gradients over ``M``): the result is the
+mean over all ``M`` micro-batches, as one process training on the whole global batch gets it.
+
+**Overlap.** Like DDP, a bucket's all-reduce starts during the backward: a hook counts each parameter's
+gradient accumulations, and once every parameter of a bucket has had all ``m`` of this step's
+micro-batches, the bucket is copied out and reduced asynchronously while the backward goes on. Buckets
+are launched in one order agreed by every rank (holder groups latest layers first, then the parameters in
+reverse model order), so ranks that share several groups never wait on each other crosswise. A bucket
+whose parameters did not all get gradients (unused parameters) is reduced when the schedule is over.
 
 A tied parameter (an embedding shared with the output layer) has one copy per stage that uses it;
-within a pipeline the copies already hold the pipeline's whole gradient (:class:`TiedCopies`), so
-only each pipeline's reference copy contributes and the sum runs over every copy of every pipeline.
+within a pipeline the copies hold the pipeline's whole gradient only after :class:`TiedCopies` sums
+them, so ties are reduced after that, and only each pipeline's reference copy contributes; the sum runs
+over every copy of every pipeline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,30 +65,50 @@ def tie_holders(tie: TiedParameter, split: ModelSplit, grid: Layout, plans: Sequ
     return tuple(sorted(ranks))
 
 
-def all_holder_sets(
-    split: ModelSplit, grid: Layout, plans: Sequence[StagePlan], ties: Sequence[TiedParameter]
-) -> list[Holders]:
-    """Every holder set of the model (layers, modules before and after them, ties), sorted: the groups to make."""
-    sets: set[Holders] = set()
+def holder_sets(split: ModelSplit, grid: Layout, plans: Sequence[StagePlan]) -> dict[Holders, int]:
+    """Every holder set of the layers and of the modules before and after them, with the latest layer it holds
+    (-1: before the sequence, ``num_layers``: after it), the key of the launch order."""
+    latest: dict[Holders, int] = {}
+
+    def add(holders: Holders, layer: int) -> None:
+        latest[holders] = max(latest.get(holders, layer), layer)
+
     for layer in range(split.num_layers):
-        sets.add(tuple(sorted(grid.rank_of(j, p.rank_of_stage(p.stage_of_layer(layer))) for j, p in enumerate(plans))))
-    sets.add(tuple(sorted(grid.rank_of(j, p.rank_of_stage(0)) for j, p in enumerate(plans))))
-    sets.add(tuple(sorted(grid.rank_of(j, p.rank_of_stage(p.num_stages - 1)) for j, p in enumerate(plans))))
-    sets.update(tie_holders(t, split, grid, plans) for t in ties)
-    return sorted(s for s in sets if len(s) > 1)
+        add(
+            tuple(sorted(grid.rank_of(j, p.rank_of_stage(p.stage_of_layer(layer))) for j, p in enumerate(plans))), layer
+        )
+    add(tuple(sorted(grid.rank_of(j, p.rank_of_stage(0)) for j, p in enumerate(plans))), -1)
+    add(
+        tuple(sorted(grid.rank_of(j, p.rank_of_stage(p.num_stages - 1)) for j, p in enumerate(plans))), split.num_layers
+    )
+    return latest
 
 
 @dataclass
 class _Entry:
     """One tensor of a holder group: this rank's copies of it and whether this rank's gradient counts."""
 
-    key: str
+    order: int  # position in the model's parameter order (the same on every holder)
     copies: list[Tensor]
     contributes: bool = True
 
 
+@dataclass
+class _Bucket:
+    """Consecutive entries of one holder group, reduced by one all-reduce."""
+
+    group: Any
+    entries: list[_Entry]
+    waiting: int = 0  # parameters whose gradient is not final yet this step
+    flat: Tensor | None = None
+    work: Any = None
+    scale: float = 1.0
+    early: bool = False  # launched from the backward's hook
+    members: set[int] = field(default_factory=set)
+
+
 class CrossPipelineSync:
-    """This rank's parameters grouped by their holders, and one process group per holder set."""
+    """This rank's parameters grouped by their holders, one process group per holder set, buckets in one order."""
 
     BUCKET_BYTES = 25 * 2**20
 
@@ -90,81 +121,165 @@ class CrossPipelineSync:
         *,
         rank: int,
         ties: Sequence[TiedParameter] = (),
+        overlap: bool = True,
     ) -> None:
-        self.groups: dict[Holders, dist.ProcessGroup] = {}
-        for holders in all_holder_sets(split, grid, plans, ties):  # every rank makes every group, in one order
-            made = dist.new_group(list(holders))
-            if rank in holders:
-                self.groups[holders] = made
-        self.params: dict[Holders, list[_Entry]] = {}
-        self.buffers: dict[Holders, list[_Entry]] = {}
+        latest = holder_sets(split, grid, plans)
+        tie_sets = sorted({tie_holders(t, split, grid, plans) for t in ties})
+        self.groups: dict[tuple[str, Holders], Any] = {}
+        kinds = [("params", h) for h in sorted(latest)] + [("ties", h) for h in tie_sets]
+        for kind, holders in kinds:  # every rank makes every group, in one order
+            if len(holders) > 1:
+                made = dist.new_group(list(holders))
+                if rank in holders:
+                    self.groups[(kind, holders)] = made
+        order = {name: i for i, (name, _) in enumerate(module.named_parameters(remove_duplicate=False))}
         local = dict(module.named_parameters(remove_duplicate=False))
         tied_names = {n for t in ties for n in t.stages}
+        params: dict[Holders, list[_Entry]] = {}
+        tied: dict[Holders, list[_Entry]] = {}
+        tie_order = sorted(t.name for t in ties)  # ties in one order on every holder: by stored name
         for tie in ties:
             names = [n for n in tie.stages if n in local]
-            if not names or not local[names[0]].requires_grad:
+            tie_set = tie_holders(tie, split, grid, plans)
+            if not names or not local[names[0]].requires_grad or ("ties", tie_set) not in self.groups:
                 continue
             copies: list[Tensor] = list({id(local[n]): local[n] for n in names}.values())
-            entry = _Entry(f"tie:{tie.name}", copies, contributes=tie.name in names)
-            self._add(self.params, tie_holders(tie, split, grid, plans), entry)
+            tied.setdefault(tie_set, []).append(_Entry(tie_order.index(tie.name), copies, tie.name in names))
         for name, p in local.items():
-            if name not in tied_names and p.requires_grad:
-                self._add(self.params, holders_of(name, split, grid, plans), _Entry(name, [p]))
+            held = holders_of(name, split, grid, plans)
+            if name in tied_names or not p.requires_grad or held is None or ("params", held) not in self.groups:
+                continue
+            params.setdefault(held, []).append(_Entry(order[name], [p]))
+        # launch order: groups holding later layers first (backward order), parameters in reverse model order
+        self.buckets: list[_Bucket] = []
+        for holders in sorted(params, key=lambda h: (-latest[h], h)):
+            entries = sorted(params[holders], key=lambda e: -e.order)
+            self.buckets += self._bucketed(self.groups[("params", holders)], entries)
+        self.tie_buckets: list[_Bucket] = []
+        for holders in sorted(tied):
+            self.tie_buckets += self._bucketed(
+                self.groups[("ties", holders)], sorted(tied[holders], key=lambda e: e.order)
+            )
+        self.buffers: list[tuple[Any, int, list[Tensor]]] = []
+        by_holders: dict[Holders, list[Tensor]] = {}
         for name, b in module.named_buffers():
-            self._add(self.buffers, holders_of(name, split, grid, plans), _Entry(name, [b]))
-        for entries in (*self.params.values(), *self.buffers.values()):
-            entries.sort(key=lambda e: e.key)
+            held = holders_of(name, split, grid, plans)
+            if held is not None and ("params", held) in self.groups:
+                by_holders.setdefault(held, []).append(b)
+        for holders in sorted(by_holders):
+            self.buffers.append((self.groups[("params", holders)], holders[0], by_holders[holders]))
+        self.overlap = overlap
+        self._bucket_of: dict[int, _Bucket] = {}
+        for bucket in self.buckets:
+            for e in bucket.entries:
+                self._bucket_of[id(e.copies[0])] = bucket
+                bucket.members.add(id(e.copies[0]))
+                if overlap:
+                    e.copies[0].register_post_accumulate_grad_hook(self._accumulated)
+        self._counts: dict[int, int] = {}
+        self._expected = 0
+        self._scale = 1.0
+        self._next = 0
+        self._armed = False
+        #: buckets launched during the backward in the last step, and in all
+        self.launched_early = 0
 
-    def _add(self, table: dict[Holders, list[_Entry]], holders: Holders | None, entry: _Entry) -> None:
-        if holders is not None and holders in self.groups:
-            table.setdefault(holders, []).append(entry)
+    def _bucketed(self, group: Any, entries: list[_Entry]) -> list[_Bucket]:
+        return [
+            _Bucket(group, chunk)
+            for chunk in _chunks(entries, lambda e: e.copies[0], self.BUCKET_BYTES)  # one dtype and device each
+        ]
 
     @torch.no_grad()
     def make_equal(self) -> None:
         """Every holder takes the values of the lowest rank holding the tensor (pipeline 0's copy)."""
-        for table in (self.params, self.buffers):
-            for holders, entries in table.items():
-                for bucket in _buckets([e.copies[0] for e in entries], self.BUCKET_BYTES):
-                    flat = _flatten_dense_tensors(bucket)
-                    dist.broadcast(flat, src=holders[0], group=self.groups[holders])
-                    for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                        t.copy_(synced)
-        for entries in self.params.values():
-            for e in entries:
+        for bucket in [*self.buckets, *self.tie_buckets]:
+            tensors = [e.copies[0] for e in bucket.entries]
+            self._broadcast(bucket.group, min(dist.get_process_group_ranks(bucket.group)), tensors)
+            for e in bucket.entries:
                 for copy in e.copies[1:]:
                     copy.copy_(e.copies[0])
+        for group, src, tensors in self.buffers:
+            for chunk in _chunks(tensors, lambda t: t, self.BUCKET_BYTES):
+                self._broadcast(group, src, chunk)
+
+    @staticmethod
+    def _broadcast(group: Any, src: int, tensors: list[Tensor]) -> None:
+        flat = _flatten_dense_tensors([t.detach() for t in tensors])
+        dist.broadcast(flat, src=src, group=group)
+        for t, synced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.data.copy_(synced)
+
+    # ------------------------------------------------------------------------------------------- one step
+    def start_step(self, microbatches: int, total: int) -> None:
+        """Before the schedule: this pipeline runs ``microbatches`` of the step's ``total``."""
+        self._expected = microbatches
+        self._scale = 1.0 / total  # of the sum of the micro-batches' gradients, as the hook sees it
+        self._finished_scale = microbatches / total  # of their mean, as the schedule leaves it
+        self._counts = dict.fromkeys(self._bucket_of, 0)
+        for bucket in self.buckets:
+            bucket.waiting, bucket.flat, bucket.work, bucket.early = len(bucket.entries), None, None, False
+        self._next = 0
+        self._armed = True
+
+    def _accumulated(self, param: Tensor) -> None:
+        """A parameter's gradient got one more micro-batch (an autograd hook)."""
+        if not self._armed:
+            return
+        key = id(param)
+        self._counts[key] += 1
+        if self._counts[key] == self._expected:
+            self._bucket_of[key].waiting -= 1
+            while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+                self._launch(self.buckets[self._next], self._scale, early=True)
+                self._next += 1
 
     @torch.no_grad()
-    def reduce(self, scale: float) -> None:
-        """``grad = sum over holders of scale x grad`` for every parameter (a missing gradient counts as zero)."""
-        for holders, entries in self.params.items():
-            grads = []
-            for e in entries:
-                g = e.copies[0].grad
-                if g is None or not e.contributes:
-                    g = torch.zeros_like(e.copies[0])
-                grads.append(g)
-            done: list[Tensor] = []
-            for bucket in _buckets(grads, self.BUCKET_BYTES):
-                flat = _flatten_dense_tensors(bucket)
-                if scale != 1.0:
-                    flat.mul_(scale)
-                dist.all_reduce(flat, group=self.groups[holders])
-                done.extend(_unflatten_dense_tensors(flat, bucket))
-            for e, g in zip(entries, done):
+    def _launch(self, bucket: _Bucket, scale: float, early: bool) -> None:
+        grads = [
+            e.copies[0].grad if e.copies[0].grad is not None else torch.zeros_like(e.copies[0]) for e in bucket.entries
+        ]
+        bucket.flat = _flatten_dense_tensors(grads)
+        if scale != 1.0:
+            bucket.flat.mul_(scale)
+        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+        bucket.early = early
+        self.launched_early += int(early)
+
+    @torch.no_grad()
+    def finish_step(self) -> None:
+        """After the schedule (which divided each gradient by its micro-batch count) and the sum of tied copies:
+        launch what the backward did not, wait for everything, and put each sum in ``.grad``."""
+        self._armed = False
+        while self._next < len(self.buckets):  # the rest, in the agreed order
+            self._launch(self.buckets[self._next], self._finished_scale, early=False)
+            self._next += 1
+        for bucket in self.tie_buckets:
+            grads = [
+                e.copies[0].grad if e.copies[0].grad is not None and e.contributes else torch.zeros_like(e.copies[0])
+                for e in bucket.entries
+            ]
+            bucket.flat = _flatten_dense_tensors(grads).mul_(self._finished_scale)
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+        for bucket in [*self.buckets, *self.tie_buckets]:
+            bucket.work.wait()
+            tensors = [e.copies[0] for e in bucket.entries]
+            for e, g in zip(bucket.entries, _unflatten_dense_tensors(bucket.flat, tensors)):
                 for copy in e.copies:
                     copy.grad = g.clone() if len(e.copies) > 1 else g
+            bucket.flat = bucket.work = None
 
 
-def _buckets(tensors: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
-    """Consecutive runs of tensors of one dtype and device, each up to ``limit`` bytes (or one tensor)."""
-    bucket: list[Tensor] = []
+def _chunks(items: list[Any], tensor_of: Any, limit: int) -> Iterator[list[Any]]:
+    """Consecutive runs of items whose tensors share dtype and device, each up to ``limit`` bytes (or one item)."""
+    chunk: list[Any] = []
     size = 0
-    for t in tensors:
-        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size >= limit):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
+    for item in items:
+        t = tensor_of(item)
+        if chunk and (t.dtype != tensor_of(chunk[0]).dtype or t.device != tensor_of(chunk[0]).device or size >= limit):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
         size += t.numel() * t.element_size()
-    if bucket:
-        yield bucket
+    if chunk:
+        yield chunk

@@ -245,6 +245,8 @@ class PipelineEngine:
         clock.reset()
         start = time.perf_counter()
         tracing = traced_p2p(clock.timeline) if clock.timeline is not None else contextlib.nullcontext()
+        if self.cross is not None:
+            self.cross.start_step(m, self.layout.total_microbatches)
         with self.runner.bind("training_step", "train", batch, args, kwargs), tracing:
             program.step(idx, target=idx, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
@@ -254,7 +256,7 @@ class PipelineEngine:
         self.ties.sum_grads()
         if self.cross is not None:
             with clock.span("all-reduce", "allreduce", lane="allreduce"):
-                self.cross.reduce(scale=m / self.layout.total_microbatches)
+                self.cross.finish_step()
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
         self.samples_seen += global_batch
