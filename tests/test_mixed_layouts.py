@@ -6,16 +6,23 @@ joined: 5 processes, to step 10) -> P2xD1 (2 processes, to step 12). The end sta
 uninterrupted single-process steps (Adam, StepLR, shuffled data, mid-epoch stops). The [1, 2] job also takes
 in-memory snapshots, so the checkpoint it writes is of kind "shares" (its snapshots' files); the [2, 3]
 job writes DCP shards. Both kinds written by mixed layouts are read back onto another layout.
+
+Under torchrun, a node joining two others with everything "auto" makes the planner pick a mix, so that all three
+processes train (the restart resumes from the first nodes' in-memory snapshots).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_spot.checkpoint.storage import Storage
+from tests.distributed import free_port
+from tests.elastic import Agent, agents_cleanup, wait_for
 from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios
 
 COMMON: dict[str, Any] = {"model": {"scheduler": True}, "loader": {"batch_size": 16, "n": 80, "shuffle": True}}
@@ -88,3 +95,46 @@ def test_a_mixed_layout_restores_its_own_random_state(tmp_path: Path) -> None:
     assert PipelineLayout.from_dict(layout.to_dict()) != PipelineLayout.mixed(
         Layout.of_depths([2, 3]), "1F1B", [[2], [1, 3]], [4, 4]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_elastic_restart_onto_an_odd_world_trains_every_process(tmp_path: Path) -> None:
+    """torchrun: two one-process nodes train with everything "auto"; a third node joins. The model has two layers
+    and the global batch is 16, so no uniform layout of 3 fits (P3 needs 3 layers, D3 does not divide 16): the
+    planner picks pipelines of mixed depths, every process trains, the joining node's rank gets its tensors from
+    the others' snapshots, and the run ends equal to an uninterrupted one."""
+    steps = 30
+    case = {"model": {"num_layers": 2, "scheduler": True}, "loader": {"batch_size": 16, "n": 80, "shuffle": True}}
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                **case,
+                "out": str(tmp_path / "out"),
+                "run": str(tmp_path / "run"),
+                "max_steps": steps,
+                "step_seconds": 0.25,
+                "every": 1000,  # durable only at the end: the restart resumes from memory
+                "snapshot_every": 2,
+                "strategy": {"profile_cache": None},
+            }
+        )
+    )
+    shm = {name: tmp_path / f"shm-{name}" for name in "abc"}
+    port = free_port()
+    args = ["tests/workers/elastic_train.py", str(config)]
+    with agents_cleanup([]) as agents:
+        for name in "abc":
+            env = {"SPOT_TEST_SNAPSHOT_DIR": str(shm[name])}
+            agents.append(Agent(f"node-{name}", port, 1, args, tmp_path / f"{name}.log", nnodes="2:3", env=env))
+            if name == "b":
+                wait_for(lambda: any(shm["a"].glob("*/step-000000004/rank*.json")), 240, "a snapshot", agents)
+        wait_for(lambda: all(a.proc.poll() is not None for a in agents), 400, "the nodes to finish", agents)
+        for agent in agents:
+            assert agent.proc.returncode == 0, agent.output()[-5000:]
+    finals = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt") for r in range(3)]
+    assert {f["layout"] for f in finals} == {"P1+P2"}, [f["layout"] for f in finals]
+    assert all(4 <= f["restored_step"] < steps for f in finals), "the group grew in the middle of training"
+    assert all(f["restored_tier"] == "memory" for f in finals), [f["restored_tier"] for f in finals]
+    assert_same_params(merged_state(finals), reference_run({**case, "trainer": {"max_steps": steps}}))

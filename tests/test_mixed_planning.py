@@ -126,3 +126,12 @@ def test_planner_says_when_idling_a_process_would_be_faster() -> None:
     assert sorted(draft.pipeline_stages) == [2, 3]  # type: ignore[arg-type]
     assert "no uniform layout of 5 processes fits" in draft.reason
     assert "on 4 of the 5 processes is predicted" in draft.reason, draft.reason
+
+
+def test_a_mix_can_balance_better_than_any_uniform_layout() -> None:
+    """8 equal layers and a head as costly as one: 9 units cut into 4 stages leave a slowest stage of 3 in every
+    P4xD2, while pipelines [3, 5] have slowest stages of 3 and 2 and split the batch 3 : 5."""
+    from tests.test_plan_stability import HARDWARE, profile
+
+    draft = _decide(profile(), Requested("auto", "auto", "auto", "auto", None, None, None), 8, 64, HARDWARE)
+    assert draft.pipeline_stages == [3, 5] and draft.microbatches == [3, 5], draft.reason

@@ -136,7 +136,8 @@ WORLD_3 += [
         model={"num_layers": 2},
         expect_layout="P1+P2",
     ),
-    scenario("mixed-P1+P2-adam", strategy={"pipeline_stages": [1, 2], "microbatches": 4}, expect_split=[1, 3]),
+    # 4 micro-batches split by measured layer times: [1, 3] or [2, 2] (timing decides)
+    scenario("mixed-P1+P2-adam", strategy={"pipeline_stages": [1, 2], "microbatches": 4}),
     scenario(
         "mixed-P1+P2-clip-sgd",
         strategy={"pipeline_stages": [1, 2], "microbatches": [2, 2]},

@@ -69,7 +69,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(
-        make_model(scheduler=True), make_loader(**config.get("loader", {"batch_size": 16, "n": 80, "shuffle": True}))
+        make_model(**config.get("model", {"scheduler": True})),
+        make_loader(**config.get("loader", {"batch_size": 16, "n": 80, "shuffle": True})),
     )
     (out / "final").mkdir(parents=True, exist_ok=True)
     torch.save(

@@ -31,7 +31,14 @@ from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, Candidate, evaluate, plan_layouts
 from lightning_spot.planning.hardware import Hardware, default_hardware
-from lightning_spot.planning.memory import PlanMemory, PlanPlace, keep_or_switch, plan_key, reuse_or_measure
+from lightning_spot.planning.memory import (
+    PLAN_MARGIN,
+    PlanMemory,
+    PlanPlace,
+    keep_or_switch,
+    plan_key,
+    reuse_or_measure,
+)
 from lightning_spot.planning.mixed import (
     MixedCandidate,
     fewest_microbatches,
@@ -340,7 +347,9 @@ def _decide(
         candidates = fitting
     previous_now = _reevaluate(previous, profile, world_size, global_batch, hardware) if previous else None
     best, reason = keep_or_switch(candidates[0], previous, previous_now)
-    if mixes and mixes[0].predicted_step_seconds < best.predicted_step_seconds * (1 - MIXED_MARGIN):
+    # a plan kept from the last start is replaced only when clearly beaten (the same rule as for uniform plans)
+    margin = PLAN_MARGIN if previous_now is not None and best is previous_now else MIXED_MARGIN
+    if mixes and mixes[0].predicted_step_seconds < best.predicted_step_seconds * (1 - margin):
         note = idle_note(profile, world_size, global_batch, hardware, mixes[0], schedules)
         return _mixed_draft(mixes, best, note)
     if requested.pipeline_stages == "auto":
