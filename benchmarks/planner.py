@@ -129,6 +129,7 @@ def worker() -> None:
         activation_checkpointing=job["ac"],
         profile_cache=job["cache"],
         device_memory=job.get("device_memory"),
+        offload=job.get("offload"),
     )
     timer = PipelineThroughput(warmup_steps=job["warmup"], prog_bar=False)
     extra: list[Any] = []

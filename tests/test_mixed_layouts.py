@@ -5,7 +5,9 @@ P2xD2 (4 processes, 3 steps) -> [1, 2] (a one-GPU node lost: 3 processes, to ste
 joined: 5 processes, to step 10) -> P2xD1 (2 processes, to step 12). The end state must equal 12
 uninterrupted single-process steps (Adam, StepLR, shuffled data, mid-epoch stops). The [1, 2] job also takes
 in-memory snapshots, so the checkpoint it writes is of kind "shares" (its snapshots' files); the [2, 3]
-job writes DCP shards. Both kinds written by mixed layouts are read back onto another layout.
+job writes DCP shards. Both kinds written by mixed layouts are read back onto another layout. The [1, 2] job
+also keeps its optimizer state in host memory (``offload="optimizer"``): it resumes from a checkpoint written
+without offload, and the next job, without offload, from its checkpoint.
 
 Under torchrun, a node joining two others with everything "auto" makes the planner pick a mix, so that all three
 processes train (the restart resumes from the first nodes' in-memory snapshots).
@@ -30,7 +32,7 @@ TOTAL_STEPS = 12
 # (world, strategy, last step, snapshots)
 CHAIN: list[tuple[int, dict[str, Any], int, bool]] = [
     (4, {"pipeline_stages": 2, "microbatches": 2}, 3, False),
-    (3, {"pipeline_stages": [1, 2]}, 7, True),
+    (3, {"pipeline_stages": [1, 2], "offload": "optimizer"}, 7, True),
     (5, {"pipeline_stages": [2, 3], "microbatches": [3, 5]}, 10, False),
     (2, {"pipeline_stages": 2, "microbatches": 4}, TOTAL_STEPS, False),
 ]

@@ -119,6 +119,30 @@ WORLD_2 = [
         trainer={"precision": "bf16-mixed"},
     ),
 ]
+# offload="optimizer": fp32 masters and optimizer state in host memory, the update there; the same math
+WORLD_2 += [
+    scenario(
+        "P2D1-offload-optimizer-clip",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "optimizer"},
+        trainer={"max_steps": 4, "gradient_clip_val": 0.05},
+    ),
+    # bf16 weights on the device, fp32 masters on the host: SGD's small updates are not rounded away, so the
+    # run follows fp32 training (within bf16's tolerance for the forward and backward)
+    scenario(
+        "P2D1-offload-optimizer-bf16-true-sgd",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "optimizer"},
+        model={"optimizer": "sgd"},
+        trainer={"max_steps": 4, "precision": "bf16-true"},
+    ),
+]
+WORLD_4 += [
+    scenario(
+        "P2D2-offload-optimizer-clip-tied",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "optimizer"},
+        model={"cls": "TiedEmbeddingModel"},
+        trainer={"max_steps": 4, "gradient_clip_val": 0.05},
+    ),
+]
 WORLD_3 = [
     scenario("P3D1-1F1B-uneven", strategy={"pipeline_stages": 3, "microbatches": 4}, model={"num_layers": 5}),
     scenario(
@@ -193,8 +217,12 @@ CASES = [(w, s) for w, group in ALL.items() for s in group]
 def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs: dict, tmp_path_factory) -> None:
     ranks = _results(jobs, world, tmp_path_factory)[case["name"]]
     initial = merged_state(ranks, "initial") if case.get("model", {}).get("meta_init") else None
-    ref = reference_run(case, initial)
-    bf16 = case["trainer"].get("precision") == "bf16-mixed"
+    bf16 = case["trainer"].get("precision") in ("bf16-mixed", "bf16-true")
+    if bf16 and case["strategy"].get("offload") == "optimizer":
+        # fp32 master weights: the update is that of fp32 training (only forward and backward run in bf16)
+        ref = reference_run({**case, "trainer": {k: v for k, v in case["trainer"].items() if k != "precision"}})
+    else:
+        ref = reference_run(case, initial)
     assert_same_params(merged_state(ranks), ref, atol=5e-3 if bf16 else 1e-5)
 
     # every rank logs the true loss of the last step (computed on the last stage)
@@ -206,6 +234,13 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
 
+    if case["strategy"].get("offload") == "optimizer":
+        for r in ranks:  # the optimizer's state lives with the fp32 host masters, not next to the weights
+            off = r["offload"]
+            assert off["states"] > 0 and not off["state_shares_param_storage"], off
+            assert off["state_dtypes"] == ["torch.float32"] and off["master_dtypes"] == ["torch.float32"], off
+            if bf16:
+                assert off["param_dtypes"] == ["torch.bfloat16"], off
     if "expect_layout" in case:
         assert ranks[0]["layout"] == case["expect_layout"]
     if "+" in ranks[0]["layout"]:

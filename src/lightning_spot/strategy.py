@@ -58,6 +58,7 @@ from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import clip_grad_norm_global
 from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
+from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.runtime.process import (
     ThreadSetup,
     destroy_process_group_at_exit,
@@ -72,6 +73,18 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
+
+
+OFFLOAD_LEVELS = ("optimizer",)
+
+
+def _offload_level(offload: Optional[str]) -> Optional[str]:
+    """Check ``offload=`` early: the levels implemented, with what is planned named."""
+    if offload is None or offload in OFFLOAD_LEVELS:
+        return offload
+    later = ("parameters", "activations", "auto")
+    detail = " is not implemented yet" if offload in later else " is not an offload level"
+    raise LayoutError(f"offload={offload!r}{detail}. Use offload='optimizer' or None (no offload).")
 
 
 def _mixed_groups(grid: Layout, rank: int) -> tuple[Any, Any]:
@@ -119,6 +132,8 @@ class SpotPipelineStrategy(ParallelStrategy):
             ``"model.transformer.h"``; ``"auto"``: the sequence of same-type blocks holding the most parameters.
         first_stage_modules / last_stage_modules: override where modules beside the sequence go.
         find_unused_parameters: passed to DDP for the data-parallel gradient sync.
+        offload: keep training state in host memory: ``"optimizer"`` (fp32 master weights and the optimizer's
+            state live in host memory; the update runs there and the new weights are copied back). ``None``: off.
         pretrained: a ``save_pretrained`` directory (safetensors, sharded or not) to start from: after the model
             is split, each rank reads only its stages' tensors (build the model on the meta device in
             ``configure_model`` so that no rank ever holds all of it). A checkpoint being resumed wins.
@@ -143,6 +158,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         last_stage_modules: Sequence[str] = (),
         find_unused_parameters: bool = False,
         pretrained: Optional[str] = None,
+        offload: Optional[str] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -187,6 +203,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             stages_per_rank=stages_per_rank,
         )
         self._profile_cache = profile_cache
+        self._offload_level = _offload_level(offload)
+        #: host masters and optimizer state when ``offload="optimizer"`` (set up with the optimizers)
+        self.offload: Optional[OptimizerOffload] = None
         self.layout_choice: Optional[LayoutChoice] = None
         self._layers = layers
         self._first_stage_modules = tuple(first_stage_modules)
@@ -360,6 +379,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._route_gradient_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self._offload_level == "optimizer":
+                self.offload = OptimizerOffload(list(self.optimizers))
 
     def _check_supported(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not module.automatic_optimization:
@@ -465,7 +486,9 @@ class SpotPipelineStrategy(ParallelStrategy):
 
         def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_global(params, float(clip_val), group, duplicates=duplicates, counts=counts)
+            clip_grad_norm_global(
+                params, float(clip_val), group, duplicates=duplicates, counts=counts, reduce_on=self.root_device
+            )
 
         self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -487,6 +510,24 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        offload = self.offload
+        if offload is not None:
+            from lightning.pytorch.core.optimizer import LightningOptimizer
+
+            inner, target = closure, optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+            def closure() -> Any:  # runs inside optimizer.step: the update (and clipping) then happen on the host
+                result = inner()
+                offload.to_host(target)
+                return result
+
+            try:
+                return self._step(optimizer, closure, model, **kwargs)
+            finally:
+                offload.to_device(target)
+        return self._step(optimizer, closure, model, **kwargs)
+
+    def _step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         clock = self.engine.clock if self.engine is not None else None
         if clock is None or clock.timeline is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -691,6 +732,15 @@ class SpotPipelineStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         url = self.broadcast(str(checkpoint_path))
         started = time.monotonic()
+        # with offload, weights and optimizer state are read straight into the host masters
+        with self.offload.on_host(list(self.optimizers)) if self.offload is not None else nullcontext():
+            checkpoint, record, tier = self._load(url)
+        self._engine().samples_seen = int(record.get("data", {}).get("samples_consumed") or 0)
+        self.restored_manifest = {**record, "tier": tier, "restore_seconds": time.monotonic() - started}
+        return checkpoint
+
+    def _load(self, url: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+        assert self.lightning_module is not None
         if url.startswith(SNAPSHOT_SCHEME):
             tier = "memory"
             checkpoint, record = load_snapshot(
@@ -712,9 +762,7 @@ class SpotPipelineStrategy(ParallelStrategy):
                 layout=self.pipeline_layout,
                 aliases=self._tied_aliases(),
             )
-        self._engine().samples_seen = int(record.get("data", {}).get("samples_consumed") or 0)
-        self.restored_manifest = {**record, "tier": tier, "restore_seconds": time.monotonic() - started}
-        return checkpoint
+        return checkpoint, record, tier
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -94,6 +94,18 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "reduced_during_backward": strategy.engine.cross.launched_early if strategy.engine.cross else None,
         "parameters": strategy.count_parameters(),
     }
+    if strategy.offload is not None:  # where the optimizer's state lives
+        states = [
+            t for st in trainer.optimizers[0].state.values() for t in st.values() if torch.is_tensor(t) and t.dim()
+        ]
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        result["offload"] = {
+            "state_dtypes": sorted({str(t.dtype) for t in states}),
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "master_dtypes": sorted({str(t.dtype) for t in strategy.offload.masters.values()}),
+            "state_shares_param_storage": any(t.untyped_storage().data_ptr() in params for t in states),
+            "states": len(states),
+        }
     if throughput is not None:
         result["throughput"] = throughput.summary()
         result["pipeline_stats"] = strategy.pipeline_stats()

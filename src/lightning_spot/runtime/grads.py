@@ -74,6 +74,7 @@ def clip_grad_norm_global(
     norm_type: float = 2.0,
     duplicates: Sequence[Tensor] = (),
     counts: bool = True,
+    reduce_on: torch.device | None = None,
 ) -> Tensor:
     """Clip by the norm over *all* pipeline stages: the local norms are combined over ``group``.
 
@@ -83,6 +84,7 @@ def clip_grad_norm_global(
     Pipelines of mixed depths cut the model differently, and summing in another order could give
     each pipeline a slightly different norm: there ``group`` is the whole world and only the ranks of
     pipeline 0 count (``counts``), so that every rank gets the very same coefficient.
+    ``reduce_on``: the device the collective runs on (gradients in host memory under NCCL: the GPU).
     """
     grads = [p.grad for p in params if p.grad is not None]
     skip = {id(p) for p in duplicates}
@@ -94,19 +96,20 @@ def clip_grad_norm_global(
             if counted
             else torch.zeros((), device=device)
         )
-        total = local.clone()
+        total = local.clone().to(reduce_on or device)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        total = total.to(device)
     else:
         local = (
             torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in counted]).sum()
             if counted
             else torch.zeros((), device=device)
         )
-        total = local.clone()
+        total = local.clone().to(reduce_on or device)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
-        total = total ** (1.0 / norm_type)
+        total = total.to(device) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

@@ -1,0 +1,91 @@
+"""What keeping training state in host memory costs: step time per offload level against none.
+
+The model is ``benchmarks/planner.py``'s uneven residual MLP (AdamW; ~12.6 M parameters, ~200 MB of weights,
+gradients and Adam state in fp32), P2xD1 1F1B with 4 micro-batches, global batch ``--batch``, on 2 processes.
+Each level runs ``--repeats`` times, alternating with the run without offload; the figure is the ratio of the
+medians of rank 0's median step time (``PipelineThroughput``).
+
+On a CPU machine "host" and "device" are the same memory: the figure is the cost of the machinery (the swap of
+every parameter to its master and back, the gradient copies), not of PCIe transfers. On a GPU the same script
+measures the real cost (``--accelerator gpu``).
+
+Usage::
+
+    python benchmarks/offload.py                 # levels: optimizer
+    python benchmarks/offload.py --repeats 5 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import os  # noqa: E402
+
+from benchmarks.pipeline_throughput import JobFailed  # noqa: E402
+from benchmarks.planner import JOB_ENV, run_job, worker  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", default="optimizer")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--hidden", default="6144,3072,512,512,512,512,512,512")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    levels = [x for x in args.levels.split(",") if x]
+    times: dict[str, list[float]] = {"none": [], **{level: [] for level in levels}}
+    with tempfile.TemporaryDirectory(prefix="spot-offload-bench-") as tmp:
+        out = Path(tmp)
+        base = {
+            "world": 2,
+            "batch": args.batch,
+            "width": args.width,
+            "hidden": [int(h) for h in args.hidden.split(",")],
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "seed": 1234,
+            "cache": str(out / "profiles"),
+            "trace": None,
+            "timeout": args.timeout,
+            "ac": False,
+        }
+        try:
+            for r in range(args.repeats):
+                for level in ["none", *levels]:
+                    offload = None if level == "none" else level
+                    result = run_job(
+                        base, out, f"{level}-{r}", P=2, M=4, schedule="1F1B", partition="uniform", offload=offload
+                    )
+                    times[level].append(result["measured"])
+        except JobFailed as err:
+            print(f"FAILED: {err}", file=sys.stderr)
+            return 1
+    none = statistics.median(times["none"])
+    print(
+        f"uneven MLP {args.hidden}, width {args.width}, AdamW, P2xD1 1F1B M=4, batch {args.batch}, {args.repeats} runs"
+    )
+    print(f"  no offload:        {none * 1000:7.1f} ms/step  ({', '.join(f'{t * 1000:.1f}' for t in times['none'])})")
+    for level in levels:
+        t = statistics.median(times[level])
+        runs = ", ".join(f"{x * 1000:.1f}" for x in times[level])
+        print(f"  offload={level!r:<12}{t * 1000:7.1f} ms/step  ({runs}): {t / none:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    if JOB_ENV in os.environ:
+        worker()
+    else:
+        sys.exit(main())
