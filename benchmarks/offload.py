@@ -11,7 +11,7 @@ measures the real cost (``--accelerator gpu``).
 
 Usage::
 
-    python benchmarks/offload.py                 # levels: optimizer
+    python benchmarks/offload.py                 # optimizer, activations, both
     python benchmarks/offload.py --repeats 5 --steps 20
 """
 
@@ -35,7 +35,7 @@ from benchmarks.planner import JOB_ENV, run_job, worker  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levels", default="optimizer")
+    parser.add_argument("--levels", default="optimizer,activations,optimizer+activations")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--hidden", default="6144,3072,512,512,512,512,512,512")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for r in range(args.repeats):
                 for level in ["none", *levels]:
-                    offload = None if level == "none" else level
+                    offload = None if level == "none" else level.split("+")
                     result = run_job(
                         base, out, f"{level}-{r}", P=2, M=4, schedule="1F1B", partition="uniform", offload=offload
                     )

@@ -167,7 +167,14 @@ def test_module_on_the_wrong_side_of_the_sequence_fails_loudly(tmp_path: Path) -
     assert "last_stage_modules" in str(info.value)
 
 
-@pytest.mark.parametrize(("value", "words"), [("parameters", "not implemented yet"), ("gpu", "not an offload level")])
-def test_offload_levels_are_checked_when_the_strategy_is_made(value: str, words: str) -> None:
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("parameters", "not implemented yet"),
+        ("gpu", "not an offload level"),
+        (["optimizer", "auto"], "not implemented"),
+    ],
+)
+def test_offload_levels_are_checked_when_the_strategy_is_made(value: object, words: str) -> None:
     with pytest.raises(LayoutError, match=words):
-        SpotPipelineStrategy(offload=value)
+        SpotPipelineStrategy(offload=value)  # type: ignore[arg-type]

@@ -126,6 +126,11 @@ WORLD_2 += [
         strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "optimizer"},
         trainer={"max_steps": 4, "gradient_clip_val": 0.05},
     ),
+    scenario(
+        "P2D1-offload-activations-clip",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "activations"},
+        trainer={"max_steps": 4, "gradient_clip_val": 0.05},
+    ),
     # bf16 weights on the device, fp32 masters on the host: SGD's small updates are not rounded away, so the
     # run follows fp32 training (within bf16's tolerance for the forward and backward)
     scenario(
@@ -137,8 +142,12 @@ WORLD_2 += [
 ]
 WORLD_4 += [
     scenario(
-        "P2D2-offload-optimizer-clip-tied",
-        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "optimizer"},
+        "P2D2-offload-activations",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "activations"},
+    ),
+    scenario(
+        "P2D2-offload-optimizer-and-activations-clip-tied",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": ["optimizer", "activations"]},
         model={"cls": "TiedEmbeddingModel"},
         trainer={"max_steps": 4, "gradient_clip_val": 0.05},
     ),
@@ -218,7 +227,7 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
     ranks = _results(jobs, world, tmp_path_factory)[case["name"]]
     initial = merged_state(ranks, "initial") if case.get("model", {}).get("meta_init") else None
     bf16 = case["trainer"].get("precision") in ("bf16-mixed", "bf16-true")
-    if bf16 and case["strategy"].get("offload") == "optimizer":
+    if bf16 and "optimizer" in str(case["strategy"].get("offload")):
         # fp32 master weights: the update is that of fp32 training (only forward and backward run in bf16)
         ref = reference_run({**case, "trainer": {k: v for k, v in case["trainer"].items() if k != "precision"}})
     else:
@@ -234,7 +243,12 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
 
-    if case["strategy"].get("offload") == "optimizer":
+    offload = case["strategy"].get("offload") or []
+    offload = [offload] if isinstance(offload, str) else offload
+    if "activations" in offload:
+        for r in ranks:  # every stage sent what its forwards saved to host memory
+            assert r["activation_offload"]["tensors"] > 0 and r["activation_offload"]["bytes"] > 0, r
+    if "optimizer" in offload:
         for r in ranks:  # the optimizer's state lives with the fp32 host masters, not next to the weights
             off = r["offload"]
             assert off["states"] > 0 and not off["state_shares_param_storage"], off

@@ -58,7 +58,7 @@ from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import clip_grad_norm_global
 from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
-from lightning_spot.runtime.offload import OptimizerOffload
+from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload
 from lightning_spot.runtime.process import (
     ThreadSetup,
     destroy_process_group_at_exit,
@@ -75,16 +75,22 @@ if TYPE_CHECKING:
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
 
 
-OFFLOAD_LEVELS = ("optimizer",)
+OFFLOAD_LEVELS = ("optimizer", "activations")
 
 
-def _offload_level(offload: Optional[str]) -> Optional[str]:
-    """Check ``offload=`` early: the levels implemented, with what is planned named."""
-    if offload is None or offload in OFFLOAD_LEVELS:
-        return offload
-    later = ("parameters", "activations", "auto")
-    detail = " is not implemented yet" if offload in later else " is not an offload level"
-    raise LayoutError(f"offload={offload!r}{detail}. Use offload='optimizer' or None (no offload).")
+def _offload_levels(offload: Union[str, Sequence[str], None]) -> frozenset[str]:
+    """Check ``offload=`` early: one level or several (``["optimizer", "activations"]``), those implemented."""
+    if offload is None:
+        return frozenset()
+    levels = [offload] if isinstance(offload, str) else list(offload)
+    for level in levels:
+        if level not in OFFLOAD_LEVELS:
+            later = ("parameters", "auto")
+            detail = " is not implemented yet" if level in later else " is not an offload level"
+            raise LayoutError(
+                f"offload={level!r}{detail}. Use 'optimizer', 'activations', both as a list, or None (no offload)."
+            )
+    return frozenset(levels)
 
 
 def _mixed_groups(grid: Layout, rank: int) -> tuple[Any, Any]:
@@ -133,7 +139,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         first_stage_modules / last_stage_modules: override where modules beside the sequence go.
         find_unused_parameters: passed to DDP for the data-parallel gradient sync.
         offload: keep training state in host memory: ``"optimizer"`` (fp32 master weights and the optimizer's
-            state live in host memory; the update runs there and the new weights are copied back). ``None``: off.
+            state live in host memory; the update runs there and the new weights are copied back),
+            ``"activations"`` (what the forward saves for the backward goes to host memory and comes back when
+            needed), or both as a list. ``None``: off.
         pretrained: a ``save_pretrained`` directory (safetensors, sharded or not) to start from: after the model
             is split, each rank reads only its stages' tensors (build the model on the meta device in
             ``configure_model`` so that no rank ever holds all of it). A checkpoint being resumed wins.
@@ -158,7 +166,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         last_stage_modules: Sequence[str] = (),
         find_unused_parameters: bool = False,
         pretrained: Optional[str] = None,
-        offload: Optional[str] = None,
+        offload: Union[str, list[str], None] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -203,7 +211,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             stages_per_rank=stages_per_rank,
         )
         self._profile_cache = profile_cache
-        self._offload_level = _offload_level(offload)
+        self._offload_levels = _offload_levels(offload)
         #: host masters and optimizer state when ``offload="optimizer"`` (set up with the optimizers)
         self.offload: Optional[OptimizerOffload] = None
         self.layout_choice: Optional[LayoutChoice] = None
@@ -370,6 +378,8 @@ class SpotPipelineStrategy(ParallelStrategy):
                 self._load_pretrained(module, self._pretrained)
             self.precision_plugin.convert_module(module)
             self.engine.wrap_data_parallel(trace_allreduce=self.trace_allreduce)
+            if "activations" in self._offload_levels:
+                self.engine.runner.activation_offload = ActivationOffload(self.root_device)
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
@@ -379,7 +389,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._route_gradient_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self._offload_level == "optimizer":
+            if "optimizer" in self._offload_levels:
                 self.offload = OptimizerOffload(list(self.optimizers))
 
     def _check_supported(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

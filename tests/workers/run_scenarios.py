@@ -94,7 +94,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "reduced_during_backward": strategy.engine.cross.launched_early if strategy.engine.cross else None,
         "parameters": strategy.count_parameters(),
     }
-    if strategy.offload is not None:  # where the optimizer's state lives
+    if strategy.offload is not None:  # where the optimizer's state lives (offload="optimizer")
         states = [
             t for st in trainer.optimizers[0].state.values() for t in st.values() if torch.is_tensor(t) and t.dim()
         ]
@@ -106,6 +106,9 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             "state_shares_param_storage": any(t.untyped_storage().data_ptr() in params for t in states),
             "states": len(states),
         }
+    if strategy.engine.runner.activation_offload is not None:  # what went to host memory
+        saved = strategy.engine.runner.activation_offload
+        result["activation_offload"] = {"tensors": saved.saved_tensors, "bytes": saved.saved_bytes}
     if throughput is not None:
         result["throughput"] = throughput.summary()
         result["pipeline_stats"] = strategy.pipeline_stats()

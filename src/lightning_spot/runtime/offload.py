@@ -1,4 +1,4 @@
-"""Optimizer state and fp32 master weights in host memory (``SpotPipelineStrategy(offload="optimizer")``).
+"""Training state in host memory: the optimizer's (``offload="optimizer"``) and saved activations (``"activations"``).
 
     offload = OptimizerOffload(optimizers)   # fp32 host copies of every parameter the optimizers update
     offload.to_host(optimizer)               # after backward: each parameter *is* its host master, grads copied out
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -106,3 +107,42 @@ class OptimizerOffload:
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
+
+
+class ActivationOffload:
+    """Saved activations in host memory (``offload="activations"``): what autograd keeps for the backward is
+    copied to the host as the forward saves it and copied back when the backward needs it.
+
+        offload = ActivationOffload(device)
+        with offload.saving():        # around a stage's forward
+            out = stage(x)
+        offload.saved_bytes           # what went to the host so far
+
+    Parameters (leaf tensors that require gradients) stay where they are: they are not activations, and the
+    weights are on the device anyway. On a GPU the host buffers are pinned and the copies asynchronous.
+    """
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.pinned = device is not None and device.type == "cuda"
+        self.saved_tensors = 0
+        self.saved_bytes = 0
+
+    def _pack(self, t: Tensor) -> Any:
+        if (t.is_leaf and t.requires_grad) or t.is_meta:  # weights; torch's shape inference on meta tensors
+            return t
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=self.pinned)
+        host.copy_(t, non_blocking=self.pinned)
+        self.saved_tensors += 1
+        self.saved_bytes += t.numel() * t.element_size()
+        return (t.device, host)
+
+    @staticmethod
+    def _unpack(packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=host.is_pinned())
+
+    def saving(self) -> Any:
+        """Autograd's saved tensors go to the host inside this context."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

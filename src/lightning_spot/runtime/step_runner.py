@@ -27,6 +27,7 @@ from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import StageExit, StageProbe, StageRun, check_reproducible, running
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.logging_bridge import LogCapture
+from lightning_spot.runtime.offload import ActivationOffload
 
 Mode = Literal["train", "eval", "predict"]
 
@@ -76,6 +77,8 @@ class StepRunner:
         self._inferring = 0
         self._losses_computed = 0
         self.clock = StepClock()
+        #: saved activations go to host memory during training forwards (``offload="activations"``)
+        self.activation_offload: ActivationOffload | None = None
 
     @contextlib.contextmanager
     def inferring(self) -> Iterator[None]:
@@ -124,7 +127,7 @@ class StepRunner:
         micro_batch = self._micro_batch(idx)
         self._check_arguments(stage, micro_batch)
         run = StageRun(stage, first_stage=stage == 0, incoming=acts or None, exit_after=True, device=self.device)
-        with running(run), self.capture.capturing(self.module, weight=0.0, keep=False):
+        with running(run), self.capture.capturing(self.module, weight=0.0, keep=False), self._saving():
             try:
                 self._call(micro_batch)
             except StageExit as stop:
@@ -156,7 +159,12 @@ class StepRunner:
         self._check_arguments(self.last_stage, micro_batch)
         # the last stage's layers run here (its forward_one_chunk only passes activations on)
         timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
-        with timed, running(run), self.capture.capturing(self.module, weight=float(idx.numel()), keep=True):
+        with (
+            timed,
+            running(run),
+            self.capture.capturing(self.module, weight=float(idx.numel()), keep=True),
+            self._saving(),
+        ):
             result = self._call(micro_batch)
         if self.last_stage > 0 and not run.layers_started:
             raise ModelContractError(
@@ -164,6 +172,12 @@ class StepRunner:
                 f"result from `self(x)`."
             )
         return self._consume(result, idx)
+
+    def _saving(self) -> Any:
+        """Where autograd keeps what the forward saves: host memory when activations are offloaded (training)."""
+        if self.activation_offload is None or self.mode != "train" or self._inferring:
+            return contextlib.nullcontext()
+        return self.activation_offload.saving()
 
     def _check_arguments(self, stage: int, micro_batch: Any) -> None:
         """Once per stage and step function: the first layer's arguments besides the hidden state (masks,
