@@ -139,6 +139,7 @@ def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "best layout for 4 devices" in text and "stage 0: layers 0-" in text and "predicted step" in text
+    assert "  without offload: " in text and "  with offload: " in text  # predicted step time either way
 
 
 def test_plan_command_explains_missing_inputs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,3 +161,24 @@ def test_plan_command_explains_missing_inputs(capsys: pytest.CaptureFixture[str]
                 "cpu",
             ]
         )
+
+
+def test_offload_is_chosen_only_when_nothing_else_fits() -> None:
+    """offload="auto": with room, the state stays on the device (copies cost time); when weights, gradients and
+    Adam state do not fit, the optimizer goes to host memory; without enough host memory, the error says so."""
+    from lightning_spot.planning.cost_model import OFFLOAD_CHOICES
+
+    model = transformer(4, param_mb=256, saved_mb=8)  # 1 GB of weights + 4 GB of training state per layer pair
+    roomy = Hardware(memory_bytes=80 * 2**30, host_memory_bytes=200 * 2**30)
+    best = plan_layouts(model, world_size=1, global_batch=8, hardware=roomy, offloads=OFFLOAD_CHOICES)[0]
+    assert best.offload == []
+    tight = Hardware(memory_bytes=3.5 * 2**30, host_memory_bytes=200 * 2**30)
+    with pytest.raises(LayoutError):
+        plan_layouts(model, world_size=1, global_batch=8, hardware=tight)
+    offloaded = plan_layouts(model, world_size=1, global_batch=8, hardware=tight, offloads=OFFLOAD_CHOICES)[0]
+    assert "optimizer" in offloaded.offload and max(offloaded.stage_bytes) <= 3.5 * 2**30
+    assert offloaded.predicted_step_seconds > best.predicted_step_seconds  # the copies and the host update cost
+    assert "offload optimizer" in offloaded.describe()
+    no_host = Hardware(memory_bytes=3.5 * 2**30, host_memory_bytes=1 * 2**30)
+    with pytest.raises(LayoutError, match="host memory was considered"):
+        plan_layouts(model, world_size=1, global_batch=8, hardware=no_host, offloads=OFFLOAD_CHOICES)

@@ -78,19 +78,23 @@ _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-tru
 OFFLOAD_LEVELS = ("optimizer", "activations")
 
 
-def _offload_levels(offload: Union[str, Sequence[str], None]) -> frozenset[str]:
-    """Check ``offload=`` early: one level or several (``["optimizer", "activations"]``), those implemented."""
+def _offload_levels(offload: Union[str, Sequence[str], None]) -> Union[tuple[str, ...], str]:
+    """Check ``offload=`` early: one level or several (``["optimizer", "activations"]``), those implemented, or
+    ``"auto"`` (the planner decides)."""
     if offload is None:
-        return frozenset()
+        return ()
+    if offload == "auto":
+        return "auto"
     levels = [offload] if isinstance(offload, str) else list(offload)
     for level in levels:
         if level not in OFFLOAD_LEVELS:
-            later = ("parameters", "auto")
+            later = ("parameters",)
             detail = " is not implemented yet" if level in later else " is not an offload level"
             raise LayoutError(
-                f"offload={level!r}{detail}. Use 'optimizer', 'activations', both as a list, or None (no offload)."
+                f"offload={level!r}{detail}. Use 'optimizer', 'activations', both as a list, 'auto' (the planner "
+                f"decides), or None (no offload)."
             )
-    return frozenset(levels)
+    return tuple(sorted(set(levels), key=OFFLOAD_LEVELS.index))
 
 
 def _mixed_groups(grid: Layout, rank: int) -> tuple[Any, Any]:
@@ -141,7 +145,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         offload: keep training state in host memory: ``"optimizer"`` (fp32 master weights and the optimizer's
             state live in host memory; the update runs there and the new weights are copied back),
             ``"activations"`` (what the forward saves for the backward goes to host memory and comes back when
-            needed), or both as a list. ``None``: off.
+            needed), both as a list, or ``"auto"``: the planner keeps state on the device when it fits and
+            offloads the least that makes it fit otherwise. ``None``: off.
         pretrained: a ``save_pretrained`` directory (safetensors, sharded or not) to start from: after the model
             is split, each rank reads only its stages' tensors (build the model on the meta device in
             ``configure_model`` so that no rank ever holds all of it). A checkpoint being resumed wins.
@@ -209,9 +214,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             device_memory=parse_bytes(device_memory),
             stages_per_rank=stages_per_rank,
+            offload=_offload_levels(offload),
         )
         self._profile_cache = profile_cache
-        self._offload_levels = _offload_levels(offload)
         #: host masters and optimizer state when ``offload="optimizer"`` (set up with the optimizers)
         self.offload: Optional[OptimizerOffload] = None
         self.layout_choice: Optional[LayoutChoice] = None
@@ -378,7 +383,7 @@ class SpotPipelineStrategy(ParallelStrategy):
                 self._load_pretrained(module, self._pretrained)
             self.precision_plugin.convert_module(module)
             self.engine.wrap_data_parallel(trace_allreduce=self.trace_allreduce)
-            if "activations" in self._offload_levels:
+            if "activations" in self._offloaded():
                 self.engine.runner.activation_offload = ActivationOffload(self.root_device)
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
@@ -389,8 +394,12 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._route_gradient_clipping()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if "optimizer" in self._offload_levels:
+            if "optimizer" in self._offloaded():
                 self.offload = OptimizerOffload(list(self.optimizers))
+
+    def _offloaded(self) -> tuple[str, ...]:
+        """The offload levels of this run: as asked, or as the planner chose for ``offload="auto"``."""
+        return self.layout_choice.offload if self.layout_choice is not None else ()
 
     def _check_supported(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if not module.automatic_optimization:

@@ -91,6 +91,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "cuts": strategy.engine.plan.cuts,
         "pipeline": strategy.engine.ctx.dp_rank,
         "microbatches": strategy.engine.microbatches,
+        "offload_levels": list(strategy.layout_choice.offload) if strategy.layout_choice else [],
         "reduced_during_backward": strategy.engine.cross.launched_early if strategy.engine.cross else None,
         "parameters": strategy.count_parameters(),
     }

@@ -23,7 +23,7 @@ import torch
 from lightning_spot._units import format_bytes, parse_bytes
 from lightning_spot.layout import LayoutError
 from lightning_spot.partition.discovery import ModelContractError, discover
-from lightning_spot.planning.cost_model import plan_layouts
+from lightning_spot.planning.cost_model import OFFLOAD_CHOICES, plan_layouts
 from lightning_spot.planning.hardware import Hardware
 from lightning_spot.planning.mixed import plan_mixed
 from lightning_spot.planning.profile import profile_model
@@ -77,6 +77,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to profile")
     p.add_argument("--p2p-gbps", type=float, default=None, help="point-to-point bandwidth, GB/s")
     p.add_argument("--allreduce-gbps", type=float, default=None, help="all-reduce bandwidth, GB/s")
+    p.add_argument("--host-memory", help="host memory per device for offloaded state, e.g. 200GB (default: unknown)")
+    p.add_argument("--no-offload", action="store_true", help="keep all training state on the devices")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(list(argv))
 
@@ -93,14 +95,20 @@ def main(argv: Sequence[str]) -> int:
             samples=int(inputs[0].shape[0]),
             progress=not args.json,
         )
-        hw = Hardware(memory_bytes=parse_bytes(args.device_memory))
+        hw = Hardware(memory_bytes=parse_bytes(args.device_memory), host_memory_bytes=parse_bytes(args.host_memory))
         if args.p2p_gbps:
             hw = Hardware(**{**hw.__dict__, "p2p_bytes_per_s": args.p2p_gbps * 1e9})
         if args.allreduce_gbps:
             hw = Hardware(**{**hw.__dict__, "allreduce_bytes_per_s": args.allreduce_gbps * 1e9})
         mixes = plan_mixed(profile, world_size=args.world_size, global_batch=args.global_batch, hardware=hw)
         try:
-            candidates = plan_layouts(profile, world_size=args.world_size, global_batch=args.global_batch, hardware=hw)
+            candidates = plan_layouts(
+                profile,
+                world_size=args.world_size,
+                global_batch=args.global_batch,
+                hardware=hw,
+                offloads=((),) if args.no_offload else OFFLOAD_CHOICES,
+            )
         except LayoutError:
             if not mixes:
                 raise
@@ -141,6 +149,11 @@ def main(argv: Sequence[str]) -> int:
     print(f"  predicted step: {best.predicted_step_seconds * 1000:.1f} ms ({best.samples_per_second:.1f} samples/s)")
     for c in runners:
         print(f"  runner-up: {c.describe()}")
+    if not args.no_offload:
+        without = next((c for c in candidates if not c.offload), None)
+        offloaded = next((c for c in candidates if c.offload), None)
+        for label, found in (("without offload", without), ("with offload", offloaded)):
+            print(f"  {label}: {found.describe() if found is not None else 'no layout fits'}")
     if mixes:
         faster = mixes[0].predicted_step_seconds < best.predicted_step_seconds
         verdict = "predicted faster than the best uniform layout" if faster else "not faster"

@@ -29,7 +29,7 @@ from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.balance import balanced_cuts
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
-from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, Candidate, evaluate, plan_layouts
+from lightning_spot.planning.cost_model import OFFLOAD_CHOICES, PLANNED_SCHEDULES, Candidate, evaluate, plan_layouts
 from lightning_spot.planning.hardware import Hardware, default_hardware
 from lightning_spot.planning.memory import (
     PLAN_MARGIN,
@@ -68,6 +68,13 @@ class Requested:
     activation_checkpointing: bool | None
     device_memory: float | None
     stages_per_rank: int | None
+    #: training state to keep in host memory (``("optimizer",)`` ...), or "auto": the planner decides
+    offload: tuple[str, ...] | str = ()
+
+    @property
+    def offloads(self) -> tuple[tuple[str, ...], ...]:
+        """The offload levels the planner may choose from."""
+        return OFFLOAD_CHOICES if self.offload == "auto" else (tuple(self.offload),)
 
     def per_rank(self, schedule: str) -> int:
         """Stages per rank of ``schedule`` (1F1B when it is still "auto")."""
@@ -81,6 +88,7 @@ class Requested:
             or self.schedule == "auto"
             or self.activation_checkpointing is None
             or self.partition == "balanced"
+            or self.offload == "auto"
         )
 
 
@@ -97,6 +105,8 @@ class LayoutChoice:
     reason: str = ""
     #: the chosen :class:`MixedCandidate` as a dict, when the planner chose pipelines of mixed depths
     mixed_plan: dict[str, Any] | None = None
+    #: training state kept in host memory
+    offload: tuple[str, ...] = ()
 
 
 @dataclass
@@ -113,6 +123,7 @@ class _Draft:
     runners_up: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
     mixed_plan: dict[str, Any] | None = None
+    offload: tuple[str, ...] = ()
 
 
 def sample_batch(trainer: Any) -> tuple[int, Any] | None:
@@ -135,8 +146,14 @@ def _first_samples(batch: Any, size: int, count: int) -> Any:
 def _fallback(requested: Requested) -> _Draft:
     cuts: Any = list(requested.partition) if not isinstance(requested.partition, str) else None
     schedule = "1F1B" if requested.schedule == "auto" else requested.schedule
+    offload = () if requested.offload == "auto" else tuple(requested.offload)
     return _Draft(
-        requested.pipeline_stages, requested.microbatches, schedule, bool(requested.activation_checkpointing), cuts
+        requested.pipeline_stages,
+        requested.microbatches,
+        schedule,
+        bool(requested.activation_checkpointing),
+        cuts,
+        offload=offload,
     )
 
 
@@ -171,7 +188,14 @@ def _settle(
     if microbatches == "auto":
         microbatches = default_microbatches(grid, plan.num_stages, global_batch)
     layout = PipelineLayout(grid, spec.name, plan.num_stages, tuple(plan.cuts), microbatches)
-    return LayoutChoice(layout, draft.activation_checkpointing, draft.plan, tuple(draft.runners_up), draft.reason)
+    return LayoutChoice(
+        layout,
+        draft.activation_checkpointing,
+        draft.plan,
+        tuple(draft.runners_up),
+        draft.reason,
+        offload=draft.offload,
+    )
 
 
 def _settle_mixed(
@@ -201,7 +225,9 @@ def _settle_mixed(
         if m < fewest_microbatches(d, schedule):
             raise LayoutError(f"{schedule} needs at least {d} micro-batches on a pipeline of depth {d}, got {m}")
     layout = PipelineLayout.mixed(grid, schedule, per_pipeline, microbatches)
-    return LayoutChoice(layout, draft.activation_checkpointing, None, (), draft.reason, draft.mixed_plan)
+    return LayoutChoice(
+        layout, draft.activation_checkpointing, None, (), draft.reason, draft.mixed_plan, offload=draft.offload
+    )
 
 
 def choose_layout(
@@ -324,11 +350,13 @@ def _decide(
             schedules=schedules,
             checkpointing=checkpointing,
             pipeline_stages=fixed_p,
+            offloads=requested.offloads,
         )
     except LayoutError:
         if not mixes:
             raise
-        return _mixed_draft(mixes, None, idle_note(profile, world_size, global_batch, hardware, mixes[0], schedules))
+        note = idle_note(profile, world_size, global_batch, hardware, mixes[0], schedules)
+        return _mixed_draft(mixes, None, note, _fallback(requested).offload)
     if isinstance(requested.microbatches, int):
         fitting = [c for c in candidates if c.microbatches == requested.microbatches]
         if not fitting:
@@ -342,6 +370,7 @@ def _decide(
                     global_batch=global_batch,
                     schedule=candidates[0].schedule,
                     hardware=hardware,
+                    offload=tuple(candidates[0].offload),
                 )
             ]
         candidates = fitting
@@ -351,7 +380,7 @@ def _decide(
     margin = PLAN_MARGIN if previous_now is not None and best is previous_now else MIXED_MARGIN
     if mixes and mixes[0].predicted_step_seconds < best.predicted_step_seconds * (1 - margin):
         note = idle_note(profile, world_size, global_batch, hardware, mixes[0], schedules)
-        return _mixed_draft(mixes, best, note)
+        return _mixed_draft(mixes, best, note, _fallback(requested).offload)
     if requested.pipeline_stages == "auto":
         reason += idle_note(profile, world_size, global_batch, hardware, best, schedules)
     cuts = best.cuts if requested.partition in ("auto", "balanced") else None
@@ -364,6 +393,7 @@ def _decide(
         plan=best.to_dict(),
         runners_up=[c.to_dict() for c in candidates[:4] if c is not best][:3],
         reason=reason,
+        offload=tuple(best.offload),
     )
 
 
@@ -371,7 +401,9 @@ def _decide(
 MIXED_MARGIN = 0.03
 
 
-def _mixed_draft(mixes: list[MixedCandidate], uniform: Candidate | None, note: str) -> _Draft:
+def _mixed_draft(
+    mixes: list[MixedCandidate], uniform: Candidate | None, note: str, offload: tuple[str, ...] = ()
+) -> _Draft:
     """The planner's pick among pipelines of mixed depths, with why (the best uniform layout it beat)."""
     best = mixes[0]
     if uniform is None:
@@ -389,6 +421,7 @@ def _mixed_draft(mixes: list[MixedCandidate], uniform: Candidate | None, note: s
         [list(c) for c in best.cuts],
         reason="\n".join(lines),
         mixed_plan=best.to_dict(),
+        offload=offload,
     )
 
 
@@ -477,6 +510,7 @@ def _reevaluate(
             global_batch=global_batch,
             schedule=previous.schedule,
             checkpointing=previous.activation_checkpointing,
+            offload=tuple(previous.offload),
             hardware=hardware,
             cuts=list(previous.cuts),
         )

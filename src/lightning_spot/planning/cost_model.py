@@ -15,6 +15,7 @@ Communication speeds come from :class:`Hardware` (measured on the job's process 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -25,6 +26,8 @@ from lightning_spot.planning.hardware import Hardware
 from lightning_spot.planning.profile import LayerProfile, ModelProfile
 
 PLANNED_SCHEDULES = ("1F1B", "GPipe")
+#: what ``offload="auto"`` tries, cheapest first
+OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = ((), ("activations",), ("optimizer",), ("optimizer", "activations"))
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Candidate:
     predicted_step_seconds: float
     samples_per_second: float
     detail: dict[str, float] = field(default_factory=dict)
+    #: training state kept in host memory (``"optimizer"``, ``"activations"``)
+    offload: list[str] = field(default_factory=list)
 
     @property
     def layout(self) -> PipelineLayout:
@@ -54,6 +59,7 @@ class Candidate:
 
     def describe(self) -> str:
         ac = ", activation checkpointing" if self.activation_checkpointing else ""
+        ac += f", offload {'+'.join(self.offload)}" if self.offload else ""
         return (
             f"{self.layout.grid}, {self.microbatches} micro-batches, {self.schedule}{ac}: "
             f"{self.predicted_step_seconds * 1000:.1f} ms/step ({self.samples_per_second:.1f} samples/s), "
@@ -88,10 +94,15 @@ def stage_bytes(
     microbatches: int,
     checkpointing: bool,
     hardware: Hardware,
+    offload: tuple[str, ...] = (),
 ) -> float:
-    """Memory of a stage holding layers ``[a, b)`` (profile already scaled to the micro-batch size)."""
+    """Device memory of a stage holding layers ``[a, b)`` (profile already scaled to the micro-batch size).
+
+    With the optimizer offloaded the device keeps weights and gradients only; with activations offloaded, one
+    micro-batch's saved activations at a time (the others wait in host memory).
+    """
     layers = _stage_profile(profile, stage, stages, a, b)
-    state = sum(p.param_bytes for p in layers) * hardware.state_factor
+    state = sum(p.param_bytes for p in layers) * (2 if "optimizer" in offload else hardware.state_factor)
     if checkpointing:  # keep each layer's input; recompute one layer at a time in backward
         per_microbatch = sum(p.output_bytes for p in profile.layers[max(a - 1, 0) : b]) + max(
             p.saved_bytes for p in layers
@@ -99,7 +110,30 @@ def stage_bytes(
     else:
         per_microbatch = sum(p.saved_bytes for p in layers)
     buffers = 2 * (profile.layers[b - 1].output_bytes + (profile.layers[a - 1].output_bytes if a else 0))
-    return state + in_flight(schedule, stage, stages, microbatches) * per_microbatch + buffers
+    held = 1 if "activations" in offload else in_flight(schedule, stage, stages, microbatches)
+    return state + held * per_microbatch + buffers
+
+
+def host_bytes(
+    profile: ModelProfile,
+    stage: int,
+    stages: int,
+    a: int,
+    b: int,
+    *,
+    schedule: str,
+    microbatches: int,
+    hardware: Hardware,
+    offload: tuple[str, ...],
+) -> float:
+    """Host memory a stage's offloaded state takes: fp32 masters and optimizer state, saved activations."""
+    layers = _stage_profile(profile, stage, stages, a, b)
+    total = 0.0
+    if "optimizer" in offload:
+        total += sum(p.param_bytes for p in layers) * (hardware.state_factor - 1)
+    if "activations" in offload:
+        total += in_flight(schedule, stage, stages, microbatches) * sum(p.saved_bytes for p in layers)
+    return total
 
 
 def _stage_seconds(layers: list[LayerProfile], checkpointing: bool, hardware: Hardware) -> float:
@@ -116,8 +150,13 @@ def predict_step_seconds(
     microbatches: int,
     checkpointing: bool,
     hardware: Hardware,
+    offload: tuple[str, ...] = (),
 ) -> tuple[float, list[float], dict[str, float]]:
-    """(step seconds, each stage's compute per step, breakdown) for one layout; ``profile`` at micro-batch size."""
+    """(step seconds, each stage's compute per step, breakdown) for one layout; ``profile`` at micro-batch size.
+
+    Offloaded activations cost each micro-batch a copy out and back of what its stage saves; an offloaded
+    optimizer, a copy of the gradients out and of the weights back, and the update at the host's speed.
+    """
     stages = len(cuts) + 1
     bounds = [0, *cuts, len(profile.layers)]
     # processes sharing cores (CPUs) slow each other down only while they compute: a pipeline's
@@ -127,7 +166,10 @@ def predict_step_seconds(
     per_mb, comm, grads = [], [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         layers = _stage_profile(profile, s, stages, a, b)
-        per_mb.append(_stage_seconds(layers, checkpointing, computing))
+        seconds = _stage_seconds(layers, checkpointing, computing)
+        if "activations" in offload:
+            seconds += 2 * sum(p.saved_bytes for p in layers) / hardware.host_copy_bytes_per_s
+        per_mb.append(seconds)
         out = profile.layers[b - 1].output_bytes if s < stages - 1 else 0
         comm.append(hardware.p2p_latency_s + out / hardware.p2p_bytes_per_s if out else 0.0)
         grads.append(sum(p.param_bytes for p in layers))
@@ -139,9 +181,15 @@ def predict_step_seconds(
             ring * g / hardware.allreduce_bytes_per_s + 2 * (data_parallel - 1) * hardware.allreduce_latency_s
             for g in grads
         )
-    optimizer = (
-        max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s * hardware.compute_slowdown
-    )
+    if "optimizer" in offload:
+        optimizer = max(
+            g * hardware.state_factor / hardware.host_optimizer_bytes_per_s + 2 * g / hardware.host_copy_bytes_per_s
+            for g in grads
+        )
+    else:
+        optimizer = (
+            max(g * hardware.state_factor for g in grads) / hardware.optimizer_bytes_per_s * hardware.compute_slowdown
+        )
     total = pipeline + allreduce + optimizer + hardware.step_overhead_s
     return (
         total,
@@ -166,8 +214,10 @@ def evaluate(
     checkpointing: bool = False,
     hardware: Hardware = Hardware(),
     cuts: list[int] | None = None,
+    offload: tuple[str, ...] = (),
 ) -> Candidate:
-    """Cost-balanced cuts (or the given ``cuts``) and the predicted step for one layout; raises if it does not fit."""
+    """Cost-balanced cuts (or the given ``cuts``) and the predicted step for one layout; raises if it does not
+    fit the device memory, or (with ``offload``) the host memory."""
     samples = global_batch // (data_parallel * microbatches)
     scaled = profile.scaled(samples)
 
@@ -182,6 +232,7 @@ def evaluate(
             microbatches=microbatches,
             checkpointing=checkpointing,
             hardware=hardware,
+            offload=offload,
         )
 
     if cuts is None:
@@ -195,6 +246,26 @@ def evaluate(
             capacity=hardware.memory_bytes,
         )
     bounds = [0, *cuts, len(scaled.layers)]
+    if offload and hardware.host_memory_bytes is not None:
+        host = max(
+            host_bytes(
+                scaled,
+                s,
+                pipeline_stages,
+                a,
+                b,
+                schedule=schedule,
+                microbatches=microbatches,
+                hardware=hardware,
+                offload=offload,
+            )
+            for s, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        )
+        if host > hardware.host_memory_bytes:
+            raise LayoutError(
+                f"offloading {'+'.join(offload)} needs {format_bytes(host)} of host memory per process, more than "
+                f"the {format_bytes(hardware.host_memory_bytes)} available"
+            )
     step, stage_secs, detail = predict_step_seconds(
         scaled,
         cuts,
@@ -202,6 +273,7 @@ def evaluate(
         microbatches=microbatches,
         checkpointing=checkpointing,
         hardware=hardware,
+        offload=offload,
     )
     return Candidate(
         pipeline_stages,
@@ -215,6 +287,7 @@ def evaluate(
         step,
         global_batch / step,
         detail,
+        list(offload),
     )
 
 
@@ -228,6 +301,7 @@ def plan_layouts(
     checkpointing: tuple[bool, ...] = (False, True),
     pipeline_stages: int | None = None,
     max_microbatches: int = 64,
+    offloads: tuple[tuple[str, ...], ...] = ((),),
 ) -> list[Candidate]:
     """Every feasible layout for ``world_size`` devices, best (highest predicted throughput) first.
 
@@ -250,7 +324,7 @@ def plan_layouts(
             for schedule in schedules:
                 if (schedule == "1F1B" and m < p) or (schedule == "GPipe" and p == 1 and "1F1B" in schedules):
                     continue  # 1F1B needs M >= P; with one stage GPipe and 1F1B are the same
-                for ac in checkpointing:
+                for ac, offload in itertools.product(checkpointing, offloads):
                     trial = functools.partial(
                         evaluate,
                         profile,
@@ -260,13 +334,16 @@ def plan_layouts(
                         global_batch=global_batch,
                         schedule=schedule,
                         checkpointing=ac,
+                        offload=offload,
                     )
                     try:
                         found.append(trial(hardware=hardware))
                     except LayoutError:
-                        need = float(max(trial(hardware=replace(hardware, memory_bytes=None)).stage_bytes))
+                        unbounded = replace(hardware, memory_bytes=None, host_memory_bytes=None)
+                        need = float(max(trial(hardware=unbounded).stage_bytes))
                         if smallest is None or need < smallest[0]:
                             label = f"{Layout(p, d)} {schedule} M={m}{', activation checkpointing' if ac else ''}"
+                            label += f", offload {'+'.join(offload)}" if offload else ""
                             smallest = (need, label)
     if not found:
         hint = (
@@ -274,6 +351,9 @@ def plan_layouts(
             if smallest
             else ""
         )
+        if any(offloads):
+            host = format_bytes(hardware.host_memory_bytes) if hardware.host_memory_bytes else "unknown"
+            hint += f" Keeping training state in host memory was considered (host memory per process: {host})."
         raise LayoutError(
             f"No layout of {world_size} devices fits a global batch of {global_batch} samples in "
             f"{format_bytes(hardware.memory_bytes)} per device.{hint} Use more devices, devices with more memory, "

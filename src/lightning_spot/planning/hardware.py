@@ -42,6 +42,12 @@ class Hardware:
     compute_slowdown: float = 1.0
     #: fixed cost per micro-batch and stage (Python, kernel launches, Lightning)
     microbatch_overhead_s: float = 1e-3
+    #: host memory per process (offload keeps training state there); ``None``: unknown, not checked
+    host_memory_bytes: float | None = None
+    #: copies between device and host memory (PCIe on GPUs; a memory copy on CPUs)
+    host_copy_bytes_per_s: float = 12e9
+    #: optimizer update speed on the host (offloaded optimizer), bytes of training state per second
+    host_optimizer_bytes_per_s: float = 2e9
     #: fixed cost per step outside the schedule: Lightning's loop and hooks, handing the gradients
     #: over, sharing the loss and logged values from the last stage (6 ms on the CPUs of
     #: ``benchmarks/planner.py``'s traces; a rough default elsewhere)
@@ -50,9 +56,6 @@ class Hardware:
 
 def default_hardware(device: torch.device, memory: float | None, local_processes: int) -> Hardware:
     """Memory per device and, on CPUs, how much the processes of a node slow each other down."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return Hardware(memory_bytes=memory or 0.9 * total, optimizer_bytes_per_s=500e9)
     available = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -60,10 +63,14 @@ def default_hardware(device: torch.device, memory: float | None, local_processes
                 available = int(line.split()[1]) * 1024 / max(local_processes, 1)
     except OSError:
         pass
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return Hardware(memory_bytes=memory or 0.9 * total, optimizer_bytes_per_s=500e9, host_memory_bytes=available)
     cores = os.cpu_count() or 1
     slowdown = max(1.0, local_processes * torch.get_num_threads() / cores)
     return Hardware(
         memory_bytes=memory or available,
+        host_memory_bytes=available,
         compute_slowdown=slowdown,
         optimizer_bytes_per_s=2e9,
         p2p_bytes_per_s=2e9,
@@ -74,10 +81,16 @@ def default_hardware(device: torch.device, memory: float | None, local_processes
 def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 25, repeats: int = 3) -> Hardware:
     """Calibrate the optimizer update speed here, and point-to-point and all-reduce speed on the default
     process group (a collective call; every rank gets rank 0's figures)."""
+
+    def optimizer_speeds(base: Hardware) -> Hardware:
+        speed = _optimizer_speed(device, base.state_factor)
+        host = speed if device.type == "cpu" else _optimizer_speed(torch.device("cpu"), base.state_factor)
+        return replace(base, optimizer_bytes_per_s=speed, host_optimizer_bytes_per_s=host)
+
     if world_size() < 2:
-        return replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))
+        return optimizer_speeds(base)
     if dist.get_rank() == 0:  # alone: ranks updating at once would share the memory bandwidth
-        base = replace(base, optimizer_bytes_per_s=_optimizer_speed(device, base.state_factor))
+        base = optimizer_speeds(base)
     rank, world = dist.get_rank(), dist.get_world_size()
     buf = torch.zeros(megabytes * 2**18, device=device)  # 4-byte floats
     small = torch.zeros(1, device=device)
@@ -103,16 +116,19 @@ def measure_hardware(device: torch.device, base: Hardware, *, megabytes: int = 2
     big_rtt, small_rtt = timed(lambda: ping(buf)), timed(lambda: ping(small))
     big_ar, small_ar = timed(lambda: dist.all_reduce(buf)), timed(lambda: dist.all_reduce(small))
     values = torch.tensor(
-        [big_rtt, small_rtt, big_ar, small_ar, base.optimizer_bytes_per_s], dtype=torch.float64, device=device
+        [big_rtt, small_rtt, big_ar, small_ar, base.optimizer_bytes_per_s, base.host_optimizer_bytes_per_s],
+        dtype=torch.float64,
+        device=device,
     )
     dist.broadcast(values, 0)  # rank 0's view, so that every rank plans the same
-    big_rtt, small_rtt, big_ar, small_ar, optimizer_speed = values.tolist()
+    big_rtt, small_rtt, big_ar, small_ar, optimizer_speed, host_optimizer_speed = values.tolist()
     nbytes = buf.numel() * 4
     latency = max(small_rtt / 2, 1e-6)
     ring = 2 * (world - 1) / world
     return replace(
         base,
         optimizer_bytes_per_s=optimizer_speed,
+        host_optimizer_bytes_per_s=host_optimizer_speed,
         p2p_latency_s=latency,
         p2p_bytes_per_s=nbytes / max(big_rtt / 2 - latency, 1e-9),
         allreduce_latency_s=max(small_ar / (2 * (world - 1)), 1e-6),

@@ -42,6 +42,7 @@ PLAN_MARGIN = 0.10
 #: the fields of :class:`Hardware` that are measured (the rest come from the device and the settings)
 _MEASURED = (
     "optimizer_bytes_per_s",
+    "host_optimizer_bytes_per_s",
     "p2p_latency_s",
     "p2p_bytes_per_s",
     "allreduce_latency_s",
@@ -134,12 +135,13 @@ class PlanMemory:
 
 def same_plan(a: Candidate, b: Candidate) -> bool:
     """Whether two candidates build the same pipeline (data-parallel width aside)."""
-    return (a.pipeline_stages, a.microbatches, a.schedule, a.activation_checkpointing, list(a.cuts)) == (
+    return (a.pipeline_stages, a.microbatches, a.schedule, a.activation_checkpointing, list(a.cuts), a.offload) == (
         b.pipeline_stages,
         b.microbatches,
         b.schedule,
         b.activation_checkpointing,
         list(b.cuts),
+        b.offload,
     )
 
 
