@@ -100,3 +100,43 @@ def test_timeline_merge_without_rank_files_names_the_fix(tmp_path: Path) -> None
     exe = str(Path(sys.executable).parent / "lightning-spot")
     out = subprocess.run([exe, "timeline", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "no rank<N>.trace.json" in out.stderr and "PipelineTimeline" in out.stderr
+
+
+def test_report_counts_useful_time_and_cost(tmp_path: Path) -> None:
+    """Useful time: steps 0-30 at P2xD2's pace and 30-50 at P2xD1's, over 58 s of wall time. GPU-hours: 4 processes
+    for 20.2 s, then 2 from the end of the first attempt to the end (37.8 s). On demand without preemptions:
+    1600 samples at P2xD2's measured 61.9 samples/s on 4 GPUs."""
+    from lightning_spot.observe.cost import Prices, format_cost, run_cost
+
+    _history(tmp_path)
+    report = build_report(Storage(str(tmp_path)))
+    useful = 30 / ((30 - 1) / 15) + 20 / ((50 - 31) / 14)
+    assert report["useful_time_share"] == pytest.approx(useful / 58)
+    assert "useful time" in format_report(report)
+    cost = run_cost(report, Prices(spot_per_gpu_hour=1.0, on_demand_per_gpu_hour=4.0))
+    assert cost["gpu_hours_by_layout"] == pytest.approx(
+        {"P2xD2 1F1B M=4": 20.2 * 4 / 3600, "P2xD1 1F1B M=4": 37.8 * 2 / 3600}
+    )
+    assert cost["spot_dollars"] == pytest.approx((20.2 * 4 + 37.8 * 2) / 3600)
+    assert cost["trained"] == {"unit": "samples", "count": 1600}
+    assert cost["dollars_per_million"] == pytest.approx(cost["spot_dollars"] / 0.0016)
+    od = cost["on_demand_without_preemptions"]
+    assert od["layout"] == "P2xD2 1F1B M=4"
+    assert od["gpu_hours"] == pytest.approx(1600 / ((30 - 1) / 15 * 32) * 4 / 3600)
+    assert od["dollars"] == pytest.approx(od["gpu_hours"] * 4.0)
+    tokens = run_cost(report, Prices(spot_per_gpu_hour=1.0, on_demand_per_gpu_hour=4.0, tokens_per_sample=128))
+    assert tokens["trained"] == {"unit": "tokens", "count": 1600 * 128}
+    text = format_cost(cost)
+    assert "per 1M samples" in text and "spot saved" in text
+
+
+def test_report_cli_prints_the_cost_section(tmp_path: Path) -> None:
+    _history(tmp_path)
+    cli = [sys.executable, "-m", "lightning_spot.cli", "report", str(tmp_path)]
+    out = subprocess.run([*cli, "--spot-price", "1.5", "--on-demand-price", "4.1"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "$1.50 (spot) / $4.10 (on demand) per GPU-hour" in out.stdout and "GPU-hours" in out.stdout
+    plain = subprocess.run(cli, capture_output=True, text=True)
+    assert "per GPU-hour" not in plain.stdout  # no prices given: no cost section
+    data = json.loads(subprocess.run([*cli, "--json", "--cost"], capture_output=True, text=True).stdout)
+    assert data["cost"]["prices"]["on_demand_per_gpu_hour"] == pytest.approx(32.7726 / 8)

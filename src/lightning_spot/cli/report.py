@@ -1,5 +1,6 @@
-"""``lightning-spot report RUN_URL``: what happened to a run — layouts, preemptions, time lost,
-checkpoint stall, throughput per layout — as text (or JSON) and a PNG timeline.
+"""``lightning-spot report RUN_URL``: what happened to a run — layouts, preemptions, time lost, the useful-time
+share, checkpoint stall, throughput per layout, and (with prices) what it cost — as text (or JSON) and a PNG
+timeline.
 
     lightning-spot report s3://bucket/runs/gpt --png run.png --storage-options '{"endpoint_url": "..."}'
 """
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_spot.checkpoint.storage import Storage, StorageError
+from lightning_spot.observe.cost import Prices, format_cost, run_cost
 from lightning_spot.observe.run_report import build_report, format_report, render_run_timeline
 
 
@@ -24,6 +26,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--png", type=Path, help="also draw the run's timeline into this PNG file")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
+    parser.add_argument(
+        "--cost", action="store_true", help="add the cost section (example prices unless given; see docs)"
+    )
+    parser.add_argument("--spot-price", type=float, help="spot dollars per GPU-hour (implies --cost)")
+    parser.add_argument("--on-demand-price", type=float, help="on-demand dollars per GPU-hour (implies --cost)")
+    parser.add_argument("--tokens-per-sample", type=int, help="quote dollars per million tokens instead of samples")
     args = parser.parse_args(list(argv))
     try:
         storage = Storage(args.url, json.loads(args.storage_options) if args.storage_options else {})
@@ -31,10 +39,23 @@ def main(argv: Sequence[str]) -> int:
     except (StorageError, FileNotFoundError) as err:
         print(f"lightning-spot report: {err}", file=sys.stderr)
         return 1
+    cost = None
+    if args.cost or args.spot_price is not None or args.on_demand_price is not None:
+        defaults = Prices()
+        prices = Prices(
+            spot_per_gpu_hour=args.spot_price if args.spot_price is not None else defaults.spot_per_gpu_hour,
+            on_demand_per_gpu_hour=args.on_demand_price
+            if args.on_demand_price is not None
+            else defaults.on_demand_per_gpu_hour,
+            tokens_per_sample=args.tokens_per_sample,
+        )
+        cost = run_cost(report, prices)
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps({**report, **({"cost": cost} if cost else {})}, indent=1))
     else:
         print(format_report(report))
+        if cost:
+            print("\n" + format_cost(cost))
     if args.png:
         try:
             args.png.write_bytes(render_run_timeline(report))

@@ -1,5 +1,5 @@
 """A run's story from its history (``<run>/events/``, written by ``SpotCheckpoint``): layouts over
-time, preemptions and restarts, time lost, checkpoint stall and throughput per layout.
+time, preemptions and restarts, time lost, the useful-time share, checkpoint stall and throughput per layout.
 
     report = build_report(Storage("s3://bucket/runs/gpt"))
     print(format_report(report))
@@ -15,6 +15,7 @@ from typing import Any
 from lightning_spot.checkpoint.journal import read_events, split_attempts, summarize
 from lightning_spot.checkpoint.storage import Storage
 from lightning_spot.layout import layout_label
+from lightning_spot.observe.cost import useful_seconds
 
 #: events that say "this step was reached at this time" (checkpoint events carry the commit time instead)
 PROGRESS_KINDS = ("first_step", "progress", "preempted", "end")
@@ -50,6 +51,7 @@ def _attempt_summary(index: int, events: list[dict[str, Any]], t0: float) -> dic
         "seconds": round(max(e["time"] for e in events) - start["time"], 3),
         "steps_per_second": steps_per_s,
         "samples_per_second": samples_per_s,
+        "global_batch": batches[-1] if batches else None,
         "checkpoints": len(saves),
         "checkpoint_stall_seconds": round(sum(e.get("stall_seconds", 0.0) for e in saves), 4),
         "points": [(e["time"] - t0, e["step"]) for e in marks],
@@ -74,10 +76,12 @@ def build_report(storage: Storage) -> dict[str, Any]:
         if a["samples_per_second"] is not None:
             per_layout.setdefault(a["layout"], []).append(a["samples_per_second"])
     trained = sum(a["seconds"] for a in attempts)
+    wall = events[-1]["time"] - t0
     return {
         "run": storage.url,
         "started": datetime.fromtimestamp(t0, tz=timezone.utc).isoformat(timespec="seconds"),
-        "wall_seconds": round(events[-1]["time"] - t0, 3),
+        "wall_seconds": round(wall, 3),
+        "useful_time_share": useful_seconds(attempts) / wall if wall > 0 else None,
         "attempts": attempts,
         "restarts": totals["restarts"],
         "preemptions_survived": totals["preemptions_survived"],
@@ -100,6 +104,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"started      {report['started']}, {report['wall_seconds']:.1f}s of history",
         f"attempts     {len(report['attempts'])}; preemptions survived {report['preemptions_survived']}; "
         f"steps recomputed {report['steps_recomputed']}; time lost to restarts {report['time_lost_seconds']:.1f}s",
+        f"useful time  {_share(report.get('useful_time_share'))} of wall time went to steps that were kept",
         f"checkpoints  {report['checkpoints']} saved, training stalled {report['checkpoint_stall_seconds']:.2f}s "
         f"({100 * report['checkpoint_stall_fraction']:.2f}% of training time); committed now: "
         f"{', '.join(report['committed_checkpoints']) or 'none'}",
@@ -124,6 +129,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", "throughput per layout"]
         lines += [f"  {k:<28}{v:10.1f} samples/s" for k, v in report["samples_per_second_by_layout"].items()]
     return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _tier(restart: dict[str, Any]) -> str:
