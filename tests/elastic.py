@@ -26,6 +26,7 @@ class Agent:
         log: Path,
         nnodes: str = "1:2",
         env: dict[str, str] | None = None,
+        max_restarts: int = 3,
     ) -> None:
         self.name = name
         self.log_path = log
@@ -47,7 +48,7 @@ class Agent:
                 "torch.distributed.run",
                 f"--nnodes={nnodes}",
                 f"--nproc-per-node={nproc}",
-                "--max-restarts=3",
+                f"--max-restarts={max_restarts}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=spot-test",

@@ -1,0 +1,269 @@
+"""Replay a spot-availability trace against real training: nodes join and leave as the trace says.
+
+Each node is a loopback torchrun agent with one CPU process (``tests/elastic.py``), training the test model
+(``tests/workers/elastic_train.py``) under ``spot_pipeline`` with everything "auto", ``SpotCheckpoint`` with
+in-memory snapshots and durable checkpoints in a local directory. The trace's time is compressed by
+``--compress`` (trace seconds per replay second) and its node count capped at ``--cap`` (what this machine
+holds) and floored at one: the first node hosts the rendezvous and stays; a leaving node is the newest one. A
+leave comes with the notice its cloud would give (SIGTERM to the node's agent, which forwards it to the
+workers: a coordinated stop with a checkpoint) or with none (the node's processes SIGKILLed), alternating
+by default (``--notice``). A leave that falls while the group is restarting waits until it trains again:
+torchrun's rendezvous does not survive a member dying inside a round (the survivors time out), so replaying
+it would measure that, not us; the log gives each leave's delay. When training ends the script reads the run's history (``lightning-spot report``)
+and prints the useful-time share (time on steps that were kept / wall time), restarts, steps recomputed, time
+per recovery phase, throughput per layout, and compares the final parameters with an uninterrupted
+single-process run of the same steps (CPU: within 1e-5).
+
+Usage::
+
+    python benchmarks/spot_replay.py --trace aws-spot-instances-g4dn-xlarge-us-east-1c-2020-11-20-1930-to-2020-11-21-2200 \\
+        --compress 800 --from-hours 5.9 --hours 3
+    python benchmarks/spot_replay.py --fixed-rate 4,600,3600 --compress 60      # Oobleck: a node lost every 10 min
+    python benchmarks/spot_replay.py --events "0:+3,20:-1s,40:-1k,60:+1" --steps 80   # a synthetic trace
+
+Traces: ``benchmarks/data/spot_traces/`` (Bamboo's AWS traces; ``python benchmarks/spot_traces.py`` lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.spot_traces import Trace, fixed_rate, load_trace  # noqa: E402
+
+
+def parse_events(text: str) -> list[tuple[float, int, str]]:
+    """``"0:+3,20:-1s,40:-1k,60:+1"``: at replay second t, nodes join (+n) or leave (-n) with a SIGTERM notice
+    (``s``) or killed without one (``k``)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        t, change = item.split(":")
+        how = change[-1] if change[-1] in "sk" else "s"
+        n = int(change.rstrip("sk"))
+        out += [(float(t), 1 if n > 0 else -1, how)] * abs(n)
+    return out
+
+
+def trace_events(trace: Trace, *, cap: int, compress: float, start: float, span: float, notice: str):
+    """Replay events (replay seconds, +1/-1, notice) of a trace window, node count within [1, cap]."""
+    events, current, leaves = [], 0, 0
+    want0 = max(1, min(cap, trace.at(start)))
+    events += [(0.0, +1, "s")] * want0
+    current = want0
+    for t, n in zip(trace.times, trace.counts):
+        if t <= start or t > start + span:
+            continue
+        target = max(1, min(cap, n))
+        while current != target:
+            if target > current:
+                events.append(((t - start) / compress, +1, "s"))
+                current += 1
+            else:
+                how = notice if notice in ("s", "k") else ("s" if leaves % 2 == 0 else "k")
+                events.append(((t - start) / compress, -1, how))
+                current -= 1
+                leaves += 1
+    return events
+
+
+def training(run: Path) -> bool:
+    """Whether the group is training: its newest attempt has taken a step (the run's history says so)."""
+    from lightning_spot.checkpoint.journal import read_events
+    from lightning_spot.checkpoint.storage import Storage
+
+    if not run.exists():
+        return False
+    kinds = [e["kind"] for e in read_events(Storage(str(run)))]
+    if "start" not in kinds:
+        return False
+    last_start = len(kinds) - 1 - kinds[::-1].index("start")
+    return "first_step" in kinds[last_start:] and kinds[-1] not in ("preempted", "end")
+
+
+def replay(events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path) -> dict[str, Any]:
+    from tests.distributed import free_port
+    from tests.elastic import Agent, port_open, wait_for
+
+    config = {
+        "model": {"scheduler": True},
+        "loader": {"batch_size": 16, "n": 80, "shuffle": True},
+        "out": str(out / "out"),
+        "run": str(out / "run"),
+        "max_steps": steps,
+        "step_seconds": step_seconds,
+        "every": 5,
+        "keep_last": 2,
+        "snapshot_every": 1,
+        "strategy": {"profile_cache": None},
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    args = ["tests/workers/elastic_train.py", str(out / "config.json")]
+    port = free_port()
+    nodes: list[Agent] = []
+    departed: set[str] = set()
+    log: list[dict[str, Any]] = []
+    started = time.monotonic()
+    count = 0
+    try:
+        pending = sorted(events, key=lambda e: e[0])
+        while True:
+            now = time.monotonic() - started
+            while pending and pending[0][0] <= now:
+                if pending[0][1] < 0 and not training(out / "run"):
+                    break  # a leave during a restart waits for the group to train again (see the module doc)
+                due, change, how = pending.pop(0)
+                alive = [n for n in nodes if n.proc.poll() is None and n.name not in departed]
+                if change > 0:
+                    count += 1
+                    env = {"SPOT_TEST_SNAPSHOT_DIR": str(out / f"shm-{count}")}
+                    nodes.append(
+                        Agent(f"node-{count}", port, 1, args, out / f"node-{count}.log", "1:16", env, max_restarts=100)
+                    )
+                    if count == 1:  # the first node hosts the rendezvous store: it must be up before the others
+                        wait_for(lambda: port_open(port), 60, "the first node to host the rendezvous", nodes)
+                    log.append({"time": now, "event": "join", "node": count, "nodes": len(alive) + 1})
+                elif len(alive) > 1:
+                    victim = alive[-1]
+                    departed.add(victim.name)  # leaving: it may take a while to exit, it is not a member any more
+                    if how == "s":
+                        victim.signal(signal.SIGTERM)
+                    else:
+                        victim.kill_node()
+                    log.append(
+                        {
+                            "time": now,
+                            "event": "leave",
+                            "delayed": now - due,
+                            "notice": how == "s",
+                            "node": victim.name,
+                            "nodes": len(alive) - 1,
+                        }
+                    )
+            alive = [n for n in nodes if n.proc.poll() is None]
+            if nodes and nodes[0].proc.poll() is not None:
+                break  # the first node (the rendezvous host) finished or failed: the run is over
+            if not alive and not pending:
+                break
+            time.sleep(0.2)
+        wall = time.monotonic() - started
+        ok = nodes[0].proc.returncode == 0
+        if not ok:
+            print(nodes[0].output()[-4000:], file=sys.stderr)
+    finally:
+        for n in nodes:
+            n.kill()
+    return {"events": log, "wall_seconds": wall, "ok": ok, "config": config}
+
+
+def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.observe.run_report import build_report
+    from tests.parity import merged_state, reference_run
+
+    report = build_report(Storage(str(out / "run")))
+    finals = sorted((out / "out" / "final").glob("rank*.pt"))
+    states = [torch.load(f) for f in finals]
+    config = result["config"]
+    ref = reference_run(
+        {"model": config["model"], "loader": config["loader"], "trainer": {"max_steps": config["max_steps"]}}
+    )
+    got = merged_state(states)
+    worst = max((got[k] - ref["state_dict"][k]).abs().max().item() for k in ref["state_dict"])
+    phases = [
+        {
+            "cause": r["cause"],
+            "time_lost": r["time_lost_seconds"],
+            "restore": r.get("restore_seconds"),
+            "from": r.get("resumed_from"),
+            "recomputed": r["steps_recomputed"],
+        }
+        for r in report["restarts"]
+    ]
+    return {
+        "useful_time_share": report["useful_time_share"],
+        "restarts": len(report["restarts"]),
+        "steps_recomputed": report["steps_recomputed"],
+        "time_lost_seconds": report["time_lost_seconds"],
+        "wall_seconds": report["wall_seconds"],
+        "samples_per_second_by_layout": report["samples_per_second_by_layout"],
+        "phases": phases,
+        "final_layout": states[-1]["layout"] if states else None,
+        "max_param_difference": worst,
+        "report": report,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="a shipped trace (file name without .csv)")
+    source.add_argument("--fixed-rate", help="NODES,EVERY_SECONDS,DURATION_SECONDS (Oobleck's setting)")
+    source.add_argument("--events", help='a synthetic trace in replay seconds, e.g. "0:+3,20:-1s,40:-1k,60:+1"')
+    parser.add_argument("--compress", type=float, default=600.0, help="trace seconds per replay second")
+    parser.add_argument("--from-hours", type=float, default=0.0, help="where in the trace to start")
+    parser.add_argument("--hours", type=float, default=2.0, help="how much of the trace to replay")
+    parser.add_argument("--cap", type=int, default=4, help="most nodes at once (one process each)")
+    parser.add_argument("--notice", choices=("s", "k", "alternate"), default="alternate", help="s: SIGTERM, k: kill")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--step-seconds", type=float, default=0.25, help="a pause per step (stretches training)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep", type=Path, help="keep the run directory here")
+    args = parser.parse_args(argv)
+    if args.events:
+        events = parse_events(args.events)
+        label = f"synthetic {args.events}"
+    else:
+        trace = load_trace(args.trace) if args.trace else fixed_rate(*map(float, args.fixed_rate.split(",")))  # type: ignore[arg-type]
+        events = trace_events(
+            trace,
+            cap=args.cap,
+            compress=args.compress,
+            start=args.from_hours * 3600,
+            span=args.hours * 3600,
+            notice=args.notice,
+        )
+        label = (
+            f"{trace.name}, hours {args.from_hours:g}-{args.from_hours + args.hours:g}, compressed {args.compress:g}x"
+        )
+    out = args.keep or Path(tempfile.mkdtemp(prefix="spot-replay-"))
+    out.mkdir(parents=True, exist_ok=True)
+    result = replay(events, args.steps, args.step_seconds, out)
+    if not result["ok"]:
+        print("the run failed (log above)", file=sys.stderr)
+        return 1
+    fig = figures(out, result)
+    print(f"replay of {label}: {len(result['events'])} events, {result['wall_seconds']:.1f} s")
+    for e in result["events"]:
+        how = "" if e["event"] == "join" else (" (SIGTERM notice)" if e["notice"] else " (killed, no notice)")
+        if e.get("delayed", 0) > 0.5:
+            how += f", {e['delayed']:.1f}s after it was due (the group was restarting)"
+        print(f"  {e['time']:6.1f}s  {e['event']}{how} -> {e['nodes']} nodes")
+    print(
+        f"useful-time share {fig['useful_time_share']:.1%}; restarts {fig['restarts']}; steps recomputed "
+        f"{fig['steps_recomputed']}; time lost {fig['time_lost_seconds']:.1f} s of {fig['wall_seconds']:.1f} s"
+    )
+    for p in fig["phases"]:
+        restore = f"{p['restore']:.2f} s from {p['from']}" if p["restore"] is not None else "-"
+        print(f"  {p['cause']}: {p['time_lost']:.1f} s lost, restore {restore}, {p['recomputed']} steps recomputed")
+    for layout, sps in fig["samples_per_second_by_layout"].items():
+        print(f"  {layout:<28}{sps:8.1f} samples/s")
+    print(f"final parameters vs an uninterrupted run: max difference {fig['max_param_difference']:.2e}")
+    if args.json:
+        args.json.write_text(json.dumps({"label": label, **result, **fig}, indent=1, default=str))
+    return 0 if fig["max_param_difference"] <= 1e-5 else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
