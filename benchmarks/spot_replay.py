@@ -225,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         events = parse_events(args.events)
         label = f"synthetic {args.events}"
     else:
-        trace = load_trace(args.trace) if args.trace else fixed_rate(*map(float, args.fixed_rate.split(",")))  # type: ignore[arg-type]
+        if args.trace:
+            trace = load_trace(args.trace)
+        else:
+            nodes, every, duration = args.fixed_rate.split(",")
+            trace = fixed_rate(int(nodes), float(every), float(duration))
         events = trace_events(
             trace,
             cap=args.cap,
