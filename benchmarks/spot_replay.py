@@ -32,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,7 @@ def replay(events: list[tuple[float, int, str]], steps: int, step_seconds: float
     departed: set[str] = set()
     log: list[dict[str, Any]] = []
     started = time.monotonic()
+    epoch = time.time()  # wall clock of the replay's start: the run's history is in wall-clock time
     count = 0
     try:
         pending = sorted(events, key=lambda e: e[0])
@@ -162,7 +164,41 @@ def replay(events: list[tuple[float, int, str]], steps: int, step_seconds: float
     finally:
         for n in nodes:
             n.kill()
-    return {"events": log, "wall_seconds": wall, "ok": ok, "config": config}
+    return {"events": log, "wall_seconds": wall, "ok": ok, "config": config, "epoch": epoch}
+
+
+def render(result: dict[str, Any], report: dict[str, Any], title: str) -> bytes:
+    """Nodes available (the replayed trace) and the training step over the replay's time, one figure."""
+    import io
+
+    from lightning_spot.observe.gantt import import_pyplot
+
+    plt = import_pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    offset = datetime.fromisoformat(report["started"]).timestamp() - result["epoch"]
+    for a in report["attempts"]:
+        if a["points"]:
+            xs, ys = zip(*a["points"])
+            ax.plot([x + offset for x in xs], ys, "-", color="#1A73E8", linewidth=1.6)
+    ax.set_xlabel("seconds since the replay started")
+    ax.set_ylabel("training step", color="#1A73E8")
+    nodes = ax.twinx()
+    times, counts = [0.0], [0]
+    for e in result["events"]:
+        times.append(e["time"])
+        counts.append(e["nodes"])
+    times.append(result["wall_seconds"])
+    counts.append(counts[-1])
+    nodes.step(times, counts, where="post", color="#D93025", linewidth=1.2)
+    nodes.set_ylabel("nodes available (replayed)", color="#D93025")
+    nodes.set_ylim(0, max(counts) + 1)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=110)
+    plt.close(fig)
+    return out.getvalue()
 
 
 def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--step-seconds", type=float, default=0.25, help="a pause per step (stretches training)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--png", type=Path, help="draw nodes available and training progress over time here")
     parser.add_argument("--keep", type=Path, help="keep the run directory here")
     args = parser.parse_args(argv)
     if args.events:
@@ -264,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     for layout, sps in fig["samples_per_second_by_layout"].items():
         print(f"  {layout:<28}{sps:8.1f} samples/s")
     print(f"final parameters vs an uninterrupted run: max difference {fig['max_param_difference']:.2e}")
+    if args.png:
+        title = f"{label}: useful-time share {fig['useful_time_share']:.1%}, {fig['restarts']} restarts"
+        args.png.write_bytes(render(result, fig["report"], title))
     if args.json:
         args.json.write_text(json.dumps({"label": label, **result, **fig}, indent=1, default=str))
     return 0 if fig["max_param_difference"] <= 1e-5 else 2
