@@ -30,7 +30,7 @@ over every copy of every pipeline.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,8 +103,6 @@ class _Bucket:
     flat: Tensor | None = None
     work: Any = None
     scale: float = 1.0
-    early: bool = False  # launched from the backward's hook
-    members: set[int] = field(default_factory=set)
 
 
 class CrossPipelineSync:
@@ -168,12 +166,10 @@ class CrossPipelineSync:
                 by_holders.setdefault(held, []).append(b)
         for holders in sorted(by_holders):
             self.buffers.append((self.groups[("params", holders)], holders[0], by_holders[holders]))
-        self.overlap = overlap
         self._bucket_of: dict[int, _Bucket] = {}
         for bucket in self.buckets:
             for e in bucket.entries:
                 self._bucket_of[id(e.copies[0])] = bucket
-                bucket.members.add(id(e.copies[0]))
                 if overlap:
                     e.copies[0].register_post_accumulate_grad_hook(self._accumulated)
         self._counts: dict[int, int] = {}
@@ -181,7 +177,7 @@ class CrossPipelineSync:
         self._scale = 1.0
         self._next = 0
         self._armed = False
-        #: buckets launched during the backward in the last step, and in all
+        #: buckets launched during the backward, over all steps so far
         self.launched_early = 0
 
     def _bucketed(self, group: Any, entries: list[_Entry]) -> list[_Bucket]:
@@ -218,7 +214,7 @@ class CrossPipelineSync:
         self._finished_scale = microbatches / total  # of their mean, as the schedule leaves it
         self._counts = dict.fromkeys(self._bucket_of, 0)
         for bucket in self.buckets:
-            bucket.waiting, bucket.flat, bucket.work, bucket.early = len(bucket.entries), None, None, False
+            bucket.waiting, bucket.flat, bucket.work = len(bucket.entries), None, None
         self._next = 0
         self._armed = True
 
@@ -243,7 +239,6 @@ class CrossPipelineSync:
         if scale != 1.0:
             bucket.flat.mul_(scale)
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
-        bucket.early = early
         self.launched_early += int(early)
 
     @torch.no_grad()
