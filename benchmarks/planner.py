@@ -25,7 +25,7 @@ Usage::
 
 The layer profile is cached in a temporary directory shared by the jobs of one run, so that every
 job's prediction comes from the same profile; communication speeds are measured again by each job.
-``OMP_NUM_THREADS`` is 1 in the workers unless set.
+Nothing sets ``OMP_NUM_THREADS`` in the workers: the strategy sizes its threads as it does for users.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ Usage::
     python benchmarks/spot_replay.py --fixed-rate 4,600,3600 --compress 60      # Oobleck: a node lost every 10 min
     python benchmarks/spot_replay.py --events "0:+3,20:-1s,40:-1k,60:+1" --steps 80   # a synthetic trace
 
+The agents run with ``OMP_NUM_THREADS=1`` (``tests/elastic.py``): several stand-in "nodes" share this
+machine's cores, which a real node would not.
+
 Traces: ``benchmarks/data/spot_traces/`` (Bamboo's AWS traces; ``python benchmarks/spot_traces.py`` lists them).
 """
 
