@@ -84,3 +84,44 @@ def test_resuming_with_another_global_batch_is_refused() -> None:
     assert [b[0].tolist() for b in loader][0] == [16, 17, 18, 19], "resumes after the first two global batches"
     with pytest.raises(LayoutError, match="trained with a global batch of 16 samples .* batch_size=8"):
         loader.load_state_dict({"epoch": 0, "global_batches_done": 2, "global_batch_size": 16})
+
+
+def _epoch_order(epoch: int) -> list[list[int]]:
+    """The global batches of ``epoch`` in a run that was never interrupted (one replica, 5 batches of 8)."""
+    loader = shard_dataloader(
+        DataLoader(_dataset(), batch_size=8, shuffle=True), dp_rank=0, dp_size=1, divisor=1, seed=3
+    )
+    loader.batch_sampler.set_epoch(epoch)
+    return [b[0].tolist() for b in loader]
+
+
+def test_checkpoints_record_the_epoch_that_lightning_starts() -> None:
+    """Lightning calls ``set_epoch`` on ``batch_sampler.sampler`` only: the recorded epoch must follow it."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    loader = shard_dataloader(
+        DataLoader(_dataset(), batch_size=8, shuffle=True), dp_rank=0, dp_size=1, divisor=1, seed=3
+    )
+    loader.progress = lambda: 5
+    for epoch in (0, 1, 2):
+        _set_sampler_epoch(loader, epoch)
+        assert [b[0].tolist() for b in loader] == _epoch_order(epoch)
+        assert loader.state_dict()["epoch"] == epoch
+
+
+@pytest.mark.parametrize("lightning_epoch", [2, 1], ids=["lightning-in-step", "lightning-one-behind"])
+def test_a_resume_at_the_end_of_an_epoch_draws_the_next_epoch(lightning_epoch: int) -> None:
+    """Resumed from a checkpoint of the last batch of epoch 1, the next epoch is 2, whatever number Lightning
+    gives it: after two such resumes in a row, Lightning restarts the finished epoch's number (1)."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    loader = shard_dataloader(
+        DataLoader(_dataset(), batch_size=8, shuffle=True), dp_rank=0, dp_size=1, divisor=1, seed=3
+    )
+    loader.progress = lambda: 5
+    loader.load_state_dict({"epoch": 1, "global_batches_done": 5, "global_batch_size": 8})
+    for offset in (0, 1):  # the epoch after it keeps the same difference
+        _set_sampler_epoch(loader, lightning_epoch + offset)
+        assert [b[0].tolist() for b in loader] == _epoch_order(2 + offset)
+        assert loader.state_dict()["epoch"] == 2 + offset
+    assert _epoch_order(1) != _epoch_order(2)

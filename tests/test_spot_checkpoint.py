@@ -181,3 +181,15 @@ def test_time_based_checkpoints_are_agreed_by_all_ranks(tmp_path: Path) -> None:
     periodic = [m["step"] for m in manifests if m["reason"] == "periodic"]
     assert len(periodic) >= 3, periodic  # about one every 0.6 s of a 3 s run
     assert all(len([f for f in m["files"] if f.endswith(".distcp")]) >= 2 for m in manifests), "both ranks wrote"
+
+
+def test_resumes_at_the_ends_of_epochs_keep_the_order_of_the_data(tmp_path: Path) -> None:
+    """Two resumes in a row from checkpoints of an epoch's last batch (5 batches per epoch): Lightning then counts
+    one epoch behind, the data order must not (found by a spot replay whose restarts fell on steps 20 and 55)."""
+    spot = {"dirpath": str(tmp_path / "run"), "every_n_train_steps": 5, "keep_last": 2}
+    phases = [
+        _phase(f"epochs-{steps}", {"pipeline_stages": 1}, steps, {**spot, "resume": steps > 5}) for steps in (5, 10, 15)
+    ]
+    results = run_scenarios(1, phases, tmp_path / "job", timeout=300)
+    assert [r["restored_step"] for r in (results["epochs-10"][0], results["epochs-15"][0])] == [5, 10]
+    assert_same_params(merged_state(results["epochs-15"]), reference_run({**COMMON, "trainer": {"max_steps": 15}}))

@@ -41,6 +41,27 @@ class EpochShuffleSampler(Sampler[int]):
         return self.num_samples
 
 
+class _LightningEpochs:
+    """The inner sampler as Lightning sees it, except that ``set_epoch`` goes through the replica sampler (which
+    records the epoch in checkpoints; Lightning only calls ``set_epoch`` on ``batch_sampler.sampler``)."""
+
+    def __init__(self, owner: ReplicaBatchSampler, inner: Any) -> None:
+        self._owner = owner
+        self._inner = inner
+
+    def set_epoch(self, epoch: int) -> None:
+        self._owner.from_lightning(epoch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
 def valid_global_batches(divisor: int, near: int, count: int = 4) -> list[int]:
     """Multiples of ``divisor`` close to ``near``, for error messages."""
     base = max(1, near // divisor)
@@ -105,8 +126,10 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         self.weights = list(weights) if weights is not None else None
         self.divisor = divisor
         self.world_size = world_size
-        self.epoch = 0
+        self.epoch = 0  # the epoch whose order is drawn: what a checkpoint records
         self._skip: tuple[int, int] | None = None
+        self._lightning_lag = 0  # this epoch minus Lightning's count of it (see ``from_lightning``)
+        self._align: int | None = None  # the epoch Lightning's next ``set_epoch`` stands for, after a resume
 
     def resume(self, epoch: int, done: int) -> None:
         """Continue epoch ``epoch`` after its first ``done`` global batches (or the next epoch if it was over)."""
@@ -116,14 +139,26 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         else:
             self.set_epoch(epoch)
             self._skip = (epoch, done) if done > 0 else None
+        self._align = self.epoch
 
     @property
     def sampler(self) -> Any:
-        return getattr(self.batch_sampler, "sampler", None)
+        """What Lightning sees as the loader's sampler: its ``set_epoch`` calls reach :meth:`from_lightning`."""
+        inner = getattr(self.batch_sampler, "sampler", None)
+        return None if inner is None else _LightningEpochs(self, inner)
+
+    def from_lightning(self, epoch: int) -> None:
+        """Lightning starts its epoch ``epoch``. Its count can be one behind after a resume from a checkpoint
+        taken at the last batch of an epoch twice in a row (it then runs the finished epoch's number again): the
+        first call after a resume is aligned with the epoch the checkpoint said comes next, and the later ones
+        keep that difference, so that the order of the data never depends on where the run was interrupted."""
+        if self._align is not None:
+            self._lightning_lag, self._align = self._align - epoch, None
+        self.set_epoch(epoch + self._lightning_lag)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        for target in (self.batch_sampler, self.sampler):
+        for target in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
             if callable(getattr(target, "set_epoch", None)):
                 target.set_epoch(epoch)
 
