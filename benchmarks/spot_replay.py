@@ -220,16 +220,7 @@ def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     )
     got = merged_state(states)
     worst = max((got[k] - ref["state_dict"][k]).abs().max().item() for k in ref["state_dict"])
-    phases = [
-        {
-            "cause": r["cause"],
-            "time_lost": r["time_lost_seconds"],
-            "restore": r.get("restore_seconds"),
-            "from": r.get("resumed_from"),
-            "recomputed": r["steps_recomputed"],
-        }
-        for r in report["restarts"]
-    ]
+    phases = restart_phases(report, result["events"], result["epoch"])
     return {
         "useful_time_share": report["useful_time_share"],
         "restarts": len(report["restarts"]),
@@ -242,6 +233,61 @@ def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         "max_param_difference": worst,
         "report": report,
     }
+
+
+def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: float) -> list[dict[str, Any]]:
+    """Each restart of the run with the replay event that caused it (the last one before its new processes
+    started) and the time from that event to the first step after: ``stop`` (a notice's coordinated stop),
+    ``restart`` (exit, failure detection, rendezvous, new processes), ``setup``, ``restore`` and ``first_step``
+    as the run's history measured them (``lightning_spot.checkpoint.journal.recovery_phases``); after a kill the
+    history's ``restart`` also holds the steps taken since its last record, so ``after_kill`` gives the part
+    after the kill (from the replay's clock)."""
+    t0 = report["started_epoch"]
+    out = []
+    for r, attempt in zip(report["restarts"], report["attempts"][1:]):
+        began = t0 + (attempt["process_started"] if attempt["process_started"] is not None else attempt["started"])
+        causes = [e for e in events if epoch + e["time"] <= began]
+        cause = causes[-1] if causes else None
+        first = t0 + attempt["started"] + (attempt["first_step_after_seconds"] or 0.0)
+        event_at = epoch + cause["time"] if cause else None
+        kind = (
+            "?"
+            if cause is None
+            else cause["event"]
+            if cause["event"] == "join"
+            else ("leave (notice)" if cause["notice"] else "leave (kill)")
+        )
+        out.append(
+            {
+                "cause": r["cause"],
+                "event": kind,
+                "event_to_first_step": None if event_at is None else first - event_at,
+                "after_kill": None if event_at is None or kind != "leave (kill)" else began - event_at,
+                "phases": r.get("phases", {}),
+                "time_lost": r["time_lost_seconds"],
+                "from": r.get("resumed_from"),
+                "recomputed": r["steps_recomputed"],
+            }
+        )
+    return out
+
+
+def mean_phases(phases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean seconds per phase and of event -> first step, by the kind of event that caused the restart."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in sorted({p["event"] for p in phases}):
+        rows = [p for p in phases if p["event"] == kind]
+        means: dict[str, float] = {"count": len(rows)}
+        for name in ("stop", "restart", "setup", "restore", "first_step"):
+            known = [p["phases"][name] for p in rows if p["phases"].get(name) is not None]
+            if known:
+                means[name] = sum(known) / len(known)
+        for name in ("after_kill", "event_to_first_step"):
+            known = [p[name] for p in rows if p[name] is not None]
+            if known:
+                means[name] = sum(known) / len(known)
+        out[kind] = means
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,8 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{fig['steps_recomputed']}; time lost {fig['time_lost_seconds']:.1f} s of {fig['wall_seconds']:.1f} s"
     )
     for p in fig["phases"]:
-        restore = f"{p['restore']:.2f} s from {p['from']}" if p["restore"] is not None else "-"
-        print(f"  {p['cause']}: {p['time_lost']:.1f} s lost, restore {restore}, {p['recomputed']} steps recomputed")
+        told = ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f}" for k, v in p["phases"].items() if v is not None and k != "restore"
+        )
+        kill = f" ({p['after_kill']:.1f} s of the restart after the kill)" if p["after_kill"] is not None else ""
+        restore = p["phases"].get("restore")
+        print(
+            f"  {p['event']}: {p['event_to_first_step']:.1f} s from the event to the first step; {told} s{kill}; "
+            f"restore {restore if restore is not None else '-'} s from {p['from']}; {p['recomputed']} steps recomputed"
+        )
+    for kind, means in mean_phases(fig["phases"]).items():
+        told = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in means.items() if k != "count")
+        print(f"  mean of {means['count']:.0f} x {kind}: {told} s")
     for layout, sps in fig["samples_per_second_by_layout"].items():
         print(f"  {layout:<28}{sps:8.1f} samples/s")
     print(f"final parameters vs an uninterrupted run: max difference {fig['max_param_difference']:.2e}")

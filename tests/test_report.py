@@ -26,7 +26,15 @@ def _history(root: Path) -> None:
         {"kind": "first_step", "time": t + 5, "step": 1, "global_batch": 32},
         {"kind": "progress", "time": t + 15, "step": 21, "global_batch": 32},
         {"kind": "checkpoint", "time": t + 16, "step": 20, "stall_seconds": 0.05, "write_seconds": 1.0, "bytes": 10},
-        {"kind": "preempted", "time": t + 20, "step": 30, "source": "SIGTERM", "save_seconds": 0.4, "rank": 1},
+        {
+            "kind": "preempted",
+            "time": t + 20,
+            "step": 30,
+            "source": "SIGTERM",
+            "save_seconds": 0.4,
+            "rank": 1,
+            "notice_time": t + 19.1,
+        },
         {"kind": "checkpoint", "time": t + 20.2, "step": 30, "stall_seconds": 0.1, "write_seconds": 0.3, "bytes": 10},
         {
             "kind": "start",
@@ -37,6 +45,7 @@ def _history(root: Path) -> None:
             "restore_seconds": 0.25,
             "layout": P2D1,
             "restart_count": 1,
+            "process_started": t + 30,
         },
         {"kind": "first_step", "time": t + 44, "step": 31, "global_batch": 32},
         {"kind": "progress", "time": t + 54, "step": 46, "global_batch": 32},
@@ -56,6 +65,10 @@ def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
     assert report["time_lost_seconds"] == pytest.approx(23.8)  # last sign of life +20.2 (the commit), next step +44
     assert report["checkpoint_stall_seconds"] == pytest.approx(0.2)
     assert report["restarts"][0]["resumed_from"] == "memory" and report["restarts"][0]["restore_seconds"] == 0.25
+    phases = report["restarts"][0]["phases"]  # notice +19.1, committed +20, exited +20.2, new processes +30
+    assert phases == pytest.approx({"stop": 0.9, "restart": 9.8, "setup": 9.75, "restore": 0.25, "first_step": 4.0})
+    assert sum(phases[k] for k in ("restart", "setup", "restore", "first_step")) == pytest.approx(23.8)
+    assert report["recovery_phase_seconds"] == pytest.approx(phases)
     first, second = report["attempts"]
     assert first["samples_per_second"] == pytest.approx((30 - 1) / 15 * 32)  # first step -> the preemption
     assert second["samples_per_second"] == pytest.approx((50 - 31) / 14 * 32)
@@ -68,6 +81,7 @@ def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
         "resumed from 30 (from memory, read in 0.2s)",
         "throughput per layout",
         "stalled 0.20s",
+        "stop 0.9s, restart 9.8s, setup 9.8s, restore 0.2s, first step 4.0s",
     ):
         assert needle in text, text
 

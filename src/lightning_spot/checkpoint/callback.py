@@ -36,6 +36,7 @@ from lightning_spot.preemption.coordinate import agree
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
 from lightning_spot.runtime.clock import Timeline
+from lightning_spot.runtime.process import process_started
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,7 @@ class SpotCheckpoint(L.Callback):
             else None,
             layout=host.pipeline_layout.to_dict(),
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            process_started=round(process_started(), 3),
         )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:

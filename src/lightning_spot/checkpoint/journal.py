@@ -19,6 +19,8 @@ from lightning_spot.checkpoint.storage import Storage
 
 log = logging.getLogger(__name__)
 EVENTS = "events"
+#: a restart's phases, in order (``recovery_phases``)
+RECOVERY_PHASES = ("stop", "restart", "setup", "restore", "first_step")
 
 
 class Journal:
@@ -83,6 +85,31 @@ def split_attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return attempts
 
 
+def recovery_phases(
+    preempted: dict[str, Any] | None, last_time: float, start: dict[str, Any], first: dict[str, Any] | None
+) -> dict[str, float | None]:
+    """One restart's time, phase by phase (seconds; ``None`` where the history cannot tell):
+
+    - ``stop``: notice -> checkpoint committed and processes exiting (a coordinated stop; none without notice);
+    - ``restart``: the previous attempt's last record -> the new processes exist (exit, failure detection,
+      rendezvous, launch; after a kill it also holds the steps taken since the last record);
+    - ``setup``: process start -> training starts, less the state read (imports, process groups, planning);
+    - ``restore``: the state read (memory or storage);
+    - ``first_step``: training starts -> the first step is done.
+
+    ``restart + setup + restore + first_step`` is the restart's ``time_lost_seconds``."""
+    notice = preempted.get("notice_time") if preempted else None
+    began = start.get("process_started")
+    restore = start.get("restore_seconds") or 0.0
+    return {
+        "stop": round(preempted["time"] - notice, 3) if preempted and notice else None,
+        "restart": round(began - last_time, 3) if began else None,
+        "setup": round(start["time"] - restore - began, 3) if began else None,
+        "restore": start.get("restore_seconds"),
+        "first_step": round(first["time"] - start["time"], 3) if first else None,
+    }
+
+
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Preemptions survived, steps recomputed and time lost per restart, from a run's events."""
     attempts = split_attempts(events)
@@ -97,6 +124,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         restarts.append(
             {
                 "cause": f"preemption notice ({preempted['source']})" if preempted else "failure (no notice)",
+                "phases": recovery_phases(preempted, last_time, start, first),
                 "stopped_at_step": last_step,
                 "resumed_from_step": resumed,
                 "resumed_from": start.get("resumed_from"),  # "memory" (a snapshot) or "storage"

@@ -12,7 +12,7 @@ import io
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_spot.checkpoint.journal import read_events, split_attempts, summarize
+from lightning_spot.checkpoint.journal import RECOVERY_PHASES, read_events, split_attempts, summarize
 from lightning_spot.checkpoint.storage import Storage
 from lightning_spot.layout import layout_label
 from lightning_spot.observe.cost import useful_seconds
@@ -42,6 +42,7 @@ def _attempt_summary(index: int, events: list[dict[str, Any]], t0: float) -> dic
     return {
         "attempt": index,
         "started": start["time"] - t0,
+        "process_started": start["process_started"] - t0 if start.get("process_started") else None,
         "layout": layout_label(start.get("layout")),
         "layout_detail": start.get("layout"),
         "resumed_from_step": start.get("resumed_step"),
@@ -80,10 +81,12 @@ def build_report(storage: Storage) -> dict[str, Any]:
     return {
         "run": storage.url,
         "started": datetime.fromtimestamp(t0, tz=timezone.utc).isoformat(timespec="seconds"),
+        "started_epoch": t0,
         "wall_seconds": round(wall, 3),
         "useful_time_share": useful_seconds(attempts) / wall if wall > 0 else None,
         "attempts": attempts,
         "restarts": totals["restarts"],
+        "recovery_phase_seconds": phase_totals(totals["restarts"]),
         "preemptions_survived": totals["preemptions_survived"],
         "steps_recomputed": totals["steps_recomputed"],
         "time_lost_seconds": totals["time_lost_seconds"],
@@ -125,10 +128,30 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{_tier(r)} ({r['steps_recomputed']} steps recomputed), {r['time_lost_seconds']:.1f}s lost, "
                 f"{layout_label(r['layout_before'])} -> {layout_label(r['layout_after'])}"
             )
+            if r.get("phases"):
+                lines.append(f"    {_phases(r['phases'])}")
+        lines.append(f"  all restarts: {_phases(report['recovery_phase_seconds'])}")
     if report["samples_per_second_by_layout"]:
         lines += ["", "throughput per layout"]
         lines += [f"  {k:<28}{v:10.1f} samples/s" for k, v in report["samples_per_second_by_layout"].items()]
     return "\n".join(lines)
+
+
+def phase_totals(restarts: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Seconds per recovery phase (``journal.recovery_phases``) over all restarts; ``None`` where none told."""
+    out: dict[str, float | None] = {}
+    for name in RECOVERY_PHASES:
+        known = [r["phases"][name] for r in restarts if r.get("phases", {}).get(name) is not None]
+        out[name] = round(sum(known), 3) if known else None
+    return out
+
+
+def _phases(phases: dict[str, float | None]) -> str:
+    """``stop 2.1s, restart 5.3s, ...`` (``-`` where unknown)."""
+    return ", ".join(
+        f"{name.replace('_', ' ')} {'-' if phases.get(name) is None else format(phases[name], '.1f') + 's'}"
+        for name in RECOVERY_PHASES
+    )
 
 
 def _share(value: float | None) -> str:

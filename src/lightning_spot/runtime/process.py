@@ -26,6 +26,7 @@ import torch
 #: what the process had when lightning_spot was imported: a later change is the user's own choice
 _THREADS_AT_IMPORT = torch.get_num_threads()
 _ENV_AT_IMPORT = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+_IMPORTED_AT = time.time()
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,18 @@ def set_up_threads(local_processes: int, user_threads: int | None = None) -> Thr
     os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this one starts (data loader workers)
     plural = "process" if local_processes == 1 else "processes"
     return ThreadSetup(threads, "rule", f"{cpus_available()} CPUs / {local_processes} {plural} on this node")
+
+
+def process_started() -> float:
+    """Wall-clock time (``time.time()``) at which this process started, to ~10 ms: read from ``/proc`` on Linux
+    (the process's age on the boot clock), else the time lightning_spot was imported (later: imports come first).
+    It splits a restart into the launcher's part (until the process exists) and the process's own set-up."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of proc(5): starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED_AT
 
 
 _exit_hook_registered = False
