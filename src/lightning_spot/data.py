@@ -159,8 +159,9 @@ class ReplicaBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         for target in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
-            if callable(getattr(target, "set_epoch", None)):
-                target.set_epoch(epoch)
+            set_epoch = getattr(target, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         skip = self._skip[1] if self._skip is not None and self._skip[0] == self.epoch else 0
