@@ -1,0 +1,135 @@
+"""The spot simulator (``benchmarks/spot_simulator.py``): hand-computed runs, the calibration inputs taken from
+a replay's figures, and the Oobleck case's setting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.spot_simulator import (
+    Policy,
+    Recovery,
+    oobleck_case,
+    recovery_from_replays,
+    replay_inputs,
+    simulate,
+)
+
+RECOVERY = Recovery(
+    stop_s=1.0,
+    join_restart_s=2.0,
+    leave_restart_s=3.0,
+    detect_s=4.0,
+    setup_s=5.0,
+    restore_memory_s=0.5,
+    restore_storage_s=10.0,
+    first_step_s=0.5,
+)
+
+
+def speed(n: int) -> float | None:
+    """1 s per step on 2 nodes, 2 s on 1, nothing fits on 0."""
+    return {1: 2.0, 2: 1.0}.get(n) if n > 0 else None
+
+
+def test_an_uninterrupted_run_is_all_useful() -> None:
+    out = simulate([(0.0, 2, None)], speed, RECOVERY, steps=30)
+    assert out.wall_s == pytest.approx(30.0) and out.share == pytest.approx(1.0) and out.restarts == 0
+
+
+def test_a_leave_with_notice_costs_the_stop_and_the_restart_and_loses_no_step() -> None:
+    out = simulate([(0.0, 2, None), (10.0, -1, True)], speed, RECOVERY, steps=20)
+    down = 1.0 + 3.0 + 5.0 + 0.5 + 0.5  # stop, restart, setup, restore from memory, first step
+    assert out.wall_s == pytest.approx(10 + down + 10 * 2.0)
+    assert out.useful_s == pytest.approx(10 * 1.0 + 10 * 2.0) and out.steps_lost == 0
+    assert out.restarts == 1 and out.from_storage == 0 and out.down_s == pytest.approx(down)
+
+
+def test_a_kill_loses_the_steps_since_the_newest_snapshot() -> None:
+    policy = Policy(snapshot_every=4, checkpoint_every=20)
+    out = simulate([(0.0, 2, None), (10.5, -1, False)], speed, RECOVERY, policy, steps=20)
+    assert out.steps_lost == pytest.approx(2.5), "back to the snapshot of step 8"
+    down = 4.0 + 5.0 + 0.5 + 0.5
+    assert out.wall_s == pytest.approx(10.5 + down + 12 * 2.0)
+    assert out.useful_s == pytest.approx(8 * 1.0 + 12 * 2.0)
+
+
+def test_two_nodes_killed_at_once_fall_back_to_storage() -> None:
+    policy = Policy(snapshot_every=1, checkpoint_every=5, memory_survives_kills=1)
+    events = [(0.0, 3, None), (12.5, -2, False)]
+    out = simulate(events, lambda n: 1.0 if n else None, RECOVERY, policy, steps=20)
+    assert out.from_storage == 1 and out.steps_lost == pytest.approx(2.5), "back to the durable step 10"
+    assert out.wall_s == pytest.approx(12.5 + 4.0 + 5.0 + 10.0 + 0.5 + 10.0)
+    lenient = simulate(events, lambda n: 1.0 if n else None, RECOVERY, Policy(memory_survives_kills=2), steps=20)
+    assert lenient.from_storage == 0 and lenient.steps_lost == pytest.approx(0.5)
+
+
+def test_a_change_during_a_restart_redoes_it_and_too_few_nodes_idle() -> None:
+    events = [(0.0, 2, None), (10.0, -1, True), (12.0, 1, None)]
+    out = simulate(events, speed, RECOVERY, steps=20)
+    assert out.restarts == 1, "the join falls inside the leave's restart: one restart, redone"
+    assert out.wall_s == pytest.approx(12.0 + 2.0 + 5.0 + 0.5 + 0.5 + 10 * 1.0)
+    idle = simulate([(0.0, 2, None), (10.0, -2, True), (30.0, 2, None)], speed, RECOVERY, steps=20)
+    assert idle.idle_s == pytest.approx(20.0), "no node from 10 s to 30 s"
+    assert idle.from_storage == 1, "every node left: the state comes back from the durable checkpoint"
+    assert idle.wall_s == pytest.approx(30.0 + 2.0 + 5.0 + 10.0 + 0.5 + 10.0) and idle.steps_lost == 0
+
+
+def _replay() -> dict[str, Any]:
+    """What spot_replay.py --json writes, cut to what the simulator reads."""
+    attempt = {"layout_detail": {"world_size": 2}, "steps_per_second": 4.0, "last_step": 40}
+    return {
+        "epoch": 1000.0,
+        "config": {"snapshot_every": 1, "every": 5},
+        "events": [
+            {"time": 0.0, "event": "join"},
+            {"time": 0.0, "event": "join"},
+            {"time": 20.0, "event": "leave", "notice": True},
+            {"time": 40.0, "event": "leave", "notice": False},
+        ],
+        "report": {
+            "started_epoch": 1008.0,  # training started 8 s into the replay
+            "useful_time_share": 0.5,
+            "wall_seconds": 60.0,
+            "restarts": [{}, {}],
+            "attempts": [
+                attempt,
+                {**attempt, "layout_detail": {"pipeline_stages": 1, "data_parallel": 1}, "steps_per_second": 2.0},
+            ],
+        },
+        "phases": [
+            {
+                "event": "leave (notice)",
+                "phases": {"stop": 0.2, "restart": 14.0, "setup": 4.0, "restore": 0.01, "first_step": 0.05},
+                "after_kill": None,
+            },
+            {
+                "event": "leave (kill)",
+                "phases": {"stop": None, "restart": 16.0, "setup": 5.0, "restore": 0.03, "first_step": 0.05},
+                "after_kill": 15.0,
+            },
+        ],
+    }
+
+
+def test_calibration_reads_the_measured_phases_steps_and_events() -> None:
+    recovery = recovery_from_replays([_replay()], fallback=RECOVERY)
+    assert recovery.stop_s == pytest.approx(0.2) and recovery.leave_restart_s == pytest.approx(14.0)
+    assert recovery.detect_s == pytest.approx(15.0), "after a kill: from the kill, not from the last record"
+    assert recovery.setup_s == pytest.approx(4.5) and recovery.restore_memory_s == pytest.approx(0.02)
+    assert recovery.join_restart_s == RECOVERY.join_restart_s, "no join measured: the fallback's"
+    with pytest.raises(ValueError, match="no restart after a join"):
+        recovery_from_replays([_replay()])
+    events, seconds, steps = replay_inputs(_replay())
+    assert events == [(-8.0, 1, None), (-8.0, 1, None), (12.0, -1, True), (32.0, -1, False)]
+    assert seconds == {2: 0.25, 1: 0.5} and steps == 40
+
+
+def test_the_oobleck_case_is_their_setting() -> None:
+    case = oobleck_case(RECOVERY)
+    out = case["outcome"]
+    assert out["wall_s"] == pytest.approx(9000.0), "2.5 hours"
+    assert out["restarts"] == 14 and out["from_storage"] == 0, "one kill every 601.2 s, from 30 nodes on"
+    assert 0.5 < case["share"] < 1.0
+    assert case["published"] == {"Oobleck": 0.955, "Varuna": 0.544, "Bamboo": 0.150}
