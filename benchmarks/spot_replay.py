@@ -94,7 +94,11 @@ def training(run: Path) -> bool:
     return "first_step" in kinds[last_start:] and kinds[-1] not in ("preempted", "end")
 
 
-def replay(events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path) -> dict[str, Any]:
+def replay(
+    events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path, *, settle: bool = False
+) -> dict[str, Any]:
+    """Run the replay in ``out``; with ``settle`` a join also waits until the group trains (one restart per
+    event: for tests), else only leaves do."""
     from tests.distributed import free_port
     from tests.elastic import Agent, port_open, wait_for
 
@@ -124,7 +128,7 @@ def replay(events: list[tuple[float, int, str]], steps: int, step_seconds: float
         while True:
             now = time.monotonic() - started
             while pending and pending[0][0] <= now:
-                if pending[0][1] < 0 and not training(out / "run"):
+                if (pending[0][1] < 0 or settle) and pending[0][0] > 0 and not training(out / "run"):
                     break  # a leave during a restart waits for the group to train again (see the module doc)
                 due, change, how = pending.pop(0)
                 alive = [n for n in nodes if n.proc.poll() is None and n.name not in departed]
@@ -236,33 +240,38 @@ def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: float) -> list[dict[str, Any]]:
-    """Each restart of the run with the replay event that caused it (the last one before its new processes
-    started) and the time from that event to the first step after: ``stop`` (a notice's coordinated stop),
-    ``restart`` (exit, failure detection, rendezvous, new processes), ``setup``, ``restore`` and ``first_step``
-    as the run's history measured them (``lightning_spot.checkpoint.journal.recovery_phases``); after a kill the
-    history's ``restart`` also holds the steps taken since its last record, so ``after_kill`` gives the part
-    after the kill (from the replay's clock)."""
+    """Each restart of the run with the replay events behind it (those between the previous restart's new
+    processes and its own) and the time from the first of them to the first step after: ``stop`` (a notice's
+    coordinated stop), ``restart`` (exit, failure detection, rendezvous, new processes), ``setup``, ``restore``
+    and ``first_step`` as the run's history measured them (``lightning_spot.checkpoint.journal.recovery_phases``).
+    Its kind: "leave (kill)" when the history saw a failure (a kill among the events), else "leave (notice)" when
+    a node left, else "join". After a kill the history's ``restart`` also holds the steps taken since its last
+    record, so ``after_kill`` gives the part after the (last) kill, from the replay's clock."""
     t0 = report["started_epoch"]
     out = []
+    since = t0  # events before training first started are the start itself
     for r, attempt in zip(report["restarts"], report["attempts"][1:]):
         began = t0 + (attempt["process_started"] if attempt["process_started"] is not None else attempt["started"])
-        causes = [e for e in events if epoch + e["time"] <= began]
-        cause = causes[-1] if causes else None
+        behind = [e for e in events if since < epoch + e["time"] <= began]
+        since = began
+        kills = [e for e in behind if e["event"] == "leave" and not e["notice"]]
+        if r["cause"].startswith("failure"):
+            kind = "leave (kill)"
+        elif any(e["event"] == "leave" for e in behind):
+            kind = "leave (notice)"
+        else:
+            kind = "join" if behind else "?"
         first = t0 + attempt["started"] + (attempt["first_step_after_seconds"] or 0.0)
-        event_at = epoch + cause["time"] if cause else None
-        kind = (
-            "?"
-            if cause is None
-            else cause["event"]
-            if cause["event"] == "join"
-            else ("leave (notice)" if cause["notice"] else "leave (kill)")
-        )
         out.append(
             {
                 "cause": r["cause"],
                 "event": kind,
-                "event_to_first_step": None if event_at is None else first - event_at,
-                "after_kill": None if event_at is None or kind != "leave (kill)" else began - event_at,
+                "events": [
+                    f"{e['event']}{'' if e['event'] == 'join' else ' (notice)' if e['notice'] else ' (kill)'}"
+                    for e in behind
+                ],
+                "event_to_first_step": first - (epoch + behind[0]["time"]) if behind else None,
+                "after_kill": began - (epoch + kills[-1]["time"]) if kills and kind == "leave (kill)" else None,
                 "phases": r.get("phases", {}),
                 "time_lost": r["time_lost_seconds"],
                 "from": r.get("resumed_from"),
@@ -306,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, help="draw nodes available and training progress over time here")
     parser.add_argument("--keep", type=Path, help="keep the run directory here")
+    parser.add_argument("--settle", action="store_true", help="joins, too, wait until the group trains")
     args = parser.parse_args(argv)
     if args.events:
         events = parse_events(args.events)
@@ -329,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = args.keep or Path(tempfile.mkdtemp(prefix="spot-replay-"))
     out.mkdir(parents=True, exist_ok=True)
-    result = replay(events, args.steps, args.step_seconds, out)
+    result = replay(events, args.steps, args.step_seconds, out, settle=args.settle)
     if not result["ok"]:
         print("the run failed (log above)", file=sys.stderr)
         return 1
@@ -351,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         kill = f" ({p['after_kill']:.1f} s of the restart after the kill)" if p["after_kill"] is not None else ""
         restore = p["phases"].get("restore")
         print(
-            f"  {p['event']}: {p['event_to_first_step']:.1f} s from the event to the first step; {told} s{kill}; "
+            f"  {p['event']} ({', '.join(p['events'])}): {p['event_to_first_step']:.1f} s from the first event to "
+            f"the first step; {told} s{kill}; "
             f"restore {restore if restore is not None else '-'} s from {p['from']}; {p['recomputed']} steps recomputed"
         )
     for kind, means in mean_phases(fig["phases"]).items():

@@ -553,7 +553,14 @@ def large_case(
 
 # ------------------------------------------------------------------------------------------------------ CLI
 def _load(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    return [json.loads(Path(p).read_text()) for p in paths]
+    """Replays as ``spot_replay.py --json`` wrote them, each restart's phases read again from its history and
+    event log (the current rules for which event caused it)."""
+    from benchmarks.spot_replay import restart_phases
+
+    replays = [json.loads(Path(p).read_text()) for p in paths]
+    for r in replays:
+        r["phases"] = restart_phases(r["report"], r["events"], r["epoch"])
+    return replays
 
 
 def _print_recovery(recovery: Recovery) -> None:
