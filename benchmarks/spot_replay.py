@@ -249,10 +249,14 @@ def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: 
     record, so ``after_kill`` gives the part after the (last) kill, from the replay's clock."""
     t0 = report["started_epoch"]
     out = []
-    since = t0  # events before training first started are the start itself
+    first = report["attempts"][0].get("layout_detail") or {}
+    world = first.get("world_size") or first.get("pipeline_stages", 1) * first.get("data_parallel", 1)
+    start = next((i + 1 for i, e in enumerate(events) if e["nodes"] == world), 0)  # the nodes of the first attempt
+    later = events[start:]
+    since = -float("inf")
     for r, attempt in zip(report["restarts"], report["attempts"][1:]):
         began = t0 + (attempt["process_started"] if attempt["process_started"] is not None else attempt["started"])
-        behind = [e for e in events if since < epoch + e["time"] <= began]
+        behind = [e for e in later if since < epoch + e["time"] <= began]
         since = began
         kills = [e for e in behind if e["event"] == "leave" and not e["notice"]]
         if r["cause"].startswith("failure"):
@@ -261,7 +265,7 @@ def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: 
             kind = "leave (notice)"
         else:
             kind = "join" if behind else "?"
-        first = t0 + attempt["started"] + (attempt["first_step_after_seconds"] or 0.0)
+        stepped = t0 + attempt["started"] + (attempt["first_step_after_seconds"] or 0.0)
         out.append(
             {
                 "cause": r["cause"],
@@ -270,7 +274,7 @@ def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: 
                     f"{e['event']}{'' if e['event'] == 'join' else ' (notice)' if e['notice'] else ' (kill)'}"
                     for e in behind
                 ],
-                "event_to_first_step": first - (epoch + behind[0]["time"]) if behind else None,
+                "event_to_first_step": stepped - (epoch + behind[0]["time"]) if behind else None,
                 "after_kill": began - (epoch + kills[-1]["time"]) if kills and kind == "leave (kill)" else None,
                 "phases": r.get("phases", {}),
                 "time_lost": r["time_lost_seconds"],
