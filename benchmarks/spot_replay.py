@@ -80,25 +80,41 @@ def trace_events(trace: Trace, *, cap: int, compress: float, start: float, span:
     return events
 
 
-def training(run: Path) -> bool:
-    """Whether the group is training: its newest attempt has taken a step (the run's history says so)."""
+def training(run: Path, after: int = 0) -> bool:
+    """Whether the group is training: its newest attempt (one of those after the first ``after``) has taken a
+    step (the run's history says so)."""
     from lightning_spot.checkpoint.journal import read_events
     from lightning_spot.checkpoint.storage import Storage
 
     if not run.exists():
         return False
     kinds = [e["kind"] for e in read_events(Storage(str(run)))]
-    if "start" not in kinds:
+    if kinds.count("start") <= after:
         return False
     last_start = len(kinds) - 1 - kinds[::-1].index("start")
     return "first_step" in kinds[last_start:] and kinds[-1] not in ("preempted", "end")
 
 
+def attempts(run: Path) -> int:
+    """How many attempts the run's history has started."""
+    from lightning_spot.checkpoint.journal import read_events
+    from lightning_spot.checkpoint.storage import Storage
+
+    return [e["kind"] for e in read_events(Storage(str(run)))].count("start") if run.exists() else 0
+
+
 def replay(
-    events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path, *, settle: bool = False
+    events: list[tuple[float, int, str]],
+    steps: int,
+    step_seconds: float,
+    out: Path,
+    *,
+    settle: bool = False,
+    keep_alive: int | None = None,
 ) -> dict[str, Any]:
-    """Run the replay in ``out``; with ``settle`` a join also waits until the group trains (one restart per
-    event: for tests), else only leaves do."""
+    """Run the replay in ``out``; with ``settle`` each event waits until the group trains again after the restart
+    the previous event caused (one restart per event: for tests), else only leaves wait, until it trains. ``keep_alive``: the rendezvous's keep-alive interval in seconds
+    (torchrun's default, 5 s x 3 missed beats, decides how soon a node that left or died is given up)."""
     from tests.distributed import free_port
     from tests.elastic import Agent, port_open, wait_for
 
@@ -117,26 +133,42 @@ def replay(
     (out / "config.json").write_text(json.dumps(config))
     args = ["tests/workers/elastic_train.py", str(out / "config.json")]
     port = free_port()
+    rdzv_conf = "join_timeout=120,last_call_timeout=3"
+    if keep_alive is not None:
+        rdzv_conf += f",keep_alive_interval={keep_alive},keep_alive_max_attempt=3"
     nodes: list[Agent] = []
     departed: set[str] = set()
     log: list[dict[str, Any]] = []
     started = time.monotonic()
     epoch = time.time()  # wall clock of the replay's start: the run's history is in wall-clock time
     count = 0
+    settled = 0  # with settle: attempts started before the last event (the next one waits for a newer one)
     try:
         pending = sorted(events, key=lambda e: e[0])
         while True:
             now = time.monotonic() - started
             while pending and pending[0][0] <= now:
-                if (pending[0][1] < 0 or settle) and pending[0][0] > 0 and not training(out / "run"):
+                if (pending[0][1] < 0 or settle) and pending[0][0] > 0 and not training(out / "run", settled):
                     break  # a leave during a restart waits for the group to train again (see the module doc)
                 due, change, how = pending.pop(0)
+                if settle and due > 0:  # the next event waits for the restart this one causes
+                    settled = attempts(out / "run")
                 alive = [n for n in nodes if n.proc.poll() is None and n.name not in departed]
                 if change > 0:
                     count += 1
                     env = {"SPOT_TEST_SNAPSHOT_DIR": str(out / f"shm-{count}")}
                     nodes.append(
-                        Agent(f"node-{count}", port, 1, args, out / f"node-{count}.log", "1:16", env, max_restarts=100)
+                        Agent(
+                            f"node-{count}",
+                            port,
+                            1,
+                            args,
+                            out / f"node-{count}.log",
+                            "1:16",
+                            env,
+                            max_restarts=100,
+                            rdzv_conf=rdzv_conf,
+                        )
                     )
                     if count == 1:  # the first node hosts the rendezvous store: it must be up before the others
                         wait_for(lambda: port_open(port), 60, "the first node to host the rendezvous", nodes)
@@ -319,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, help="draw nodes available and training progress over time here")
     parser.add_argument("--keep", type=Path, help="keep the run directory here")
-    parser.add_argument("--settle", action="store_true", help="joins, too, wait until the group trains")
+    parser.add_argument("--settle", action="store_true", help="each event waits for the previous one's restart")
+    parser.add_argument("--keep-alive", type=int, help="rendezvous keep-alive interval, s (torchrun's default: 5)")
     args = parser.parse_args(argv)
     if args.events:
         events = parse_events(args.events)
@@ -343,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = args.keep or Path(tempfile.mkdtemp(prefix="spot-replay-"))
     out.mkdir(parents=True, exist_ok=True)
-    result = replay(events, args.steps, args.step_seconds, out, settle=args.settle)
+    result = replay(events, args.steps, args.step_seconds, out, settle=args.settle, keep_alive=args.keep_alive)
     if not result["ok"]:
         print("the run failed (log above)", file=sys.stderr)
         return 1

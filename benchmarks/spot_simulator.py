@@ -172,12 +172,13 @@ def simulate(
     def restart(at: float, before: float, tier: str) -> None:
         """Restart at ``at`` after ``before`` seconds of stop/detection, reading the state from ``tier``."""
         nonlocal ready
-        out.restarts += clock >= ready  # a change during a restart redoes that restart: not one more
+        if clock >= ready:  # a change during a restart redoes that restart: not one more
+            out.restarts += 1
+            out.from_storage += tier == "storage"
         if step_seconds(nodes) is None:
             ready = math.inf
             return
         read = recovery.restore_memory_s if tier == "memory" else recovery.restore_storage_s
-        out.from_storage += tier == "storage"
         ready = at + before + recovery.setup_s + read + recovery.first_step_s
 
     snapshots = True  # the newest snapshot is still in some node's memory
@@ -284,19 +285,24 @@ def recovery_from_replays(replays: Sequence[dict[str, Any]], fallback: Recovery 
 
 def replay_inputs(replay: dict[str, Any]) -> tuple[list[Event], dict[int, float], int]:
     """What a measured replay gives the simulator: its events on the run history's clock (0 = training
-    started), the measured seconds per step by process count, and the steps it trained."""
+    started; the nodes of the first attempt join at 0, a later event that came before training started
+    restarts it right away), the measured seconds per step by process count, and the steps it trained."""
     report = replay["report"]
     offset = replay["epoch"] - report["started_epoch"]
-    events: list[Event] = [
-        (e["time"] + offset, 1 if e["event"] == "join" else -1, None if e["event"] == "join" else bool(e["notice"]))
-        for e in replay["events"]
-    ]
+    worlds = []
     per_world: dict[int, list[float]] = {}
     for a in report["attempts"]:
         detail = a.get("layout_detail") or {}
         world = int(detail.get("world_size") or detail["pipeline_stages"] * detail["data_parallel"])
+        worlds.append(world)
         if a.get("steps_per_second"):
             per_world.setdefault(world, []).append(1.0 / a["steps_per_second"])
+    log = replay["events"]
+    start = next((i + 1 for i, e in enumerate(log) if e.get("nodes") == worlds[0]), 0)
+    events: list[Event] = [(0.0, 1, None)] * start
+    for e in log[start:]:
+        change = 1 if e["event"] == "join" else -1
+        events.append((max(e["time"] + offset, 1e-6), change, None if change > 0 else bool(e["notice"])))
     seconds = {w: sum(v) / len(v) for w, v in per_world.items()}
     return events, seconds, int(report["attempts"][-1]["last_step"])
 

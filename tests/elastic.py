@@ -27,6 +27,7 @@ class Agent:
         nnodes: str = "1:2",
         env: dict[str, str] | None = None,
         max_restarts: int = 3,
+        rdzv_conf: str = "join_timeout=120,last_call_timeout=3",
     ) -> None:
         self.name = name
         self.log_path = log
@@ -52,7 +53,7 @@ class Agent:
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=spot-test",
-                "--rdzv-conf=join_timeout=120,last_call_timeout=3",
+                f"--rdzv-conf={rdzv_conf}",
                 "--monitor-interval=0.5",
                 *script_args,
             ],

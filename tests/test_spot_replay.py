@@ -15,8 +15,9 @@ from benchmarks.spot_replay import figures, parse_events, replay
 @pytest.mark.timeout(420)
 def test_a_synthetic_trace_replays_with_the_same_math(tmp_path: Path) -> None:
     # two nodes; one leaves with a notice, one joins, one is killed; each event waits until the group trains
-    events = parse_events("0:+2,8:-1s,9:+1,10:-1k")
-    result = replay(events, steps=48, step_seconds=0.2, out=tmp_path, settle=True)
+    # again after the previous one (a 1 s rendezvous keep-alive: nodes that left are given up after ~3 s)
+    events = parse_events("0:+2,1:-1s,2:+1,3:-1k")
+    result = replay(events, steps=60, step_seconds=0.25, out=tmp_path, settle=True, keep_alive=1)
     assert result["ok"]
     log = result["events"]
     assert [(e["event"], e.get("notice")) for e in log] == [
@@ -40,7 +41,7 @@ def test_a_synthetic_trace_replays_with_the_same_math(tmp_path: Path) -> None:
     worlds = [a["layout_detail"]["world_size"] for a in report["attempts"]]
     assert worlds == [e["nodes"] for e in log[1:]], "each attempt ran on the nodes the log says were there"
     assert fig["steps_recomputed"] <= 1, "snapshots every step: a kill loses at most the step under way"
-    assert report["attempts"][-1]["last_step"] == 48
+    assert report["attempts"][-1]["last_step"] == 60
 
     # the phases: measured, and adding up to what each restart lost
     for p in fig["phases"]:

@@ -83,10 +83,11 @@ def _replay() -> dict[str, Any]:
         "epoch": 1000.0,
         "config": {"snapshot_every": 1, "every": 5},
         "events": [
-            {"time": 0.0, "event": "join"},
-            {"time": 0.0, "event": "join"},
-            {"time": 20.0, "event": "leave", "notice": True},
-            {"time": 40.0, "event": "leave", "notice": False},
+            {"time": 0.0, "event": "join", "nodes": 1},
+            {"time": 0.0, "event": "join", "nodes": 2},
+            {"time": 5.0, "event": "join", "nodes": 3},
+            {"time": 20.0, "event": "leave", "notice": True, "nodes": 2},
+            {"time": 40.0, "event": "leave", "notice": False, "nodes": 1},
         ],
         "report": {
             "started_epoch": 1008.0,  # training started 8 s into the replay
@@ -122,7 +123,8 @@ def test_calibration_reads_the_measured_phases_steps_and_events() -> None:
     with pytest.raises(ValueError, match="no restart after a join"):
         recovery_from_replays([_replay()])
     events, seconds, steps = replay_inputs(_replay())
-    assert events == [(-8.0, 1, None), (-8.0, 1, None), (12.0, -1, True), (32.0, -1, False)]
+    # the first attempt's 2 nodes at 0; a join during its set-up restarts it at once
+    assert events == [(0.0, 1, None), (0.0, 1, None), (1e-6, 1, None), (12.0, -1, True), (32.0, -1, False)]
     assert seconds == {2: 0.25, 1: 0.5} and steps == 40
 
 
