@@ -7,7 +7,9 @@ in-memory snapshots and durable checkpoints in a local directory. The trace's ti
 holds) and floored at one: the first node hosts the rendezvous and stays; a leaving node is the newest one. A
 leave comes with the notice its cloud would give (SIGTERM to the node's agent, which forwards it to the
 workers: a coordinated stop with a checkpoint) or with none (the node's processes SIGKILLed), alternating
-by default (``--notice``). A leave that falls while the group is restarting waits until it trains again:
+by default (``--notice``); ``--notice m`` gives every node its own stand-in AWS metadata service
+(``tests/metadata_server.py``) that announces a spot interruption, and kills the node when the notice's lead
+time (``--lead``, 2 minutes, compressed like the trace) is over. A leave that falls while the group is restarting waits until it trains again:
 torchrun's rendezvous does not survive a member dying inside a round (the survivors time out), so replaying
 it would measure that, not us; the log gives each leave's delay. When training ends the script reads the run's history (``lightning-spot report``)
 and prints the useful-time share (time on steps that were kept / wall time), restarts, steps recomputed, time
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,13 +50,14 @@ from benchmarks.spot_traces import Trace, fixed_rate, load_trace  # noqa: E402
 
 
 def parse_events(text: str) -> list[tuple[float, int, str]]:
-    """``"0:+3,20:-1s,40:-1k,60:+1"``: at replay second t, nodes join (+n) or leave (-n) with a SIGTERM notice
-    (``s``) or killed without one (``k``)."""
+    """``"0:+3,20:-1s,40:-1k,60:+1,80:-1m"``: at replay second t, nodes join (+n) or leave (-n) with a SIGTERM
+    notice (``s``), killed without one (``k``), or announced by their cloud's metadata service and killed when
+    its lead time has passed (``m``: AWS's spot instance-action, 2 minutes, compressed like the trace)."""
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         t, change = item.split(":")
-        how = change[-1] if change[-1] in "sk" else "s"
-        n = int(change.rstrip("sk"))
+        how = change[-1] if change[-1] in "skm" else "s"
+        n = int(change.rstrip("skm"))
         out += [(float(t), 1 if n > 0 else -1, how)] * abs(n)
     return out
 
@@ -73,7 +77,7 @@ def trace_events(trace: Trace, *, cap: int, compress: float, start: float, span:
                 events.append(((t - start) / compress, +1, "s"))
                 current += 1
             else:
-                how = notice if notice in ("s", "k") else ("s" if leaves % 2 == 0 else "k")
+                how = notice if notice in ("s", "k", "m") else ("s" if leaves % 2 == 0 else "k")
                 events.append(((t - start) / compress, -1, how))
                 current -= 1
                 leaves += 1
@@ -111,10 +115,12 @@ def replay(
     *,
     settle: bool = False,
     keep_alive: int | None = None,
+    lead_seconds: float = 4.0,
 ) -> dict[str, Any]:
     """Run the replay in ``out``; with ``settle`` each event waits until the group trains again after the restart
     the previous event caused (one restart per event: for tests), else only leaves wait, until it trains. ``keep_alive``: the rendezvous's keep-alive interval in seconds
-    (torchrun's default, 5 s x 3 missed beats, decides how soon a node that left or died is given up)."""
+    (torchrun's default, 5 s x 3 missed beats, decides how soon a node that left or died is given up).
+    ``lead_seconds``: how long after a metadata notice (``m``) the node is killed (AWS's 2 minutes, compressed)."""
     from tests.distributed import free_port
     from tests.elastic import Agent, port_open, wait_for
 
@@ -138,6 +144,9 @@ def replay(
         rdzv_conf += f",keep_alive_interval={keep_alive},keep_alive_max_attempt=3"
     nodes: list[Agent] = []
     departed: set[str] = set()
+    metadata = any(how == "m" for _, _, how in events)  # every node gets a metadata service to announce its end
+    servers: dict[str, subprocess.Popen] = {}
+    doomed: dict[str, float] = {}  # node -> when the cloud takes it (after a metadata notice)
     log: list[dict[str, Any]] = []
     started = time.monotonic()
     epoch = time.time()  # wall clock of the replay's start: the run's history is in wall-clock time
@@ -157,6 +166,22 @@ def replay(
                 if change > 0:
                     count += 1
                     env = {"SPOT_TEST_SNAPSHOT_DIR": str(out / f"shm-{count}")}
+                    if metadata:
+                        meta_port = free_port()
+                        servers[f"node-{count}"] = subprocess.Popen(
+                            [
+                                sys.executable,
+                                "tests/metadata_server.py",
+                                "--cloud",
+                                "aws",
+                                "--port",
+                                str(meta_port),
+                                "--trigger",
+                                str(out / f"notice-{count}"),
+                            ],
+                            cwd=REPO,
+                        )
+                        env["SPOT_TEST_AWS_METADATA"] = f"http://127.0.0.1:{meta_port}"
                     nodes.append(
                         Agent(
                             f"node-{count}",
@@ -178,6 +203,9 @@ def replay(
                     departed.add(victim.name)  # leaving: it may take a while to exit, it is not a member any more
                     if how == "s":
                         victim.signal(signal.SIGTERM)
+                    elif how == "m":
+                        (out / f"notice-{victim.name.split('-')[1]}").write_text("terminate")
+                        doomed[victim.name] = now + lead_seconds
                     else:
                         victim.kill_node()
                     log.append(
@@ -185,9 +213,24 @@ def replay(
                             "time": now,
                             "event": "leave",
                             "delayed": now - due,
-                            "notice": how == "s",
+                            "notice": how in ("s", "m"),
+                            "source": {"s": "SIGTERM", "m": "metadata", "k": None}[how],
                             "node": victim.name,
                             "nodes": len(alive) - 1,
+                        }
+                    )
+            for n in nodes:
+                if n.name in doomed and now >= doomed[n.name]:
+                    del doomed[n.name]
+                    running = n.proc.poll() is None  # its agent still in the job (it should have left)
+                    n.kill_node()  # the lead time is over: the cloud takes the machine
+                    log.append(
+                        {
+                            "time": now,
+                            "event": "reclaimed",
+                            "node": n.name,
+                            "nodes": log[-1]["nodes"],
+                            "running": running,
                         }
                     )
             alive = [n for n in nodes if n.proc.poll() is None]
@@ -203,6 +246,9 @@ def replay(
     finally:
         for n in nodes:
             n.kill()
+        for server in servers.values():
+            server.kill()
+            server.wait(timeout=15)
     return {"events": log, "wall_seconds": wall, "ok": ok, "config": config, "epoch": epoch}
 
 
@@ -290,7 +336,7 @@ def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: 
         began = t0 + (attempt["process_started"] if attempt["process_started"] is not None else attempt["started"])
         behind = [e for e in later if since < epoch + e["time"] <= began]
         since = began
-        kills = [e for e in behind if e["event"] == "leave" and not e["notice"]]
+        kills = [e for e in behind if e["event"] == "reclaimed" or (e["event"] == "leave" and not e["notice"])]
         if r["cause"].startswith("failure"):
             kind = "leave (kill)"
         elif any(e["event"] == "leave" for e in behind):
@@ -302,10 +348,7 @@ def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: 
             {
                 "cause": r["cause"],
                 "event": kind,
-                "events": [
-                    f"{e['event']}{'' if e['event'] == 'join' else ' (notice)' if e['notice'] else ' (kill)'}"
-                    for e in behind
-                ],
+                "events": [_label(e) for e in behind],
                 "event_to_first_step": stepped - (epoch + behind[0]["time"]) if behind else None,
                 "after_kill": began - (epoch + kills[-1]["time"]) if kills and kind == "leave (kill)" else None,
                 "phases": r.get("phases", {}),
@@ -315,6 +358,13 @@ def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: 
             }
         )
     return out
+
+
+def _label(event: dict[str, Any]) -> str:
+    """``join``, ``leave (notice)``, ``leave (kill)`` or ``reclaimed`` (killed at the end of its notice)."""
+    if event["event"] != "leave":
+        return str(event["event"])
+    return "leave (notice)" if event["notice"] else "leave (kill)"
 
 
 def mean_phases(phases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -345,7 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-hours", type=float, default=0.0, help="where in the trace to start")
     parser.add_argument("--hours", type=float, default=2.0, help="how much of the trace to replay")
     parser.add_argument("--cap", type=int, default=4, help="most nodes at once (one process each)")
-    parser.add_argument("--notice", choices=("s", "k", "alternate"), default="alternate", help="s: SIGTERM, k: kill")
+    parser.add_argument(
+        "--notice",
+        choices=("s", "k", "m", "alternate"),
+        default="alternate",
+        help="s: SIGTERM, k: kill, m: AWS metadata notice then a kill after its lead time; alternate: s, k, s, ...",
+    )
+    parser.add_argument("--lead", type=float, default=120.0, help="a metadata notice's lead time, trace seconds")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--step-seconds", type=float, default=0.25, help="a pause per step (stretches training)")
     parser.add_argument("--json", type=Path)
@@ -376,14 +432,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = args.keep or Path(tempfile.mkdtemp(prefix="spot-replay-"))
     out.mkdir(parents=True, exist_ok=True)
-    result = replay(events, args.steps, args.step_seconds, out, settle=args.settle, keep_alive=args.keep_alive)
+    lead = args.lead / (1.0 if args.events else args.compress)
+    result = replay(
+        events, args.steps, args.step_seconds, out, settle=args.settle, keep_alive=args.keep_alive, lead_seconds=lead
+    )
     if not result["ok"]:
         print("the run failed (log above)", file=sys.stderr)
         return 1
     fig = figures(out, result)
     print(f"replay of {label}: {len(result['events'])} events, {result['wall_seconds']:.1f} s")
     for e in result["events"]:
-        how = "" if e["event"] == "join" else (" (SIGTERM notice)" if e["notice"] else " (killed, no notice)")
+        how = {
+            "join": "",
+            "reclaimed": " (its notice's lead time is over: killed)",
+        }.get(e["event"], f" ({e.get('source') or 'SIGTERM'} notice)" if e.get("notice") else " (killed, no notice)")
         if e.get("delayed", 0) > 0.5:
             how += f", {e['delayed']:.1f}s after it was due (the group was restarting)"
         print(f"  {e['time']:6.1f}s  {e['event']}{how} -> {e['nodes']} nodes")

@@ -301,6 +301,8 @@ def replay_inputs(replay: dict[str, Any]) -> tuple[list[Event], dict[int, float]
     start = next((i + 1 for i, e in enumerate(log) if e.get("nodes") == worlds[0]), 0)
     events: list[Event] = [(0.0, 1, None)] * start
     for e in log[start:]:
+        if e["event"] == "reclaimed":
+            continue  # the node left at its notice; the simulator assumes its stop ends within the lead time
         change = 1 if e["event"] == "join" else -1
         events.append((max(e["time"] + offset, 1e-6), change, None if change > 0 else bool(e["notice"])))
     seconds = {w: sum(v) / len(v) for w, v in per_world.items()}

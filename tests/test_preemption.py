@@ -97,29 +97,6 @@ def test_node_leaves_after_sigterm_and_the_survivor_finishes(tmp_path: Path, uni
     _assert_phases(restart, notice=True)
 
 
-@pytest.mark.slow
-def test_node_joins_and_the_job_grows(tmp_path: Path) -> None:
-    steps = 40  # long enough that the second node joins while the first is still training
-    config = _config(tmp_path, max_steps=steps)
-    port = free_port()
-    args = ["tests/workers/elastic_train.py", str(config)]
-    with agents_cleanup([]) as agents:
-        agents.append(Agent("node-a", port, 2, args, tmp_path / "a.log"))
-        wait_for(lambda: any(s >= 2 for s in _committed(tmp_path)), 240, "a checkpoint at step 2 on one node", agents)
-        agents.append(Agent("node-b", port, 2, args, tmp_path / "b.log"))
-        wait_for(lambda: all(a.proc.poll() is not None for a in agents), 300, "both nodes to finish", agents)
-        for agent in agents:
-            assert agent.proc.returncode == 0, agent.output()[-5000:]
-    finals = _finals(tmp_path, 4)
-    assert _worlds(finals) == {4} and {f["num_nodes"] for f in finals} == {2}
-    assert all(2 <= f["restored_step"] < steps for f in finals), "the group grew in the middle of training"
-    assert_same_params(merged_state(finals), reference_run({**CASE, "trainer": {"max_steps": steps}}))
-    report = finals[0]["report"]
-    assert report["preemptions_survived"] == 1
-    assert report["restarts"][0]["layout_before"]["world_size"] == 2
-    assert report["restarts"][0]["layout_after"]["world_size"] == 4
-
-
 # --------------------------------------------------------------------------- notices without torchrun
 def _run_until_preempted(tmp: Path, config: Path, trigger: Callable[[], None], *, pids: list[int]) -> list[str]:
     """Launch 2 ranks; once step 2 is committed call ``trigger``; every rank must exit with code 75."""
@@ -296,3 +273,22 @@ def test_run_wrapper_trains_a_job(tmp_path: Path, uninterrupted: dict) -> None:
         timeout=300,
     )
     assert_same_params(merged_state(_finals(tmp_path, 2)), uninterrupted)
+
+
+def test_a_cloud_notice_makes_the_node_leave_a_torchrun_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank whose own cloud notice says its machine goes asks its torchrun agent (its parent) to leave;
+    a signal notice (it came through the agent), a notice seen by another rank, or no torchrun: nothing."""
+    from lightning_spot.preemption import stop
+    from lightning_spot.preemption.notice import Notice
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(stop.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setattr(stop.os, "getppid", lambda: 4242)
+    aws = Notice("aws", 0.0, 120.0, "spot instance-action terminate")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not stop.leave_if_reclaimed(aws), "not under torchrun"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert not stop.leave_if_reclaimed(Notice("SIGTERM", 0.0)) and not stop.leave_if_reclaimed(None)
+    assert sent == []
+    assert stop.leave_if_reclaimed(aws)
+    assert sent == [(4242, signal.SIGTERM)]

@@ -283,6 +283,11 @@ def test_a_joining_node_receives_its_state_from_the_other_nodes_memory(tmp_path:
     assert all(f["restored_tier"] == "memory" for f in finals), [f["restored_tier"] for f in finals]
     assert all(4 <= f["restored_step"] < steps for f in finals), "the group grew in the middle of training"
     assert_same_params(merged_state(finals), reference_run({**CASE, "trainer": {"max_steps": steps}}))
+    report = finals[0]["report"]
+    assert report["preemptions_survived"] == 1, "torchrun stopped the workers once to let the new node in"
+    restart = report["restarts"][0]
+    assert restart["layout_before"]["world_size"] == 2 and restart["layout_after"]["world_size"] == 4
+    assert restart["phases"]["stop"] is not None and restart["phases"]["setup"] > 0
 
 
 def test_time_based_snapshots_are_agreed_by_all_ranks(tmp_path: Path) -> None:

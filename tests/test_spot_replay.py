@@ -1,6 +1,6 @@
 """A synthetic spot trace replayed end to end (``benchmarks/spot_replay.py``): real torchrun agents of one CPU
-process join and leave; the figures must agree with the replay's own event log, the parameters with an
-uninterrupted run."""
+process join and leave (a cloud notice through a stand-in metadata service, a kill); the figures must agree
+with the replay's own event log, the parameters with an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -14,19 +14,23 @@ from benchmarks.spot_replay import figures, parse_events, replay
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_synthetic_trace_replays_with_the_same_math(tmp_path: Path) -> None:
-    # two nodes; one leaves with a notice, one joins, one is killed; each event waits until the group trains
-    # again after the previous one (a 1 s rendezvous keep-alive: nodes that left are given up after ~3 s)
-    events = parse_events("0:+2,1:-1s,2:+1,3:-1k")
-    result = replay(events, steps=60, step_seconds=0.25, out=tmp_path, settle=True, keep_alive=1)
+    # two nodes; one leaves after its cloud's notice (its metadata service announces the spot interruption; the
+    # machine is taken 8 s later: time enough to rejoin if it did not leave), one joins, one is killed; each event waits until the group trains again after
+    # the previous one (a 1 s rendezvous keep-alive: nodes that left are given up after ~3 s)
+    events = parse_events("0:+2,1:-1m,2:+1,3:-1k")
+    result = replay(events, steps=60, step_seconds=0.25, out=tmp_path, settle=True, keep_alive=1, lead_seconds=8)
     assert result["ok"]
     log = result["events"]
-    assert [(e["event"], e.get("notice")) for e in log] == [
+    assert [(e["event"], e.get("source")) for e in log if e["event"] != "reclaimed"] == [
         ("join", None),
         ("join", None),
-        ("leave", True),
+        ("leave", "metadata"),
         ("join", None),
-        ("leave", False),
+        ("leave", None),
     ]
+    reclaimed = [e for e in log if e["event"] == "reclaimed"]
+    assert [e["node"] for e in reclaimed] == ["node-2"], "taken at the end of its notice"
+    assert not reclaimed[0]["running"], "the node under notice left the job by itself (else it rejoins until taken)"
     fig = figures(tmp_path, result)
     report = fig["report"]
     assert fig["max_param_difference"] <= 1e-5, "the same math as an uninterrupted single-process run"
@@ -34,12 +38,13 @@ def test_a_synthetic_trace_replays_with_the_same_math(tmp_path: Path) -> None:
     # one restart per event after the start, caused by that event, in order
     assert [p["event"] for p in fig["phases"]] == ["leave (notice)", "join", "leave (kill)"]
     assert [r["cause"] for r in report["restarts"]] == [
-        "preemption notice (SIGTERM)",  # the leaving node's notice
+        "preemption notice (aws)",  # the node under notice stopped everyone, then left: no second restart
         "preemption notice (SIGTERM)",  # torchrun stops the workers to let the new node in
         "failure (no notice)",
     ]
     worlds = [a["layout_detail"]["world_size"] for a in report["attempts"]]
-    assert worlds == [e["nodes"] for e in log[1:]], "each attempt ran on the nodes the log says were there"
+    nodes = [e["nodes"] for e in log[1:] if e["event"] != "reclaimed"]
+    assert worlds == nodes, "each attempt ran on the nodes the log says were there"
     assert fig["steps_recomputed"] <= 1, "snapshots every step: a kill loses at most the step under way"
     assert report["attempts"][-1]["last_step"] == 60
 

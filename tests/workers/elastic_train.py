@@ -39,6 +39,8 @@ def main() -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     (out / "pids" / f"rank{rank}-attempt{restart}.pid").write_text(str(os.getpid()))
     watch = config.get("watcher", {"cloud": None})
+    if os.environ.get("SPOT_TEST_AWS_METADATA"):  # this "node" has its own metadata service (spot_replay.py)
+        watch = {"cloud": "aws", "endpoints": {"aws": os.environ["SPOT_TEST_AWS_METADATA"]}, "poll_interval": 0.5}
     if "watch_rank" in config and rank != config["watch_rank"]:
         watch = {**watch, "cloud": None}  # only one rank polls: its notice must stop everyone
     watcher = PreemptionWatcher(**watch)

@@ -11,13 +11,19 @@ decides which notice counts, times the stop and exits with :data:`PREEMPTED_EXIT
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
+from lightning_spot.preemption.cloud import POLLERS
 from lightning_spot.preemption.coordinate import earliest, gather
 from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE, Notice
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,4 +76,21 @@ def stop_for_preemption(
     rank, first = found
     save(f"preempted: {first.source}")
     report(PreemptionStop(rank, first, step, time.time() - start))
+    leave_if_reclaimed(notice)
     raise SystemExit(PREEMPTED_EXIT_CODE)
+
+
+def leave_if_reclaimed(notice: Notice | None) -> bool:
+    """This rank's own cloud notice says its machine is being reclaimed: under torchrun, ask the node's agent
+    (this worker's parent) to leave the job, as a SIGTERM to the agent would. Without that the agent restarts
+    its workers, the node rejoins for the rest of its lead time and takes the group down a second time when the
+    machine goes (replayed: 74 s lost instead of ~25 s). A signal notice came through the agent already."""
+    if notice is None or notice.source not in POLLERS or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    log.warning(
+        "lightning-spot: this machine is being reclaimed (%s): its torchrun agent leaves the job, the other "
+        "nodes go on without it",
+        notice.describe(),
+    )
+    os.kill(os.getppid(), signal.SIGTERM)
+    return True
