@@ -256,6 +256,7 @@ def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureF
         "--nnodes=1:4",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400",
+        "--rdzv-conf=keep_alive_interval=5,keep_alive_max_attempt=3",
         "train.py --lr 0.1",
     ):
         assert part in line

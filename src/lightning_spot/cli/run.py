@@ -4,7 +4,8 @@
     lightning-spot run --nnodes 1:4 --nproc-per-node 8 --rdzv-endpoint head:29400 train.py
 
 It adds ``--max-restarts`` (preemptions exit with code 75 and are restarted), a c10d rendezvous
-(or ``--standalone`` for a fixed single node), a short monitor interval, and
+(or ``--standalone`` for a fixed single node) whose heartbeat (``--keep-alive``) decides how soon a node that
+left or died is given up, a short monitor interval, and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that every restart gets a fresh rendezvous store.
 """
 
@@ -40,6 +41,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-conf=keep_alive_interval={args.keep_alive},keep_alive_max_attempt=3",
         ]
     return [*cmd, args.script, *args.script_args]
 
@@ -56,6 +58,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--rdzv-id", default="lightning-spot", help="job id shared by all nodes")
     parser.add_argument("--max-restarts", type=int, default=100, help="restarts after failures and preemptions")
     parser.add_argument("--monitor-interval", type=float, default=1.0, help="seconds between worker checks")
+    parser.add_argument(
+        "--keep-alive",
+        type=int,
+        default=5,
+        help="seconds between rendezvous heartbeats; a node that misses 3 is given up (default 5, torchrun's). "
+        "A node that left or died holds the others' restart up to 3x this long",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
