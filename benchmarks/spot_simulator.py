@@ -596,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['predicted_restarts']}"
             )
     else:
-        measured = recovery_from_replays(replays)
-        print("measured on this machine (mean of the replays' restarts):")
+        unmeasured = Recovery(*[math.nan] * 8)  # a phase no replay measured stays "nan": visible if it is used
+        measured = recovery_from_replays(replays, fallback=unmeasured)
+        print("measured on this machine (mean of the replays' restarts; nan: not measured):")
         _print_recovery(measured)
         if args.case == "oobleck":
             result = oobleck_case(measured)
