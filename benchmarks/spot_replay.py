@@ -84,18 +84,22 @@ def trace_events(trace: Trace, *, cap: int, compress: float, start: float, span:
     return events
 
 
-def training(run: Path, after: int = 0) -> bool:
-    """Whether the group is training: its newest attempt (one of those after the first ``after``) has taken a
-    step (the run's history says so)."""
+def training(run: Path, after: int = 0, world: int | None = None) -> bool:
+    """Whether the group is training: its newest attempt (one of those after the first ``after``; on ``world``
+    processes, if given) has taken a step (the run's history says so)."""
     from lightning_spot.checkpoint.journal import read_events
     from lightning_spot.checkpoint.storage import Storage
 
     if not run.exists():
         return False
-    kinds = [e["kind"] for e in read_events(Storage(str(run)))]
+    events = read_events(Storage(str(run)))
+    kinds = [e["kind"] for e in events]
     if kinds.count("start") <= after:
         return False
     last_start = len(kinds) - 1 - kinds[::-1].index("start")
+    layout = events[last_start].get("layout") or {}
+    if world is not None and layout.get("world_size") != world:
+        return False  # the group has not taken in every node yet (one came too late for the rendezvous round)
     return "first_step" in kinds[last_start:] and kinds[-1] not in ("preempted", "end")
 
 
@@ -117,8 +121,9 @@ def replay(
     keep_alive: int | None = None,
     lead_seconds: float = 4.0,
 ) -> dict[str, Any]:
-    """Run the replay in ``out``; with ``settle`` each event waits until the group trains again after the restart
-    the previous event caused (one restart per event: for tests), else only leaves wait, until it trains. ``keep_alive``: the rendezvous's keep-alive interval in seconds
+    """Run the replay in ``out``; with ``settle`` each event waits until the group trains again, on every node
+    that is a member, after the restart the previous event caused (one restart per event: for tests), else only
+    leaves wait, until it trains. ``keep_alive``: the rendezvous's keep-alive interval in seconds
     (torchrun's default, 5 s x 3 missed beats, decides how soon a node that left or died is given up).
     ``lead_seconds``: how long after a metadata notice (``m``) the node is killed (AWS's 2 minutes, compressed)."""
     from tests.distributed import free_port
@@ -157,7 +162,12 @@ def replay(
         while True:
             now = time.monotonic() - started
             while pending and pending[0][0] <= now:
-                if (pending[0][1] < 0 or settle) and pending[0][0] > 0 and not training(out / "run", settled):
+                members = len([n for n in nodes if n.proc.poll() is None and n.name not in departed])
+                if (
+                    (pending[0][1] < 0 or settle)
+                    and pending[0][0] > 0
+                    and not training(out / "run", settled, members if settle else None)
+                ):
                     break  # a leave during a restart waits for the group to train again (see the module doc)
                 due, change, how = pending.pop(0)
                 if settle and due > 0:  # the next event waits for the restart this one causes

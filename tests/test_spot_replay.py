@@ -35,16 +35,18 @@ def test_a_synthetic_trace_replays_with_the_same_math(tmp_path: Path) -> None:
     report = fig["report"]
     assert fig["max_param_difference"] <= 1e-5, "the same math as an uninterrupted single-process run"
 
-    # one restart per event after the start, caused by that event, in order
-    assert [p["event"] for p in fig["phases"]] == ["leave (notice)", "join", "leave (kill)"]
-    assert [r["cause"] for r in report["restarts"]] == [
+    # one restart per event after the start, caused by that event, in order (on a busy machine the second node
+    # can miss the first rendezvous round: then one more restart takes it in first)
+    worlds = [a["layout_detail"]["world_size"] for a in report["attempts"]]
+    late = 1 if worlds[0] == 1 else 0
+    assert [p["event"] for p in fig["phases"]] == ["join"] * late + ["leave (notice)", "join", "leave (kill)"]
+    assert [r["cause"] for r in report["restarts"]][late:] == [
         "preemption notice (aws)",  # the node under notice stopped everyone, then left: no second restart
         "preemption notice (SIGTERM)",  # torchrun stops the workers to let the new node in
         "failure (no notice)",
     ]
-    worlds = [a["layout_detail"]["world_size"] for a in report["attempts"]]
     nodes = [e["nodes"] for e in log[1:] if e["event"] != "reclaimed"]
-    assert worlds == nodes, "each attempt ran on the nodes the log says were there"
+    assert worlds[late:] == nodes, "each attempt ran on the nodes the log says were there"
     assert fig["steps_recomputed"] <= 1, "snapshots every step: a kill loses at most the step under way"
     assert report["attempts"][-1]["last_step"] == 60
 
