@@ -127,7 +127,7 @@ def replay(
     (torchrun's default, 5 s x 3 missed beats, decides how soon a node that left or died is given up).
     ``lead_seconds``: how long after a metadata notice (``m``) the node is killed (AWS's 2 minutes, compressed)."""
     from tests.distributed import free_port
-    from tests.elastic import Agent, port_open, wait_for
+    from tests.elastic import RDZV_CONF, Agent, port_open, wait_for
 
     config = {
         "model": {"scheduler": True},
@@ -144,7 +144,7 @@ def replay(
     (out / "config.json").write_text(json.dumps(config))
     args = ["tests/workers/elastic_train.py", str(out / "config.json")]
     port = free_port()
-    rdzv_conf = "join_timeout=120,last_call_timeout=3"
+    rdzv_conf = RDZV_CONF
     if keep_alive is not None:
         rdzv_conf += f",keep_alive_interval={keep_alive},keep_alive_max_attempt=3"
     nodes: list[Agent] = []
@@ -264,9 +264,7 @@ def replay(
 
 def render(result: dict[str, Any], report: dict[str, Any], title: str) -> bytes:
     """Nodes available (the replayed trace) and the training step over the replay's time, one figure."""
-    import io
-
-    from lightning_spot.observe.gantt import import_pyplot
+    from lightning_spot.observe.gantt import import_pyplot, png_bytes
 
     plt = import_pyplot()
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -289,11 +287,7 @@ def render(result: dict[str, Any], report: dict[str, Any], title: str) -> bytes:
     nodes.set_ylim(0, max(counts) + 1)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=110)
-    plt.close(fig)
-    return out.getvalue()
+    return png_bytes(fig, 110)
 
 
 def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
@@ -379,11 +373,13 @@ def _label(event: dict[str, Any]) -> str:
 
 def mean_phases(phases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Mean seconds per phase and of event -> first step, by the kind of event that caused the restart."""
+    from lightning_spot.checkpoint.journal import RECOVERY_PHASES
+
     out: dict[str, dict[str, float]] = {}
     for kind in sorted({p["event"] for p in phases}):
         rows = [p for p in phases if p["event"] == kind]
         means: dict[str, float] = {"count": len(rows)}
-        for name in ("stop", "restart", "setup", "restore", "first_step"):
+        for name in RECOVERY_PHASES:
             known = [p["phases"][name] for p in rows if p["phases"].get(name) is not None]
             if known:
                 means[name] = sum(known) / len(known)

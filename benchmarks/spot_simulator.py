@@ -6,7 +6,7 @@ come and go as a trace says, from step times and recovery costs instead of real 
     python benchmarks/spot_simulator.py large           # 64 nodes x 8 GPUs, GPT 6.7B, Bamboo's traces scaled
 
 The model (``simulate``): the run trains at the step time of its current node count (the planner's cost model
-at scale: ``gpt_step_seconds``; measured per layout in a calibration) and every change of the node count
+at scale: ``gpt_plans``; measured per layout in a calibration) and every change of the node count
 restarts it, as torchrun does:
 
 - a node joins, or leaves with a notice: a coordinated stop (``stop_s``: finish the step, snapshot, exit),
@@ -400,8 +400,8 @@ def gpt_hardware(model: GPT) -> Any:
     )
 
 
-def gpt_step_seconds(model: GPT, *, gpus_per_node: int, global_batch: int) -> Callable[[int], float | None]:
-    """Seconds per step on ``n`` nodes: the planner's best uniform layout for ``n x gpus_per_node`` devices
+def gpt_plans(model: GPT, *, gpus_per_node: int, global_batch: int) -> Callable[[int], Any]:
+    """The planner's best layout on ``n`` nodes: its best uniform layout for ``n x gpus_per_node`` devices
     (``plan_layouts``), else its best layout of mixed depths (``plan_mixed``, 1F1B: seconds per node count
     instead of minutes), as ``pipeline_stages="auto"`` would; None when nothing fits. Mixes that would beat a
     uniform layout that fits are not looked for (the planner takes those when 3% faster): slightly pessimistic."""
@@ -411,18 +411,27 @@ def gpt_step_seconds(model: GPT, *, gpus_per_node: int, global_batch: int) -> Ca
     profile, hardware = gpt_profile(model), gpt_hardware(model)
 
     @cache
-    def seconds(n: int) -> float | None:
+    def plan(n: int) -> Any:
         world = n * gpus_per_node
         if world < 1:
             return None
         try:
-            best = plan_layouts(profile, world_size=world, global_batch=global_batch, hardware=hardware)[0]
-            return float(best.predicted_step_seconds)
+            return plan_layouts(profile, world_size=world, global_batch=global_batch, hardware=hardware)[0]
         except LayoutError:
             mixed = plan_mixed(
                 profile, world_size=world, global_batch=global_batch, hardware=hardware, schedules=("1F1B",)
             )
-            return float(mixed[0].predicted_step_seconds) if mixed else None
+            return mixed[0] if mixed else None
+
+    return plan
+
+
+def step_seconds_of(plan: Callable[[int], Any]) -> Callable[[int], float | None]:
+    """Seconds per step on ``n`` nodes from a layout per node count (``gpt_plans``), None when nothing fits."""
+
+    def seconds(n: int) -> float | None:
+        best = plan(n)
+        return None if best is None else float(best.predicted_step_seconds)
 
     return seconds
 
@@ -516,18 +525,18 @@ def large_case(
 ) -> dict[str, Any]:
     """A GPT on ``nodes x gpus_per_node`` GPUs through ``trace`` scaled to ``nodes`` at its peak: the useful-time
     share with in-memory snapshots (durable checkpoints behind them) and with object storage only."""
-    seconds = gpt_step_seconds(model, gpus_per_node=gpus_per_node, global_batch=global_batch)
+    plan = gpt_plans(model, gpus_per_node=gpus_per_node, global_batch=global_batch)
+    seconds = step_seconds_of(plan)
     events = trace_events(trace, scale=nodes / max(trace.counts))
-    full = seconds(nodes) or 0.0
-    from lightning_spot.planning.cost_model import plan_layouts
-
-    best = plan_layouts(
-        gpt_profile(model), world_size=nodes * gpus_per_node, global_batch=global_batch, hardware=gpt_hardware(model)
-    )[0]
-    state_per_gpu = model.state_bytes() / best.pipeline_stages
+    best = plan(nodes)
+    if best is None:
+        raise ValueError(f"the model fits on no layout of {nodes} x {gpus_per_node} devices: use more nodes")
+    full = float(best.predicted_step_seconds)
+    stages = getattr(best, "pipeline_stages", None) or min(best.depths)  # uniform, or the shallowest pipeline
+    state_per_gpu = model.state_bytes() / stages
     recovery = scaled_recovery(measured, state_per_gpu=state_per_gpu, gpus_per_node=gpus_per_node, step_s=full, at=at)
     copy = state_per_gpu / at.host_copy_bytes_per_s
-    whole = best.pipeline_stages <= gpus_per_node  # every node holds whole pipelines: any survivor has every stage
+    whole = stages <= gpus_per_node  # every node holds whole pipelines: any survivor has every stage
     paths = {
         "memory": Policy(
             snapshot_every=snapshot_every,

@@ -10,8 +10,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.distributed import REPO
+
+#: the rendezvous settings of the test agents: a round closes 3 s after its last member arrived
+RDZV_CONF = "join_timeout=120,last_call_timeout=3"
 
 
 class Agent:
@@ -27,7 +33,7 @@ class Agent:
         nnodes: str = "1:2",
         env: dict[str, str] | None = None,
         max_restarts: int = 3,
-        rdzv_conf: str = "join_timeout=120,last_call_timeout=3",
+        rdzv_conf: str = RDZV_CONF,
     ) -> None:
         self.name = name
         self.log_path = log
@@ -141,3 +147,13 @@ def agents_cleanup(agents: list[Agent]) -> Iterator[list[Agent]]:
     finally:
         for agent in agents:
             agent.kill()
+
+
+def assert_restart_phases(restart: dict[str, Any], *, notice: bool) -> None:
+    """A restart of a run's report (``journal.summarize``): its phases are all measured, positive, and add up to
+    the time it lost; a stop phase exactly when a notice caused it."""
+    phases = restart["phases"]
+    assert (phases["stop"] is not None) == notice, phases
+    timed = [phases[k] for k in ("restart", "setup", "restore", "first_step")]
+    assert all(t is not None and t >= 0 for t in timed) and phases["setup"] > 0.5, phases  # imports take a second
+    assert sum(timed) == pytest.approx(restart["time_lost_seconds"], abs=0.01), phases

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import REPO, free_port, launch, run_command
-from tests.elastic import Agent, agents_cleanup, port_open, wait_for
+from tests.elastic import Agent, agents_cleanup, assert_restart_phases, port_open, wait_for
 from tests.parity import assert_same_params, merged_state, reference_run
 
 STEPS = 16
@@ -61,15 +61,6 @@ def uninterrupted() -> dict[str, Any]:
     return reference_run({**CASE, "trainer": {"max_steps": STEPS}})
 
 
-def _assert_phases(restart: dict[str, Any], *, notice: bool) -> None:
-    """A restart's phases are all measured, positive, and add up to the time it lost."""
-    phases = restart["phases"]
-    assert (phases["stop"] is not None) == notice, phases
-    timed = [phases[k] for k in ("restart", "setup", "restore", "first_step")]
-    assert all(t is not None and t >= 0 for t in timed) and phases["setup"] > 0.5, phases  # imports take a second
-    assert sum(timed) == pytest.approx(restart["time_lost_seconds"], abs=0.01), phases
-
-
 @pytest.mark.slow
 def test_node_leaves_after_sigterm_and_the_survivor_finishes(tmp_path: Path, uninterrupted: dict) -> None:
     config = _config(tmp_path)
@@ -94,7 +85,7 @@ def test_node_leaves_after_sigterm_and_the_survivor_finishes(tmp_path: Path, uni
     assert restart["steps_recomputed"] == 0, "the coordinated stop checkpointed the step it stopped at"
     assert restart["layout_before"]["world_size"] == 4 and restart["layout_after"]["world_size"] == 2
     assert "preemption notice on rank" in (agents[0].output() + out_b)
-    _assert_phases(restart, notice=True)
+    assert_restart_phases(restart, notice=True)
 
 
 # --------------------------------------------------------------------------- notices without torchrun
@@ -223,7 +214,7 @@ def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
     assert_same_params(merged_state(finals), uninterrupted)
     restart = finals[0]["report"]["restarts"][0]
     assert restart["cause"] == "failure (no notice)" and restart["resumed_from_step"] >= 4
-    _assert_phases(restart, notice=False)
+    assert_restart_phases(restart, notice=False)
 
 
 def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:

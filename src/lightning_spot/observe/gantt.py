@@ -50,6 +50,17 @@ def import_pyplot() -> Any:
     return plt
 
 
+def png_bytes(fig: Any, dpi: int) -> bytes:
+    """A finished matplotlib figure as PNG bytes (laid out tightly), the figure closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=dpi)
+    plt.close(fig)
+    return out.getvalue()
+
+
 def trace_title(metadata: dict[str, Any]) -> str:
     """The layout a trace was recorded on, as a chart title."""
     try:
@@ -115,8 +126,4 @@ def render_gantt(trace: dict[str, Any], title: str = "", width: float = 14.0) ->
         fontsize=8,
         frameon=False,
     )
-    fig.tight_layout()
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=130)
-    plt.close(fig)
-    return out.getvalue()
+    return png_bytes(fig, 130)

@@ -8,7 +8,6 @@ time, preemptions and restarts, time lost, the useful-time share, checkpoint sta
 
 from __future__ import annotations
 
-import io
 from datetime import datetime, timezone
 from typing import Any
 
@@ -168,7 +167,7 @@ def _tier(restart: dict[str, Any]) -> str:
 
 def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:
     """Training step over wall-clock time, one colour per layout; checkpoints, preemptions and restarts marked."""
-    from lightning_spot.observe.gantt import import_pyplot
+    from lightning_spot.observe.gantt import import_pyplot, png_bytes
 
     plt = import_pyplot()
     fig, ax = plt.subplots(figsize=(width, 4.2))
@@ -219,8 +218,4 @@ def render_run_timeline(report: dict[str, Any], width: float = 11.0) -> bytes:
     )
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=120)
-    plt.close(fig)
-    return out.getvalue()
+    return png_bytes(fig, 120)

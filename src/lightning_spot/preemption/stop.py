@@ -84,7 +84,8 @@ def leave_if_reclaimed(notice: Notice | None) -> bool:
     """This rank's own cloud notice says its machine is being reclaimed: under torchrun, ask the node's agent
     (this worker's parent) to leave the job, as a SIGTERM to the agent would. Without that the agent restarts
     its workers, the node rejoins for the rest of its lead time and takes the group down a second time when the
-    machine goes (replayed: 74 s lost instead of ~25 s). A signal notice came through the agent already."""
+    machine goes (replayed: 78.8 s from the notice to the next step instead of 10.3 s). A signal notice came
+    through the agent already."""
     if notice is None or notice.source not in POLLERS or "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     log.warning(
