@@ -130,6 +130,7 @@ def worker() -> None:
         profile_cache=job["cache"],
         device_memory=job.get("device_memory"),
         offload=job.get("offload"),
+        stages_per_rank=job.get("stages_per_rank"),
     )
     timer = PipelineThroughput(warmup_steps=job["warmup"], prog_bar=False)
     extra: list[Any] = []
@@ -177,6 +178,9 @@ def worker() -> None:
         "predicted_detail": plan.get("detail") if plan else None,
         "optimizer_seconds": statistics.median(optimizer_times) if optimizer_times else None,
     }
+    weights = strategy.engine.runner.weights if strategy.engine is not None else None
+    if weights is not None:  # offload="parameters": most weight bytes on the device at once, of rank 0's
+        result["weights"] = {"peak_bytes": weights.peak_bytes, "total_bytes": weights.total_bytes}
     Path(job["result"]).write_text(json.dumps(result))
 
 

@@ -170,11 +170,15 @@ def test_module_on_the_wrong_side_of_the_sequence_fails_loudly(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        ("parameters", "not implemented yet"),
         ("gpu", "not an offload level"),
-        (["optimizer", "parameters"], "not implemented"),
+        (["optimizer", "disk"], "not an offload level"),
     ],
 )
 def test_offload_levels_are_checked_when_the_strategy_is_made(value: object, words: str) -> None:
     with pytest.raises(LayoutError, match=words):
         SpotPipelineStrategy(offload=value)  # type: ignore[arg-type]
+
+
+def test_offloading_the_parameters_implies_the_optimizer() -> None:
+    """Weights that rest in host memory are updated there: "parameters" brings "optimizer" with it."""
+    assert SpotPipelineStrategy(offload="parameters")._requested.offload == ("optimizer", "parameters")

@@ -146,6 +146,14 @@ WORLD_2 += [
     ),
     # bf16 weights on the device, fp32 masters on the host: SGD's small updates are not rounded away, so the
     # run follows fp32 training (within bf16's tolerance for the forward and backward)
+    # offload="parameters" (Harmony): a stage's weights on the device only while it computes; by default
+    # breadth-first (LoopedBFS) with one layer per stage; validation streams the weights too
+    scenario(
+        "P2D1-offload-parameters-defaults-clip-validation",
+        strategy={"pipeline_stages": 2, "microbatches": 4, "offload": "parameters"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 4, "gradient_clip_val": 0.05, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     scenario(
         "P2D1-offload-optimizer-bf16-true-sgd",
         strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "optimizer"},
@@ -157,6 +165,25 @@ WORLD_4 += [
     scenario(
         "P2D2-offload-activations",
         strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "activations"},
+    ),
+    scenario(
+        "P2D2-offload-parameters-LoopedBFS-clip-tied",
+        strategy={
+            "pipeline_stages": 2,
+            "microbatches": 2,
+            "schedule": "LoopedBFS",
+            "stages_per_rank": 2,
+            "offload": "parameters",
+        },
+        model={"cls": "TiedEmbeddingModel"},
+        trainer={"max_steps": 4, "gradient_clip_val": 0.05},
+    ),
+    # resumes from a checkpoint written without offload; 1F1B: one stage per rank, streamed all the same
+    scenario(
+        "P2D2-offload-parameters-resume-from-P2D2-epoch1",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "parameters"},
+        trainer={"max_steps": -1, "max_epochs": 2},
+        resume={"from": "P2D2-ModelCheckpoint-epoch1", "file": "epoch=0-step=4.ckpt"},
     ),
     scenario(
         "P2D2-offload-optimizer-and-activations-clip-tied",
@@ -269,6 +296,15 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
             assert off["state_dtypes"] == ["torch.float32"] and off["master_dtypes"] == ["torch.float32"], off
             if bf16:
                 assert off["param_dtypes"] == ["torch.bfloat16"], off
+    if "parameters" in offload:
+        for r in ranks:  # from hooks: a computing stage's weights had device storage, and at most one other's
+            w = r["weights"]
+            assert w["checks"] > 0 and not w["not_resident"] and 1 <= w["most_resident"] <= 2, w
+            assert w["at_rest_on_host"], w  # between steps every streamed weight is its host master
+            if case["strategy"].get("schedule", "LoopedBFS") == "LoopedBFS":
+                # a stage's weights come once for all micro-batches' forwards and once for their backwards (the
+                # last stage's backward follows its forward at once): 2 x stages - 1 loads per step, whatever M
+                assert set(w["loads_per_step"][1:]) == {2 * w["stages"] - 1}, w
     if "expect_layout" in case:
         assert ranks[0]["layout"] == case["expect_layout"]
     if "+" in ranks[0]["layout"]:
@@ -291,6 +327,9 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
             assert f"{ckpt}/.metadata" in files and f"{ckpt}/manifest.json" in files
             assert any(f.startswith(f"{ckpt}/") and f.endswith(".distcp") for f in files)
 
+    if "val_loader" in case:  # validation during fit: the same loss
+        for r in ranks:
+            assert r["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=1e-5)
     if "validate" in case.get("after", []):
         for r in ranks:
             assert r["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=1e-5)

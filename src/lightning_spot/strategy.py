@@ -75,12 +75,12 @@ if TYPE_CHECKING:
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
 
 
-OFFLOAD_LEVELS = ("optimizer", "activations")
+OFFLOAD_LEVELS = ("optimizer", "parameters", "activations")
 
 
 def _offload_levels(offload: Union[str, Sequence[str], None]) -> Union[tuple[str, ...], str]:
-    """Check ``offload=`` early: one level or several (``["optimizer", "activations"]``), those implemented, or
-    ``"auto"`` (the planner decides)."""
+    """Check ``offload=`` early: one level or several (``["optimizer", "activations"]``), or ``"auto"`` (the
+    planner decides). ``"parameters"`` implies ``"optimizer"``: weights that rest in host memory are updated there."""
     if offload is None:
         return ()
     if offload == "auto":
@@ -88,12 +88,12 @@ def _offload_levels(offload: Union[str, Sequence[str], None]) -> Union[tuple[str
     levels = [offload] if isinstance(offload, str) else list(offload)
     for level in levels:
         if level not in OFFLOAD_LEVELS:
-            later = ("parameters",)
-            detail = " is not implemented yet" if level in later else " is not an offload level"
             raise LayoutError(
-                f"offload={level!r}{detail}. Use 'optimizer', 'activations', both as a list, 'auto' (the planner "
-                f"decides), or None (no offload)."
+                f"offload={level!r} is not an offload level. Use 'optimizer', 'parameters', 'activations', several "
+                f"as a list, 'auto' (the planner decides), or None (no offload)."
             )
+    if "parameters" in levels:
+        levels.append("optimizer")
     return tuple(sorted(set(levels), key=OFFLOAD_LEVELS.index))
 
 
@@ -144,9 +144,12 @@ class SpotPipelineStrategy(ParallelStrategy):
         find_unused_parameters: passed to DDP for the data-parallel gradient sync.
         offload: keep training state in host memory: ``"optimizer"`` (fp32 master weights and the optimizer's
             state live in host memory; the update runs there and the new weights are copied back),
-            ``"activations"`` (what the forward saves for the backward goes to host memory and comes back when
-            needed), both as a list, or ``"auto"``: the planner keeps state on the device when it fits and
-            offloads the least that makes it fit otherwise. ``None``: off.
+            ``"parameters"`` (also the weights: each stage's come to the device only while it computes, the next
+            stage's prefetched; with ``schedule="LoopedBFS"``, the default then, and one layer per stage, the
+            default ``stages_per_rank`` then, once per forward and once per backward of a step; implies
+            ``"optimizer"``), ``"activations"`` (what the forward saves for the backward goes to host
+            memory and comes back when needed), several as a list, or ``"auto"``: the planner keeps state on the
+            device when it fits and offloads the least that makes it fit otherwise. ``None``: off.
         pretrained: a ``save_pretrained`` directory (safetensors, sharded or not) to start from: after the model
             is split, each rank reads only its stages' tensors (build the model on the meta device in
             ``configure_model`` so that no rank ever holds all of it). A checkpoint being resumed wins.
@@ -200,6 +203,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             raise LayoutError(f"microbatches must be a positive int, a list of them or 'auto', got {microbatches!r}")
         if not isinstance(pipeline_stages, (int, str)):
             pipeline_stages = [int(p) for p in pipeline_stages]
+        levels = _offload_levels(offload)
+        if schedule == "auto" and "parameters" in levels:
+            schedule = "LoopedBFS"  # Harmony's order: a stage's weights come once for all micro-batches
         if schedule != "auto":
             resolve_schedule(schedule, stages_per_rank)  # unknown names fail here, not after start-up
         if isinstance(partition, str) and partition not in ("auto", "uniform", "balanced"):
@@ -214,7 +220,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             device_memory=parse_bytes(device_memory),
             stages_per_rank=stages_per_rank,
-            offload=_offload_levels(offload),
+            offload=levels,
         )
         self._profile_cache = profile_cache
         #: host masters and optimizer state when ``offload="optimizer"`` (set up with the optimizers)
@@ -382,7 +388,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             if self._pretrained:
                 self._load_pretrained(module, self._pretrained)
             self.precision_plugin.convert_module(module)
-            self.engine.wrap_data_parallel(trace_allreduce=self.trace_allreduce)
+            self.engine.wrap_data_parallel(
+                trace_allreduce=self.trace_allreduce, stream_weights="parameters" in self._offloaded()
+            )
             if "activations" in self._offloaded():
                 self.engine.runner.activation_offload = ActivationOffload(self.root_device)
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
@@ -395,7 +403,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if "optimizer" in self._offloaded():
-                self.offload = OptimizerOffload(list(self.optimizers))
+                weights = self.engine.runner.weights if self.engine is not None else None
+                masters = weights.masters if weights is not None else None
+                self.offload = OptimizerOffload(list(self.optimizers), masters=masters)
 
     def _offloaded(self) -> tuple[str, ...]:
         """The offload levels of this run: as asked, or as the planner chose for ``offload="auto"``."""
@@ -514,6 +524,8 @@ class SpotPipelineStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if self.engine is not None and self.engine.runner.weights is not None:
+            return  # offload="parameters": the weights rest in host memory and come to the device per stage
         self.model.to(self.root_device)
 
     # -------------------------------------------------------------------- steps

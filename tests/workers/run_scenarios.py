@@ -17,12 +17,66 @@ import torch
 
 import tests.fakefs  # noqa: F401  registers the slowfile:// and flakyfile:// test filesystems
 from lightning_spot import SpotPipelineStrategy
+from lightning_spot.partition.stage_run import active_run
 from tests.models import MetaInitPipelineModel, make_loader, make_model
 
 
 class RecordInitial(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+class WatchWeights(L.Callback):
+    """``offload="parameters"``: from hooks on every module and parameter of this rank's stages, which stages'
+    weights have device storage (sizes read from the storages themselves) whenever one of them computes."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        self.weights = engine.runner.weights
+        self.most_resident, self.not_resident, self.loads_per_step, self._loads = 0, [], [], self.weights.loads
+        self.checks = 0
+        for stage, params in self.weights.stage_params.items():
+            for layer in engine.stage_modules[stage].owned:
+                layer.register_forward_pre_hook(lambda _m, _a, stage=stage: self._forward(stage))
+            for p in params:
+                p.register_hook(lambda _g, stage=stage: self._check(stage, "backward"))
+
+    def _forward(self, stage: int) -> None:
+        run = active_run()
+        if run is not None and run.stage == stage:  # (layers of other local stages pass their input through)
+            self._check(stage, "forward")
+
+    def _on_device(self, p: torch.Tensor) -> bool:
+        return self.weights.device_tensor(p).untyped_storage().nbytes() > 0
+
+    def _check(self, stage: int, phase: str) -> None:
+        w = self.weights
+        resident = {s for s, params in w.stage_params.items() if any(self._on_device(p) for p in params)}
+        self.most_resident = max(self.most_resident, len(resident))
+        computes_on_device = all(p.data_ptr() == w.device_tensor(p).data_ptr() for p in w.stage_params[stage])
+        if stage not in resident or not computes_on_device:
+            self.not_resident.append((stage, phase))
+        self.checks += 1
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._loads = self.weights.loads
+
+    def on_train_batch_end(self, *args: Any) -> None:  # (validation's loads are left out)
+        self.loads_per_step.append(self.weights.loads - self._loads)
+
+    def summary(self) -> dict[str, Any]:
+        w = self.weights
+        params = [p for ps in w.stage_params.values() for p in ps]
+        return {
+            "checks": self.checks,
+            "most_resident": self.most_resident,
+            "not_resident": self.not_resident,
+            "loads_per_step": self.loads_per_step,
+            "at_rest_on_host": all(
+                not self._on_device(p) and p.data_ptr() == w.masters[id(p)].data_ptr() for p in params
+            ),
+            "stages": len(w.stage_params),
+        }
 
 
 WORLD = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
@@ -43,6 +97,10 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=90), **scenario.get("strategy", {}))
     record = RecordInitial()
     callbacks: list[L.Callback] = [record]
+    watch = None
+    if "parameters" in str(scenario.get("strategy", {}).get("offload")):
+        watch = WatchWeights()
+        callbacks.append(watch)
     target = out / scenario["name"]
     if scenario.get("checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -107,6 +165,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             "state_shares_param_storage": any(t.untyped_storage().data_ptr() in params for t in states),
             "states": len(states),
         }
+    if watch is not None:  # which weights were on the device while each stage computed
+        result["weights"] = watch.summary()
     if strategy.engine.runner.activation_offload is not None:  # what went to host memory
         saved = strategy.engine.runner.activation_offload
         result["activation_offload"] = {"tensors": saved.saved_tensors, "bytes": saved.saved_bytes}

@@ -172,7 +172,13 @@ def _settle(
     draft: _Draft, requested: Requested, split: ModelSplit, world_size: int, global_batch: int | None
 ) -> LayoutChoice:
     """Cut the stages and fix the micro-batch count: the :class:`PipelineLayout` every rank builds."""
-    spec = resolve_schedule(draft.schedule, requested.stages_per_rank)
+    per_rank = requested.stages_per_rank
+    looped = resolve_schedule(draft.schedule)
+    if per_rank is None and "parameters" in draft.offload and looped.is_multi_stage and looped.style == "loop":
+        # one layer per stage: each layer's weights come to the device on their own (Harmony)
+        depth = Layout.for_world(world_size, draft.pipeline_stages, num_layers=split.num_layers).pipeline_stages
+        per_rank = max(1, split.num_layers // depth)
+    spec = resolve_schedule(draft.schedule, per_rank)
     grid = Layout.for_world(world_size, draft.pipeline_stages, num_layers=split.num_layers // spec.stages_per_rank)
     if grid.is_mixed:
         return _settle_mixed(draft, grid, spec.name, split, global_batch)

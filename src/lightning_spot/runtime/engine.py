@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buf
 from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
 from lightning_spot.runtime.tied import TiedCopies
 from lightning_spot.runtime.trace_hooks import AllreduceTrace, traced_allreduce_hook, traced_p2p
+from lightning_spot.runtime.weight_streaming import WeightStreaming
 
 
 @dataclass(frozen=True)
@@ -139,15 +140,32 @@ class PipelineEngine:
         """The global batch of a step in which this pipeline trains ``local`` samples."""
         return local * self.layout.total_microbatches // self.microbatches
 
-    def wrap_data_parallel(self, trace_allreduce: bool = False) -> None:
+    def wrap_data_parallel(self, trace_allreduce: bool = False, stream_weights: bool = False) -> None:
         """Sync gradients across replicas: DDP per stage (overlapped with the last backward), except for
         schedules that compute weight gradients outside autograd's hooks (averaged after the step).
 
         Call once the parameters have their final dtype and device. ``trace_allreduce`` routes DDP's
-        all-reduce through a communication hook that times it for the timeline.
+        all-reduce through a communication hook that times it for the timeline. ``stream_weights``
+        (``offload="parameters"``): the weights rest in host memory and come to the device per stage; each
+        stage's gradients are averaged when its last backward is done (:class:`WeightStreaming`), not by DDP.
         """
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.ties.make_equal()
+        if stream_weights:
+            if self.layout.is_mixed or self.spec.splits_backward:
+                raise LayoutError(
+                    f"offload='parameters' runs pipelines of one depth with schedules whose backward computes weight "
+                    f"gradients at once; {self.layout.grid} with {self.spec.name} is not supported. Use "
+                    f"schedule='LoopedBFS' (Harmony's breadth-first order) on a P x D grid, or offload='optimizer'."
+                )
+            dp_group = self.ctx.dp_group if self.layout.data_parallel > 1 else None
+            seq = self.module.get_submodule(self.split.layers_path)
+            layers = {
+                s: [seq.get_submodule(self.split.layer_names[i]) for i in self.plan.layers_of(s)]
+                for s in self.local_stages
+            }
+            self.runner.weights = WeightStreaming(layers, self.ctx.device, dp_group, synced=self.stage_modules)
+            return
         if self.layout.is_mixed:
             placement = placement_of(self.module)
             self.cross = CrossPipelineSync(
@@ -247,13 +265,13 @@ class PipelineEngine:
         tracing = traced_p2p(clock.timeline) if clock.timeline is not None else contextlib.nullcontext()
         if self.cross is not None:
             self.cross.start_step(m, self.layout.total_microbatches)
-        with self.runner.bind("training_step", "train", batch, args, kwargs), tracing:
+        with self.runner.bind("training_step", "train", batch, args, kwargs), tracing, self._streaming(("train", m)):
             program.step(idx, target=idx, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
         if self.spec.splits_backward and self.ctx.dp_group is not None and self.layout.data_parallel > 1:
             with clock.span("all-reduce", "allreduce", lane="allreduce"):
                 all_reduce_mean(self.params, self.ctx.dp_group)
-        self.ties.sum_grads()
+        self.ties.sum_grads(reduce_on=self.ctx.device)
         if self.cross is not None:
             with clock.span("all-reduce", "allreduce", lane="allreduce"):
                 self.cross.finish_step()
@@ -269,6 +287,19 @@ class PipelineEngine:
         loss = logged.pop("__loss__")[0]
         replay(self.module, logged, batch_size=global_batch, device=self.ctx.device)
         return torch.tensor(loss, device=self.ctx.device)
+
+    @contextlib.contextmanager
+    def _streaming(self, key: tuple) -> Iterator[None]:
+        """Around a schedule: with ``offload="parameters"`` every weight is back in host memory afterwards."""
+        weights = self.runner.weights
+        if weights is None:
+            yield
+            return
+        weights.begin(key)
+        try:
+            yield
+        finally:
+            weights.finish()
 
     def restore_grads(self, scale: float) -> None:
         """Add the gradients of the last :meth:`train_step` (times ``scale``) to ``.grad``."""
@@ -291,7 +322,7 @@ class PipelineEngine:
         else:
             assert error is not None
             raise error
-        with self.runner.bind(fn_name, mode, batch, args, kwargs):
+        with self.runner.bind(fn_name, mode, batch, args, kwargs), self._streaming((mode, fn_name, m)):
             program.eval(idx, target=idx, return_outputs=False)
             results = sorted(self.runner.results, key=lambda r: int(r[0][0])) if mode == "predict" else []
         extra = (

@@ -14,7 +14,7 @@ the masters keep fp32 precision (the update is computed in fp32 and rounded once
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,16 +25,24 @@ from torch import Tensor
 class OptimizerOffload:
     """Host masters for the parameters of some optimizers, and the swap around each update."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], host: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        optimizers: list[torch.optim.Optimizer],
+        host: torch.device = torch.device("cpu"),
+        masters: Mapping[int, Tensor] | None = None,
+    ) -> None:
+        """``masters``: host masters that exist already, by ``id(parameter)`` (``offload="parameters"``: those
+        parameters rest on their master between steps, and nothing is swapped for them)."""
         self.host = host
         self.params: list[Tensor] = []
         self.masters: dict[int, Tensor] = {}
         self._device: dict[int, Tensor] = {}
+        given = masters or {}
         for opt in optimizers:
             for p in _params(opt):
                 if id(p) not in self.masters:
                     self.params.append(p)
-                    self.masters[id(p)] = self._host_copy(p.detach())
+                    self.masters[id(p)] = given[id(p)] if id(p) in given else self._host_copy(p.detach())
         for opt in optimizers:
             self.state_to_host(opt)
 
@@ -49,14 +57,15 @@ class OptimizerOffload:
     def on_host(self, optimizers: list[torch.optim.Optimizer]) -> Iterator[None]:
         """Every parameter is its host master inside (a checkpoint being loaded fills the masters and the host
         optimizer state directly); the device tensors take the masters' values on the way out."""
-        for p in self.params:
+        swapped = [p for p in self.params if not self._at_rest(p)]
+        for p in swapped:
             self._device[id(p)] = p.data
             p.data = self.masters[id(p)]
         try:
             yield
         finally:
             with torch.no_grad():
-                for p in self.params:
+                for p in swapped:
                     device = self._device.pop(id(p))
                     master = p.data
                     p.data = device
@@ -71,8 +80,9 @@ class OptimizerOffload:
             master = self.masters[id(p)]
             grad = p.grad
             p.grad = None
-            self._device[id(p)] = p.data
-            p.data = master
+            if not self._at_rest(p):
+                self._device[id(p)] = p.data
+                p.data = master
             if grad is not None:
                 p.grad = grad.to(device=master.device, dtype=master.dtype, non_blocking=True)
         if any(t.device.type == "cuda" for t in self._device.values()):
@@ -83,12 +93,16 @@ class OptimizerOffload:
         """Give every parameter back its device tensor, holding the updated master's values."""
         for p in _params(optimizer):
             device = self._device.pop(id(p), None)
-            if device is None:
-                continue
             p.grad = None
+            if device is None:  # resting on its master (offload="parameters"): updated in place
+                continue
             master = p.data
             p.data = device
             p.data.copy_(master, non_blocking=True)
+
+    def _at_rest(self, p: Tensor) -> bool:
+        """``p`` is its host master already (``offload="parameters"`` between schedules)."""
+        return p.data_ptr() == self.masters[id(p)].data_ptr()
 
     @torch.no_grad()
     def state_to_host(self, optimizer: torch.optim.Optimizer) -> None:

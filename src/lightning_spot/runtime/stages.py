@@ -51,7 +51,14 @@ class SpotStage(PipelineStage):
         stack = contextlib.ExitStack()
         stack.enter_context(self._spot_runner.inferring())
         stack.enter_context(sync_off)
+        weights = self._spot_runner.weights
+        if weights is not None:
+            stack.enter_context(weights.resident(self.stage_index))
         return stack
+
+    def _use_weights(self) -> None:
+        if self._spot_runner.weights is not None:
+            self._spot_runner.weights.use(self.stage_index)
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         with self._quiet():
@@ -63,15 +70,22 @@ class SpotStage(PipelineStage):
 
     # timed for the bubble figure and, when tracing, the timeline
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._use_weights()
         with self._spot_runner.clock.compute("forward", microbatch=fwd_chunk_id, stage=self.stage_index):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        last = kwargs.get("last_backward", args[2] if len(args) > 2 else False)
+        self._use_weights()
         with self._spot_runner.clock.compute(
             "backward", microbatch=bwd_chunk_id, stage=self.stage_index, input_only=not full
         ):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        weights = self._spot_runner.weights
+        if weights is not None and last and full:
+            weights.backward_done(self.stage_index)  # gradients final (up to the schedule's 1/M scaling)
+        return result
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with self._spot_runner.clock.compute("weight", microbatch=bwd_chunk_id, stage=self.stage_index):

@@ -28,6 +28,7 @@ from lightning_spot.partition.stage_run import StageExit, StageProbe, StageRun, 
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.offload import ActivationOffload
+from lightning_spot.runtime.weight_streaming import WeightStreaming
 
 Mode = Literal["train", "eval", "predict"]
 
@@ -79,6 +80,8 @@ class StepRunner:
         self.clock = StepClock()
         #: saved activations go to host memory during training forwards (``offload="activations"``)
         self.activation_offload: ActivationOffload | None = None
+        #: stages' weights on the device only while they compute (``offload="parameters"``)
+        self.weights: WeightStreaming | None = None
 
     @contextlib.contextmanager
     def inferring(self) -> Iterator[None]:

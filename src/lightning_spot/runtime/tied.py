@@ -101,13 +101,17 @@ class TiedCopies:
                 copy.data.copy_(g.copies[0].data)
 
     @torch.no_grad()
-    def sum_grads(self) -> None:
-        """Each copy's gradient becomes the sum of all copies' gradients (collective over each tie group)."""
+    def sum_grads(self, reduce_on: torch.device | None = None) -> None:
+        """Each copy's gradient becomes the sum of all copies' gradients (collective over each tie group).
+        ``reduce_on``: the device the collective runs on (gradients in host memory under NCCL: the GPU)."""
         for g in self._groups:
             grads = [c.grad for c in g.copies if c.grad is not None]
             total = torch.stack(grads).sum(0) if grads else torch.zeros_like(g.copies[0])
             if g.group is not None:
+                where = total.device
+                total = total.to(reduce_on or where)
                 dist.all_reduce(total, group=g.group)
+                total = total.to(where)
             for copy in g.copies:
                 if copy.grad is None:
                     copy.grad = total.clone()
