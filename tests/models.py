@@ -30,12 +30,19 @@ class Block(nn.Module):
 class TinyPipelineModel(L.LightningModule):
     """embed -> layers (a Sequential of residual blocks) -> head; MSE loss. An ordinary LightningModule."""
 
-    def __init__(self, num_layers: int = 4, optimizer: str = "adam", lr: float = 0.05, scheduler: bool = False) -> None:
+    def __init__(
+        self,
+        num_layers: int = 4,
+        optimizer: str = "adam",
+        lr: float = 0.05,
+        scheduler: bool = False,
+        width: int = HIDDEN,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.embed = nn.Linear(IN, HIDDEN)
-        self.layers = nn.Sequential(*[Block(HIDDEN) for _ in range(num_layers)])
-        self.head = nn.Linear(HIDDEN, OUT)
+        self.embed = nn.Linear(IN, width)
+        self.layers = nn.Sequential(*[Block(width) for _ in range(num_layers)])
+        self.head = nn.Linear(width, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.layers(torch.relu(self.embed(x))))

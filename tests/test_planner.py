@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_spot import LayoutError
@@ -182,3 +184,31 @@ def test_offload_is_chosen_only_when_nothing_else_fits() -> None:
     no_host = Hardware(memory_bytes=3.5 * 2**30, host_memory_bytes=1 * 2**30)
     with pytest.raises(LayoutError, match="host memory was considered"):
         plan_layouts(model, world_size=1, global_batch=8, hardware=no_host, offloads=OFFLOAD_CHOICES)
+
+
+def test_weights_are_streamed_only_when_nothing_else_fits() -> None:
+    """offload="auto": streaming the weights (LoopedBFS, one layer per stage, two layers' weights on the device)
+    is the last resort; it fits where even the optimizer and activations in host memory do not."""
+    from lightning_spot.planning.cost_model import OFFLOAD_CHOICES
+
+    model = transformer(8, param_mb=256, saved_mb=8)
+    host = 200 * 2**30
+    roomier = plan_layouts(
+        model,
+        world_size=2,
+        global_batch=8,
+        hardware=Hardware(3 * 2**30, host_memory_bytes=host),
+        offloads=OFFLOAD_CHOICES,
+    )
+    assert all("parameters" not in c.offload for c in roomier) and "optimizer" in roomier[0].offload
+    tight = Hardware(memory_bytes=2 * 2**30, host_memory_bytes=host)
+    best = plan_layouts(model, world_size=2, global_batch=8, hardware=tight, offloads=OFFLOAD_CHOICES)[0]
+    assert "parameters" in best.offload and best.schedule == "LoopedBFS"
+    assert best.layout.stages == 8 and best.layout.pipeline_stages == 2  # one layer per stage, 4 per rank
+    # each rank: two layers' weights and gradients (2 x 2 x 256 MB) and the embedding or head's (2 x 256 MB)
+    assert 1.5 * 2**30 <= max(best.stage_bytes) <= 2 * 2**30
+    assert "offload optimizer+parameters" in best.describe()
+    with pytest.raises(LayoutError, match=r"needs is 1\.5 GiB .*LoopedBFS.*offload optimizer\+parameters"):
+        plan_layouts(
+            model, world_size=2, global_batch=8, hardware=replace(tight, memory_bytes=2**30), offloads=OFFLOAD_CHOICES
+        )

@@ -144,8 +144,6 @@ WORLD_2 += [
         strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "activations"},
         trainer={"max_steps": 4, "gradient_clip_val": 0.05},
     ),
-    # bf16 weights on the device, fp32 masters on the host: SGD's small updates are not rounded away, so the
-    # run follows fp32 training (within bf16's tolerance for the forward and backward)
     # offload="parameters" (Harmony): a stage's weights on the device only while it computes; by default
     # breadth-first (LoopedBFS) with one layer per stage; validation streams the weights too
     scenario(
@@ -154,6 +152,16 @@ WORLD_2 += [
         val_loader={"batch_size": 12, "n": 36},
         trainer={"max_steps": 4, "gradient_clip_val": 0.05, "limit_val_batches": None, "val_check_interval": 2},
     ),
+    # offload="auto" streams the weights when nothing else fits: 8 layers of 64 x 64 in 120 KB per process
+    # (the optimizer and activation levels together need ~150 KB)
+    scenario(
+        "auto-offload-streams-weights-tight-memory",
+        strategy={"pipeline_stages": 2, "offload": "auto", "device_memory": "120KB", "profile_cache": None},
+        model={"num_layers": 8, "width": 64},
+        expect_offload="parameters",
+    ),
+    # bf16 weights on the device, fp32 masters on the host: SGD's small updates are not rounded away, so the
+    # run follows fp32 training (within bf16's tolerance for the forward and backward)
     scenario(
         "P2D1-offload-optimizer-bf16-true-sgd",
         strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "optimizer"},

@@ -30,9 +30,13 @@ class WatchWeights(L.Callback):
     """``offload="parameters"``: from hooks on every module and parameter of this rank's stages, which stages'
     weights have device storage (sizes read from the storages themselves) whenever one of them computes."""
 
+    weights = None
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = trainer.strategy.engine  # type: ignore[attr-defined]
         self.weights = engine.runner.weights
+        if self.weights is None:
+            return
         self.most_resident, self.not_resident, self.loads_per_step, self._loads = 0, [], [], self.weights.loads
         self.checks = 0
         for stage, params in self.weights.stage_params.items():
@@ -59,10 +63,12 @@ class WatchWeights(L.Callback):
         self.checks += 1
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self._loads = self.weights.loads
+        if self.weights is not None:
+            self._loads = self.weights.loads
 
     def on_train_batch_end(self, *args: Any) -> None:  # (validation's loads are left out)
-        self.loads_per_step.append(self.weights.loads - self._loads)
+        if self.weights is not None:
+            self.loads_per_step.append(self.weights.loads - self._loads)
 
     def summary(self) -> dict[str, Any]:
         w = self.weights
@@ -97,10 +103,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=90), **scenario.get("strategy", {}))
     record = RecordInitial()
     callbacks: list[L.Callback] = [record]
-    watch = None
-    if "parameters" in str(scenario.get("strategy", {}).get("offload")):
-        watch = WatchWeights()
-        callbacks.append(watch)
+    watch = WatchWeights()  # (idle unless the weights are streamed: offload="parameters", asked or planned)
+    callbacks.append(watch)
     target = out / scenario["name"]
     if scenario.get("checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -165,7 +169,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             "state_shares_param_storage": any(t.untyped_storage().data_ptr() in params for t in states),
             "states": len(states),
         }
-    if watch is not None:  # which weights were on the device while each stage computed
+    if watch.weights is not None:  # which weights were on the device while each stage computed
         result["weights"] = watch.summary()
     if strategy.engine.runner.activation_offload is not None:  # what went to host memory
         saved = strategy.engine.runner.activation_offload

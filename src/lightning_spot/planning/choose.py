@@ -11,6 +11,7 @@ data. Without training data (validate/test/predict only) simple rules apply inst
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -29,7 +30,14 @@ from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.balance import balanced_cuts
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
-from lightning_spot.planning.cost_model import OFFLOAD_CHOICES, PLANNED_SCHEDULES, Candidate, evaluate, plan_layouts
+from lightning_spot.planning.cost_model import (
+    OFFLOAD_CHOICES,
+    PLANNED_SCHEDULES,
+    Candidate,
+    evaluate,
+    evaluate_streamed,
+    plan_layouts,
+)
 from lightning_spot.planning.hardware import Hardware, default_hardware
 from lightning_spot.planning.memory import (
     PLAN_MARGIN,
@@ -317,7 +325,10 @@ def _decide(
     explicit_cuts = None if isinstance(requested.partition, str) else list(requested.partition)
     if isinstance(requested.pipeline_stages, list) and explicit_cuts is None:
         return _decide_mixed(profile, requested, global_batch, hardware)
-    if requested.schedule not in ("auto", *PLANNED_SCHEDULES) or explicit_cuts is not None:
+    # weights streamed (offload="parameters", LoopedBFS by default): planned by their own cost model
+    streams = requested.offload != "auto" and "parameters" in requested.offload
+    planned = ("auto", *PLANNED_SCHEDULES, *(("LoopedBFS",) if streams and requested.stages_per_rank is None else ()))
+    if requested.schedule not in planned or explicit_cuts is not None:
         # layouts the planner does not model: keep the simple rules, balance the cuts by time if asked
         draft = _fallback(requested)
         if requested.partition == "balanced":
@@ -338,7 +349,7 @@ def _decide(
         (False, True) if requested.activation_checkpointing is None else (requested.activation_checkpointing,)
     )
     mixes = []
-    if requested.pipeline_stages == "auto" and requested.microbatches == "auto" and explicit_cuts is None:
+    if requested.pipeline_stages == "auto" and requested.microbatches == "auto" and not streams:
         mixes = plan_mixed(
             profile,
             world_size=world_size,
@@ -367,16 +378,17 @@ def _decide(
         fitting = [c for c in candidates if c.microbatches == requested.microbatches]
         if not fitting:
             d = world_size // candidates[0].pipeline_stages
+            offload = tuple(candidates[0].offload)
+            streamed = "parameters" in offload
             fitting = [
-                evaluate(
+                (evaluate_streamed if streamed else functools.partial(evaluate, schedule=candidates[0].schedule))(
                     profile,
                     pipeline_stages=candidates[0].pipeline_stages,
                     data_parallel=d,
                     microbatches=requested.microbatches,
                     global_batch=global_batch,
-                    schedule=candidates[0].schedule,
                     hardware=hardware,
-                    offload=tuple(candidates[0].offload),
+                    offload=offload,
                 )
             ]
         candidates = fitting
@@ -505,6 +517,20 @@ def _reevaluate(
     p, m = previous.pipeline_stages, previous.microbatches
     if world_size % p or global_batch % ((world_size // p) * m) or (previous.schedule == "1F1B" and m < p):
         return None
+    if "parameters" in previous.offload:  # streamed weights: the cuts follow from the profile (one layer per stage)
+        try:
+            return evaluate_streamed(
+                profile,
+                pipeline_stages=p,
+                data_parallel=world_size // p,
+                microbatches=m,
+                global_batch=global_batch,
+                checkpointing=previous.activation_checkpointing,
+                hardware=hardware,
+                offload=tuple(previous.offload),
+            )
+        except LayoutError:
+            return None
     if len(previous.cuts) != p - 1 or any(not 0 < c < len(profile.layers) for c in previous.cuts):
         return None
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -27,7 +28,14 @@ from lightning_spot.planning.profile import LayerProfile, ModelProfile
 
 PLANNED_SCHEDULES = ("1F1B", "GPipe")
 #: what ``offload="auto"`` tries, cheapest first
-OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = ((), ("activations",), ("optimizer",), ("optimizer", "activations"))
+OFFLOAD_CHOICES: tuple[tuple[str, ...], ...] = (
+    (),
+    ("activations",),
+    ("optimizer",),
+    ("optimizer", "activations"),
+    ("optimizer", "parameters"),
+    ("optimizer", "parameters", "activations"),
+)
 
 
 @dataclass
@@ -50,9 +58,9 @@ class Candidate:
 
     @property
     def layout(self) -> PipelineLayout:
-        """The layout this candidate stands for (planned schedules run one stage per rank)."""
+        """The layout this candidate stands for (one stage per rank, or with streamed weights LoopedBFS's)."""
         grid = Layout(self.pipeline_stages, self.data_parallel)
-        return PipelineLayout(grid, self.schedule, self.pipeline_stages, tuple(self.cuts), self.microbatches)
+        return PipelineLayout(grid, self.schedule, len(self.cuts) + 1, tuple(self.cuts), self.microbatches)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -325,16 +333,20 @@ def plan_layouts(
                 if (schedule == "1F1B" and m < p) or (schedule == "GPipe" and p == 1 and "1F1B" in schedules):
                     continue  # 1F1B needs M >= P; with one stage GPipe and 1F1B are the same
                 for ac, offload in itertools.product(checkpointing, offloads):
-                    trial = functools.partial(
-                        evaluate,
+                    streamed = "parameters" in offload
+                    if streamed and (schedule != schedules[0] or p > n):
+                        continue  # weights streamed: one schedule of their own (LoopedBFS), tried once
+                    extra: dict[str, Any] = {} if streamed else {"schedule": schedule}
+                    trial: Callable[..., Candidate] = functools.partial(
+                        evaluate_streamed if streamed else evaluate,
                         profile,
                         pipeline_stages=p,
                         data_parallel=d,
                         microbatches=m,
                         global_batch=global_batch,
-                        schedule=schedule,
                         checkpointing=ac,
                         offload=offload,
+                        **extra,
                     )
                     try:
                         found.append(trial(hardware=hardware))
@@ -342,7 +354,8 @@ def plan_layouts(
                         unbounded = replace(hardware, memory_bytes=None, host_memory_bytes=None)
                         need = float(max(trial(hardware=unbounded).stage_bytes))
                         if smallest is None or need < smallest[0]:
-                            label = f"{Layout(p, d)} {schedule} M={m}{', activation checkpointing' if ac else ''}"
+                            shown = "LoopedBFS" if streamed else schedule
+                            label = f"{Layout(p, d)} {shown} M={m}{', activation checkpointing' if ac else ''}"
                             label += f", offload {'+'.join(offload)}" if offload else ""
                             smallest = (need, label)
     if not found:
@@ -359,5 +372,105 @@ def plan_layouts(
             f"{format_bytes(hardware.memory_bytes)} per device.{hint} Use more devices, devices with more memory, "
             f"or a smaller global batch."
         )
+    if any("parameters" not in c.offload for c in found):
+        # streaming the weights is the last resort: its copies' overlap with compute is modelled, not yet measured
+        found = [c for c in found if "parameters" not in c.offload]
     found.sort(key=lambda c: (c.predicted_step_seconds, max(c.stage_bytes)))
     return found
+
+
+def evaluate_streamed(
+    profile: ModelProfile,
+    *,
+    pipeline_stages: int,
+    data_parallel: int,
+    microbatches: int,
+    global_batch: int,
+    checkpointing: bool = False,
+    hardware: Hardware = Hardware(),
+    offload: tuple[str, ...] = ("optimizer", "parameters"),
+) -> Candidate:
+    """A layout with the weights streamed (``offload="parameters"``): LoopedBFS, one layer per stage as far as
+    the layers allow, rank ``r`` holding stages ``r, r + P, ...``. Raises if it does not fit the device or host.
+
+    Device memory per rank: the two largest local stages' weights and gradients (the active one and the
+    prefetched one), the modules beside the layer sequence (weights and gradients), every micro-batch's saved
+    activations of the rank's layers (breadth-first runs all forwards before the backwards; one layer's and one
+    micro-batch's with ``"activations"``; layer inputs only with checkpointing) and the send/receive buffers.
+    Time: the bottleneck rank's compute stretched by the looped schedule's bubble, the copies (weights twice,
+    gradients once per step) where they outrun the compute they overlap with, plus one stage's load that
+    nothing hides, the per-stage gradient average, and the update on the host.
+    """
+    p, m = pipeline_stages, microbatches
+    n = len(profile.layers)
+    if n < p:
+        raise LayoutError(f"{n} layers cannot fill {p} pipeline stages")
+    per_rank = n // p
+    stages = p * per_rank
+    samples = global_batch // (data_parallel * m)
+    scaled = profile.scaled(samples)
+    times = [_stage_seconds([x], checkpointing, hardware) - hardware.microbatch_overhead_s for x in scaled.layers]
+    cuts = balanced_cuts(times, stages) if stages < n else list(range(1, n))
+    bounds = [0, *cuts, n]
+    spans = list(zip(bounds, bounds[1:]))
+    last_rank = (stages - 1) % p
+    device, host, compute, copies, grads, first_load = [], [], [], [], [], []
+    for r in range(p):
+        local = [spans[s] for s in range(r, stages, p)]
+        layers = [scaled.layers[i] for a, b in local for i in range(a, b)]
+        weights = [sum(scaled.layers[i].param_bytes for i in range(a, b)) for a, b in local]
+        outer = [x for x, holds in ((scaled.first, r == 0), (scaled.last, r == last_rank)) if holds]
+        two = sum(sorted(weights)[-2:])
+        if "activations" in offload:
+            saved = max(x.saved_bytes for x in layers)
+        elif checkpointing:
+            saved = m * sum(x.output_bytes for x in layers) + max(x.saved_bytes for x in layers)
+        else:
+            saved = m * sum(x.saved_bytes for x in layers)
+        buffers = 2 * m * sum(scaled.layers[b - 1].output_bytes for _, b in local)
+        device.append(2 * two + 2 * sum(x.param_bytes for x in outer) + saved + buffers)
+        host.append(
+            sum(weights) * hardware.state_factor
+            + (m * sum(x.saved_bytes for x in layers) if "activations" in offload else 0)
+        )
+        seconds = m * sum(_stage_seconds([x], checkpointing, hardware) for x in [*layers, *outer])
+        if "activations" in offload:
+            seconds += 2 * m * sum(x.saved_bytes for x in layers) / hardware.host_copy_bytes_per_s
+        compute.append(seconds * hardware.compute_slowdown)
+        copies.append(3 * sum(weights) / hardware.host_copy_bytes_per_s)
+        first_load.append(max(weights) / hardware.host_copy_bytes_per_s)
+        grads.append(sum(weights) + sum(x.param_bytes for x in outer))
+    fits = hardware.memory_bytes is None or max(device) <= hardware.memory_bytes
+    if not fits:
+        raise LayoutError(f"streamed weights: {format_bytes(max(device))} per device do not fit")
+    if hardware.host_memory_bytes is not None and max(host) > hardware.host_memory_bytes:
+        raise LayoutError(
+            f"offloading {'+'.join(offload)} needs {format_bytes(max(host))} of host memory per process, more than "
+            f"the {format_bytes(hardware.host_memory_bytes)} available"
+        )
+    stretch = (per_rank * m + p - 1) / (per_rank * m)
+    pipeline = max(stretch * c + max(0.0, k - c) + f for c, k, f in zip(compute, copies, first_load))
+    allreduce = 0.0
+    if data_parallel > 1:
+        ring = 2 * (data_parallel - 1) / data_parallel
+        allreduce = max(
+            ring * g / hardware.allreduce_bytes_per_s
+            + 2 * per_rank * (data_parallel - 1) * hardware.allreduce_latency_s
+            for g in grads
+        )
+    optimizer = max(g * hardware.state_factor for g in grads) / hardware.host_optimizer_bytes_per_s
+    step = pipeline + allreduce + optimizer + hardware.step_overhead_s
+    return Candidate(
+        p,
+        data_parallel,
+        m,
+        "LoopedBFS",
+        checkpointing,
+        cuts,
+        compute,
+        [int(b) for b in device],
+        step,
+        global_batch / step,
+        {"pipeline": pipeline, "allreduce": allreduce, "optimizer": optimizer, "overhead": hardware.step_overhead_s},
+        list(offload),
+    )
