@@ -3,11 +3,12 @@
 One run, four jobs in a row on one run directory, each resuming the previous one's last checkpoint:
 P2xD2 (4 processes, 3 steps) -> [1, 2] (a one-GPU node lost: 3 processes, to step 7) -> [2, 3] (two GPUs
 joined: 5 processes, to step 10) -> P2xD1 (2 processes, to step 12). The end state must equal 12
-uninterrupted single-process steps (Adam, StepLR, shuffled data, mid-epoch stops). The [1, 2] job also takes
-in-memory snapshots, so the checkpoint it writes is of kind "shares" (its snapshots' files); the [2, 3]
-job writes DCP shards. Both kinds written by mixed layouts are read back onto another layout. The [1, 2] job
-also keeps its optimizer state in host memory (``offload="optimizer"``): it resumes from a checkpoint written
-without offload, and the next job, without offload, from its checkpoint.
+uninterrupted single-process steps (Adam, StepLR, shuffled data, mid-epoch stops). The P2xD2 and [1, 2] jobs
+also take in-memory snapshots, so the checkpoints they write are of kind "shares" (their snapshots' files); the
+[2, 3] job writes DCP shards. Both kinds are read back onto another layout. The P2xD2 job streams its weights
+from host memory (``offload="parameters"``: snapshots and checkpoints read the host masters), the [1, 2] job
+keeps its optimizer state there (``offload="optimizer"``) and resumes from the streamed job's checkpoint, and the
+next job, without offload, from its checkpoint.
 
 Under torchrun, a node joining two others with everything "auto" makes the planner pick a mix, so that all three
 processes train (the restart resumes from the first nodes' in-memory snapshots).
@@ -31,7 +32,7 @@ COMMON: dict[str, Any] = {"model": {"scheduler": True}, "loader": {"batch_size":
 TOTAL_STEPS = 12
 # (world, strategy, last step, snapshots)
 CHAIN: list[tuple[int, dict[str, Any], int, bool]] = [
-    (4, {"pipeline_stages": 2, "microbatches": 2}, 3, False),
+    (4, {"pipeline_stages": 2, "microbatches": 2, "offload": "parameters"}, 3, True),
     (3, {"pipeline_stages": [1, 2], "offload": "optimizer"}, 7, True),
     (5, {"pipeline_stages": [2, 3], "microbatches": [3, 5]}, 10, False),
     (2, {"pipeline_stages": 2, "microbatches": 4}, TOTAL_STEPS, False),
@@ -85,6 +86,16 @@ def test_every_rank_of_a_mixed_layout_trains_its_share(chain: dict[str, Any]) ->
     assert sorted(chain["manifests"][1]["shares"]) == ["0", "1", "2"]
     assert "kind" not in chain["manifests"][2]  # DCP shards
     assert [p["microbatches"] for p in chain["manifests"][2]["layout"]["pipelines"]] == [3, 5]
+
+
+def test_a_streamed_job_snapshots_its_host_masters_and_another_layout_resumes_from_them(chain: dict[str, Any]) -> None:
+    """P2xD2 with offload="parameters": between steps its weights rested in host memory; its snapshots, uploaded as
+    the checkpoint the [1, 2] job resumed from (restored_step and the end state: the test above), read them there."""
+    first = chain["results"][0]
+    for r in first:
+        assert r["offload_levels"] == ["optimizer", "parameters"], r["offload_levels"]
+        assert r["weights"]["checks"] > 0 and not r["weights"]["not_resident"] and r["weights"]["at_rest_on_host"]
+    assert chain["manifests"][0]["kind"] == "shares"
 
 
 def test_a_mixed_layout_restores_its_own_random_state(tmp_path: Path) -> None:

@@ -295,12 +295,17 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         assert all(case["expect_offload"] in r["offload_levels"] for r in ranks), [r["offload_levels"] for r in ranks]
     offload = ranks[0]["offload_levels"]
     if "activations" in offload:
-        for r in ranks:  # every stage sent what its forwards saved to host memory
-            assert r["activation_offload"]["tensors"] > 0 and r["activation_offload"]["bytes"] > 0, r
+        for r in ranks:  # every stage sent what its forwards saved to host memory, and got it back ahead of use
+            saved = r["activation_offload"]
+            assert saved["tensors"] > 0 and saved["bytes"] > 0, saved
+            assert 0 < saved["prefetch_hits"] <= saved["prefetched"] <= saved["tensors"], saved
     if "optimizer" in offload:
         for r in ranks:  # the optimizer's state lives with the fp32 host masters, not next to the weights
             off = r["offload"]
             assert off["states"] > 0 and not off["state_shares_param_storage"], off
+            # gradients went to the host as each stage's backward ended (the schedule went on meanwhile); those
+            # changed after it (tied copies summed) were copied again: the parity above shows which was used
+            assert off["early_copies_used"] > 0, off
             assert off["state_dtypes"] == ["torch.float32"] and off["master_dtypes"] == ["torch.float32"], off
             if bf16:
                 assert off["param_dtypes"] == ["torch.bfloat16"], off

@@ -393,6 +393,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             )
             if "activations" in self._offloaded():
                 self.engine.runner.activation_offload = ActivationOffload(self.root_device)
+            self.engine.runner.grads_final.append(self._stage_grads_final)
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
@@ -406,6 +407,11 @@ class SpotPipelineStrategy(ParallelStrategy):
                 weights = self.engine.runner.weights if self.engine is not None else None
                 masters = weights.masters if weights is not None else None
                 self.offload = OptimizerOffload(list(self.optimizers), masters=masters)
+
+    def _stage_grads_final(self, stage: int) -> None:
+        """A stage's backward of the step is over: with the optimizer offloaded, its gradients start for the host."""
+        if self.offload is not None:
+            self.offload.copy_out(self._engine().stage_modules[stage].parameters())
 
     def _offloaded(self) -> tuple[str, ...]:
         """The offload levels of this run: as asked, or as the planner chose for ``offload="auto"``."""

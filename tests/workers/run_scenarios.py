@@ -168,12 +168,18 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             "master_dtypes": sorted({str(t.dtype) for t in strategy.offload.masters.values()}),
             "state_shares_param_storage": any(t.untyped_storage().data_ptr() in params for t in states),
             "states": len(states),
+            "early_copies_used": strategy.offload.early_copies_used,
         }
     if watch.weights is not None:  # which weights were on the device while each stage computed
         result["weights"] = watch.summary()
     if strategy.engine.runner.activation_offload is not None:  # what went to host memory
         saved = strategy.engine.runner.activation_offload
-        result["activation_offload"] = {"tensors": saved.saved_tensors, "bytes": saved.saved_bytes}
+        result["activation_offload"] = {
+            "tensors": saved.saved_tensors,
+            "bytes": saved.saved_bytes,
+            "prefetched": saved.prefetched,
+            "prefetch_hits": saved.prefetch_hits,
+        }
     if throughput is not None:
         result["throughput"] = throughput.summary()
         result["pipeline_stats"] = strategy.pipeline_stats()

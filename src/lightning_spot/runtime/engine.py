@@ -165,6 +165,7 @@ class PipelineEngine:
                 for s in self.local_stages
             }
             self.runner.weights = WeightStreaming(layers, self.ctx.device, dp_group, synced=self.stage_modules)
+            self.runner.grads_final.append(self.runner.weights.backward_done)
             return
         if self.layout.is_mixed:
             placement = placement_of(self.module)

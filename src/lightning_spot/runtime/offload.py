@@ -1,7 +1,8 @@
 """Training state in host memory: the optimizer's (``offload="optimizer"``) and saved activations (``"activations"``).
 
     offload = OptimizerOffload(optimizers)   # fp32 host copies of every parameter the optimizers update
-    offload.to_host(optimizer)               # after backward: each parameter *is* its host master, grads copied out
+    offload.copy_out(stage.parameters())     # a stage's backward is over: its gradients start for the host
+    offload.to_host(optimizer)               # after backward: each parameter *is* its host master, with its grad
     optimizer.step()                         # the update, and the state it creates, run in host memory
     offload.to_device(optimizer)             # the updated weights copied back; the device keeps no optimizer state
 
@@ -14,7 +15,8 @@ the masters keep fp32 precision (the update is computed in fp32 and rounded once
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import contextlib
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,6 +47,36 @@ class OptimizerOffload:
                     self.masters[id(p)] = given[id(p)] if id(p) in given else self._host_copy(p.detach())
         for opt in optimizers:
             self.state_to_host(opt)
+        #: gradients copied out once their stage's backward was over: id(p) -> (gradient, its version, host copy)
+        self._early: dict[int, tuple[Tensor, int, Tensor]] = {}
+        self._buffers: dict[int, Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None
+        #: gradients the update took from those early copies (the rest were copied when the update began)
+        self.early_copies_used = 0
+
+    @torch.no_grad()
+    def copy_out(self, params: Iterable[Tensor]) -> None:
+        """Start copying the gradients of ``params`` (final for this step: their stage's backward is over) to the
+        host; on a GPU on a side stream, overlapping with the rest of the schedule. :meth:`to_host` uses a copy
+        when the gradient is still the same tensor with the same values (version) by then."""
+        for p in params:
+            grad = p.grad
+            if id(p) not in self.masters or grad is None or self._at_rest(p):
+                continue
+            buffer = self._buffers.get(id(p))
+            if buffer is None or buffer.dtype != grad.dtype:
+                buffer = torch.empty(grad.shape, dtype=grad.dtype, device=self.host, pin_memory=grad.is_cuda)
+                self._buffers[id(p)] = buffer
+            if grad.is_cuda:
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(grad.device)
+                self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+                with torch.cuda.stream(self._stream):
+                    buffer.copy_(grad, non_blocking=True)
+                grad.record_stream(self._stream)
+            else:
+                buffer.copy_(grad)
+            self._early[id(p)] = (grad, grad._version, buffer)
 
     def _host_copy(self, t: Tensor) -> Tensor:
         out = torch.empty(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype, device=self.host)
@@ -83,10 +115,15 @@ class OptimizerOffload:
             if not self._at_rest(p):
                 self._device[id(p)] = p.data
                 p.data = master
-            if grad is not None:
+            early = self._early.pop(id(p), None)
+            if grad is not None and early is not None and early[0] is grad and grad._version == early[1]:
+                p.grad = early[2] if early[2].dtype == master.dtype else early[2].to(master.dtype)
+                self.early_copies_used += 1
+            elif grad is not None:
                 p.grad = grad.to(device=master.device, dtype=master.dtype, non_blocking=True)
+        self._early.clear()
         if any(t.device.type == "cuda" for t in self._device.values()):
-            torch.cuda.synchronize()  # the non-blocking copies of the gradients are done
+            torch.cuda.synchronize()  # the non-blocking copies of the gradients (either stream) are done
 
     @torch.no_grad()
     def to_device(self, optimizer: torch.optim.Optimizer) -> None:
@@ -123,40 +160,116 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
         yield from group["params"]
 
 
+def _is_weight(t: Tensor) -> bool:
+    """A leaf that requires grad (a parameter, a stage's input), or a view of one (``weight.t()`` for a matmul)."""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
+class _Saved:
+    """One tensor autograd saved, in host memory; ``fetched``: its device copy once prefetched."""
+
+    __slots__ = ("device", "fetched", "host")
+
+    def __init__(self, device: torch.device, host: Tensor) -> None:
+        self.device = device
+        self.host = host
+        self.fetched: Tensor | None = None
+
+
 class ActivationOffload:
     """Saved activations in host memory (``offload="activations"``): what autograd keeps for the backward is
-    copied to the host as the forward saves it and copied back when the backward needs it.
+    copied to the host as the forward saves it and brought back, ahead of the backward that needs it.
 
         offload = ActivationOffload(device)
+        offload.new_step()            # each training step: the backward order of the last one drives the prefetch
+        offload.key = (stage, chunk)  # what the forward saves from here on is filed under this key
         with offload.saving():        # around a stage's forward
             out = stage(x)
+        offload.prefetch((stage, chunk))   # as that chunk's backward starts: its tensors and the next chunk's
         offload.saved_bytes           # what went to the host so far
 
-    Parameters (leaf tensors that require gradients) stay where they are: they are not activations, and the
-    weights are on the device anyway. On a GPU the host buffers are pinned and the copies asynchronous.
+    Parameters (leaf tensors that require gradients) and views of them (``weight.t()``, which a matmul saves)
+    stay where they are: they are not activations, and the weights are on the device anyway. On a GPU the host
+    buffers are pinned and the copies asynchronous: the copies back run on a side stream, one chunk ahead, so
+    they overlap with the previous chunk's backward.
     """
 
     def __init__(self, device: torch.device | None) -> None:
         self.pinned = device is not None and device.type == "cuda"
         self.saved_tensors = 0
         self.saved_bytes = 0
+        #: tensors brought back ahead of their backward, and those the backward found there
+        self.prefetched = 0
+        self.prefetch_hits = 0
+        self.key: Hashable = None
+        self._by_key: dict[Hashable, list[_Saved]] = {}
+        self._order: list[Hashable] = []
+        self._last_order: list[Hashable] = []
+        self._ready: dict[int, torch.cuda.Event] = {}
+        self._stream = torch.cuda.Stream(device) if self.pinned and device is not None else None
 
     def _pack(self, t: Tensor) -> Any:
-        if (t.is_leaf and t.requires_grad) or t.is_meta:  # weights; torch's shape inference on meta tensors
+        if _is_weight(t) or t.is_meta:  # weights (the device holds them anyway); shape inference's meta tensors
             return t
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=self.pinned)
         host.copy_(t, non_blocking=self.pinned)
         self.saved_tensors += 1
         self.saved_bytes += t.numel() * t.element_size()
-        return (t.device, host)
+        saved = _Saved(t.device, host)
+        if self.key is not None:
+            self._by_key.setdefault(self.key, []).append(saved)
+        return saved
 
-    @staticmethod
-    def _unpack(packed: Any) -> Tensor:
+    def _unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        device, host = packed
-        return host.to(device, non_blocking=host.is_pinned())
+        fetched, packed.fetched = packed.fetched, None
+        if fetched is None:
+            return packed.host.to(packed.device, non_blocking=packed.host.is_pinned())
+        self.prefetch_hits += 1
+        ready = self._ready.get(id(packed))
+        if ready is not None:
+            torch.cuda.current_stream(fetched.device).wait_event(ready)
+            del self._ready[id(packed)]
+        return fetched
 
     def saving(self) -> Any:
         """Autograd's saved tensors go to the host inside this context."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def new_step(self) -> None:
+        """A training step starts: the order in which the last one's backward asked for chunks is the guess."""
+        if self._order:
+            self._last_order = self._order
+        self._order = []
+        self._by_key.clear()
+        self.key = None
+
+    def prefetch(self, key: Hashable) -> None:
+        """``key``'s backward starts: bring its tensors back (if not yet on their way) and start on the next
+        chunk's, as the last step's backward ordered them."""
+        self._order.append(key)
+        self._fetch(key)
+        position = len(self._order)
+        if self._last_order[:position] == self._order and position < len(self._last_order):
+            self._fetch(self._last_order[position])
+
+    @torch.no_grad()
+    def _fetch(self, key: Hashable) -> None:
+        pending = self._by_key.pop(key, [])
+        if not pending:
+            return
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(pending[0].device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for saved in pending:
+                saved.fetched = saved.host.to(saved.device, non_blocking=self.pinned)
+        if stream is not None:
+            event = stream.record_event()
+            for saved in pending:
+                assert saved.fetched is not None
+                saved.fetched.record_stream(torch.cuda.current_stream(saved.device))
+                self._ready[id(saved)] = event
+        self.prefetched += len(pending)

@@ -71,21 +71,29 @@ class SpotStage(PipelineStage):
     # timed for the bubble figure and, when tracing, the timeline
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self._use_weights()
+        saved = self._spot_runner.activation_offload
+        if saved is not None:  # what this chunk's forward (and, on the last stage, loss) saves is filed under it
+            saved.key = (self.stage_index, fwd_chunk_id)
         with self._spot_runner.clock.compute("forward", microbatch=fwd_chunk_id, stage=self.stage_index):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-        last = kwargs.get("last_backward", args[2] if len(args) > 2 else False)
         self._use_weights()
+        saved = self._spot_runner.activation_offload
+        if saved is not None:  # this micro-batch's saved activations come back (and the next one's start to)
+            saved.prefetch((self.stage_index, bwd_chunk_id))
         with self._spot_runner.clock.compute(
             "backward", microbatch=bwd_chunk_id, stage=self.stage_index, input_only=not full
         ):
-            result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        weights = self._spot_runner.weights
-        if weights is not None and last and full:
-            weights.backward_done(self.stage_index)  # gradients final (up to the schedule's 1/M scaling)
-        return result
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        """torch calls this once the stage's last backward of the step is done (and scales the gradients in it):
+        from here on the stage's gradients are final, up to what the engine does after the schedule."""
+        super().perform_reduce_grad(grad_scale_factor)
+        for listener in self._spot_runner.grads_final:
+            listener(self.stage_index)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         with self._spot_runner.clock.compute("weight", microbatch=bwd_chunk_id, stage=self.stage_index):

@@ -15,7 +15,7 @@ unchanged user code.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -82,6 +82,8 @@ class StepRunner:
         self.activation_offload: ActivationOffload | None = None
         #: stages' weights on the device only while they compute (``offload="parameters"``)
         self.weights: WeightStreaming | None = None
+        #: called with a stage's index once its gradients of the step are final (after its last backward)
+        self.grads_final: list[Callable[[int], None]] = []
 
     @contextlib.contextmanager
     def inferring(self) -> Iterator[None]:
@@ -95,6 +97,8 @@ class StepRunner:
     @contextlib.contextmanager
     def bind(self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Iterator[None]:
         self.fn_name, self.mode, self.batch = fn_name, mode, batch
+        if self.activation_offload is not None and mode == "train":
+            self.activation_offload.new_step()
         self.local_size = batch_size_of(batch)
         self.step_args, self.step_kwargs = args, kwargs
         self.results = []
