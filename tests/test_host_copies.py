@@ -71,3 +71,23 @@ def test_early_gradient_copies_are_used_only_while_the_gradient_is_unchanged() -
     assert all(p.grad.data_ptr() == offload._buffers[id(p)].data_ptr() for p in list(model.parameters())[1:])
     offload.to_device(optimizer)
     assert first.grad is None and second.grad is None
+
+
+def test_the_host_update_uses_the_fused_kernel_unless_the_user_chose() -> None:
+    """Adam/AdamW at their defaults run torch's fused CPU kernel on the host masters; the same update."""
+    plain, fused = _model(), _model()
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, fused)]
+    offload = OptimizerOffload([opts[1]])
+    assert offload.fused == ["AdamW"] and opts[1].param_groups[0]["fused"] is True
+    for _ in range(3):
+        for model, opt in zip((plain, fused), opts):
+            opt.zero_grad()
+            model(torch.randn(4, 5, generator=torch.Generator().manual_seed(2))).pow(2).sum().backward()
+        opts[0].step()
+        offload.to_host(opts[1])
+        opts[1].step()
+        offload.to_device(opts[1])
+    for p, q in zip(plain.parameters(), fused.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+    chosen = torch.optim.Adam(_model().parameters(), foreach=False)
+    assert OptimizerOffload([chosen]).fused == [] and chosen.param_groups[0]["fused"] is None

@@ -407,6 +407,11 @@ class SpotPipelineStrategy(ParallelStrategy):
                 weights = self.engine.runner.weights if self.engine is not None else None
                 masters = weights.masters if weights is not None else None
                 self.offload = OptimizerOffload(list(self.optimizers), masters=masters)
+                if self.offload.fused:
+                    rank_zero_info(
+                        f"spot_pipeline: the update in host memory runs torch's fused CPU kernel "
+                        f"({', '.join(self.offload.fused)}); pass fused=False or foreach=... to the optimizer to keep yours"
+                    )
 
     def _stage_grads_final(self, stage: int) -> None:
         """A stage's backward of the step is over: with the optimizer offloaded, its gradients start for the host."""

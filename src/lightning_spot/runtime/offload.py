@@ -53,6 +53,8 @@ class OptimizerOffload:
         self._stream: torch.cuda.Stream | None = None
         #: gradients the update took from those early copies (the rest were copied when the update began)
         self.early_copies_used = 0
+        #: the optimizers (class names) switched to torch's fused kernel for the host update
+        self.fused = [type(opt).__name__ for opt in optimizers if _use_fused_kernel(opt, host)]
 
     @torch.no_grad()
     def copy_out(self, params: Iterable[Tensor]) -> None:
@@ -153,6 +155,22 @@ class OptimizerOffload:
             for key, value in state.items():
                 if isinstance(value, Tensor) and value.device != master.device and value.dim() > 0:
                     state[key] = value.to(master.device)
+
+
+def _use_fused_kernel(optimizer: torch.optim.Optimizer, host: torch.device) -> bool:
+    """Adam and AdamW left at their defaults (neither ``fused`` nor ``foreach`` chosen) run the update on the host
+    with torch's fused kernel: one pass over each tensor instead of a chain of element-wise ops."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or host.type != "cpu":
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
+        return False
+    if any(g.get("differentiable") or g.get("capturable") for g in groups):
+        return False
+    for group in groups:
+        group["fused"] = True
+    optimizer.defaults["fused"] = True
+    return True
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
