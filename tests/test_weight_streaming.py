@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.runtime.weight_streaming import WeightStreaming
 
 
@@ -84,5 +85,5 @@ def test_a_parameter_viewing_a_larger_tensor_is_refused() -> None:
     flat = torch.zeros(12)
     layer = nn.Linear(2, 2)
     layer.weight = nn.Parameter(flat[:4].view(2, 2))
-    with pytest.raises(ValueError, match="storage of its own"):
+    with pytest.raises(ModelContractError, match="storage of its own"):
         WeightStreaming({0: [layer]}, torch.device("cpu"))

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.runtime.grads import all_reduce_mean
 
 
@@ -84,7 +85,7 @@ class WeightStreaming:
         dev = p.data
         storage = dev.untyped_storage()
         if dev.storage_offset() != 0 or storage.nbytes() != dev.numel() * dev.element_size():
-            raise ValueError(
+            raise ModelContractError(
                 "offload='parameters' needs every parameter in a storage of its own (this one is a view into a larger "
                 "tensor); create the parameters separately, or use offload='optimizer'."
             )
@@ -141,6 +142,9 @@ class WeightStreaming:
 
     @torch.no_grad()
     def _release(self, stage: int) -> None:
+        ready = self._ready.pop(stage, None)
+        if ready is not None:  # prefetched, never used: its copy must be over before its memory is freed
+            torch.cuda.current_stream(self.device).wait_event(ready)
         keep = {
             id(p) for s in (self.active, self.prefetched) if s is not None and s != stage for p in self.stage_params[s]
         }
@@ -156,7 +160,6 @@ class WeightStreaming:
             self._device[id(p)].untyped_storage().resize_(0)
             self._on_device.discard(id(p))
             self.resident_bytes -= self._bytes[id(p)]
-        self._ready.pop(stage, None)
 
     # ---------------------------------------------------------------- schedule hooks
     def begin(self, key: Hashable) -> None:
