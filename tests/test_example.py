@@ -36,9 +36,14 @@ def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> 
     assert float(samples) > 0
     assert (tmp_path / "spot_checkpoints" / "step-000000008" / "manifest.json").is_file()
 
-    # the same command on another layout continues from the checkpoint
-    out = run_with_lightning_launcher([*common, "--max-steps", "12", "--pipeline-stages", "1", "--microbatches", "4"])
+    # the same command on another layout continues from the checkpoint, with the weights in host memory
+    # (each layer's on the device only while it computes: LoopedBFS, one layer per stage)
+    streamed = ["--schedule", "LoopedBFS", "--offload", "parameters"]
+    out = run_with_lightning_launcher(
+        [*common, "--max-steps", "12", "--pipeline-stages", "1", "--microbatches", "4", *streamed]
+    )
     assert "resumed from step 8" in out and "done: layout P1xD2" in out, out[-3000:]
+    assert "LoopedBFS M=4" in out, out[-3000:]
     assert (tmp_path / "spot_checkpoints" / "step-000000012" / "manifest.json").is_file()
 
 

@@ -3,6 +3,7 @@
     python examples/gpt/train.py                      # 4 CPU processes: 2 pipeline stages x 2 replicas
     python examples/gpt/train.py --pipeline-stages 4 --max-steps 200   # resumes on another layout
     python examples/gpt/train.py --accelerator gpu --devices 8 --pipeline-stages 4 --n-layer 12
+    python examples/gpt/train.py --offload parameters --schedule LoopedBFS --n-layer 8   # weights in host memory
 
 Checkpoints go to ROOT/spot_checkpoints (or --checkpoint-dir, e.g. s3://bucket/run); running the
 script again resumes from the latest one.
@@ -41,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=120)
     p.add_argument("--val-every", type=int, default=40)
     p.add_argument("--precision", default="32-true")
+    p.add_argument(
+        "--offload",
+        default=None,
+        help="training state in host memory: optimizer, activations, parameters, several joined by '+', or auto",
+    )
     p.add_argument("--root", default="runs/gpt", help="logs and checkpoints")
     p.add_argument("--checkpoint-dir", default=None, help="any fsspec URL; default: ROOT/spot_checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=40, help="steps between checkpoints")
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         pipeline_stages=_int_or_auto(args.pipeline_stages),
         microbatches=_int_or_auto(args.microbatches),
         schedule=args.schedule,
+        offload=args.offload.split("+") if args.offload and args.offload != "auto" else args.offload,
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,

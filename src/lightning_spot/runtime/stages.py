@@ -88,6 +88,15 @@ class SpotStage(PipelineStage):
         ):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    # torch's runtime schedules run the backward actions in evaluation too (as no-ops) and still hand their
+    # outputs between adjacent stages on one rank (looped schedules on one pipeline rank): nothing to hand over
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return () if not self.has_backward else super().get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         """torch calls this once the stage's last backward of the step is done (and scales the gradients in it):
         from here on the stage's gradients are final, up to what the engine does after the schedule."""
