@@ -106,6 +106,13 @@ WORLD_2 = [
         strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "DualPipeV"},
         model={"optimizer": "sgd"},
     ),
+    # streamed weights on one pipeline rank, two stages: the last stage's gradient average is in flight while the
+    # first stage's backward runs; the tied embedding's copies (one per stage) are summed after the schedule
+    scenario(
+        "P1D2-offload-parameters-LoopedBFS-tied",
+        strategy={"pipeline_stages": 1, "microbatches": 2, "offload": "parameters", "layers": "layers"},
+        model={"cls": "TiedEmbeddingModel", "num_layers": 2},
+    ),
     # validation too: torch hands (empty) backward outputs between the rank's adjacent stages even then
     scenario(
         "P1D2-LoopedBFS-adam-validation",
@@ -318,8 +325,9 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
             off = r["offload"]
             assert off["states"] > 0 and not off["state_shares_param_storage"], off
             # gradients went to the host as each stage's backward ended (the schedule went on meanwhile); those
-            # changed after it (tied copies summed) were copied again: the parity above shows which was used
-            assert off["early_copies_used"] > 0, off
+            # changed after it (tied copies summed) were copied again: the parity above shows which was used.
+            # (Streamed weights send their own gradients to the host.)
+            assert off["early_copies_used"] > 0 or "parameters" in offload, off
             assert off["state_dtypes"] == ["torch.float32"] and off["master_dtypes"] == ["torch.float32"], off
             if bf16:  # (streamed weights rest on their fp32 masters; the modules beside them stay in bf16)
                 want = ["torch.bfloat16", "torch.float32"] if "parameters" in offload else ["torch.bfloat16"]

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors
 
 from lightning_spot.partition.discovery import ModelContractError
-from lightning_spot.runtime.grads import all_reduce_mean
 
 
 class WeightStreaming:
@@ -66,6 +66,8 @@ class WeightStreaming:
         }
         self.active: int | None = None
         self.prefetched: int | None = None
+        #: gradient averages in flight: (work, flat gradients, their parameters)
+        self._averaging: list[tuple[dist.Work, Tensor, list[nn.Parameter]]] = []
         self._on_device: set[int] = set()
         self._ready: dict[int, torch.cuda.Event] = {}
         self._stream = torch.cuda.Stream(device) if self.cuda else None
@@ -195,20 +197,61 @@ class WeightStreaming:
         return order[position]
 
     def backward_done(self, stage: int) -> None:
-        """``stage`` has had its last backward chunk of the step: its gradients are averaged over the data-parallel
-        replicas (on the device), moved to the host, and its weights released."""
+        """``stage`` has had its last backward chunk of the step: its weights are released and its gradients
+        averaged over the data-parallel replicas (on the device, asynchronously: the average runs while the next
+        stage's backward does, and lands in host memory when that one is done too), else moved to the host."""
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            all_reduce_mean([p for p in self.synced_params[stage] if p.grad is not None], self.dp_group)
+            self._land_average()  # the previous stage's, overlapped with this stage's backward
+            self._start_average(stage)
         if self.active == stage:
             self.active = None
         self._release(stage)
 
+    @torch.no_grad()
+    def _start_average(self, stage: int) -> None:
+        params = [p for p in self.synced_params[stage] if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            assert p.grad is not None
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors([p.grad for p in group])
+            work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+            self._averaging.append((work, flat, group))
+        for p in params:
+            p.grad = None  # the gradient lives on in the flat buffer until the average lands
+
+    @torch.no_grad()
+    def _land_average(self) -> None:
+        """Wait for the gradient averages in flight; streamed weights' gradients go to the host (next to their
+        masters), those of modules that stay on the device stay there."""
+        size = dist.get_world_size(self.dp_group)
+        for work, flat, group in self._averaging:
+            work.wait()
+            flat.div_(size)
+            offset = 0
+            for p in group:
+                grad = flat.narrow(0, offset, p.numel()).view(p.shape)
+                offset += p.numel()
+                master = self.masters.get(id(p))
+                if master is not None and id(p) not in self._on_device:
+                    landed = grad.to(device=master.device, dtype=master.dtype)
+                else:
+                    landed = grad.clone()
+                if p.grad is not None:  # accumulated since (a parameter that two local stages use)
+                    landed = p.grad + landed.to(device=p.grad.device, dtype=p.grad.dtype)
+                p.grad = landed
+        self._averaging = []
+
     def finish(self) -> None:
-        """The schedule is over: every weight back at rest in host memory, the stage order kept for next time."""
+        """The schedule is over: every weight back at rest in host memory, every gradient average landed, the
+        stage order kept for next time."""
         stages = [s for s in (self.active, self.prefetched) if s is not None]
         self.active = self.prefetched = None
         for stage in stages:
             self._release(stage)
+        if self._averaging:
+            self._land_average()
         if self._seen:
             self._orders[self._key] = self._seen
         self._seen = []
