@@ -131,6 +131,11 @@ WORLD_2 = [
         strategy={"pipeline_stages": 2, "microbatches": 4},
         trainer={"precision": "bf16-mixed"},
     ),
+    scenario(
+        "P2D1-offload-activations-bf16-mixed",
+        strategy={"pipeline_stages": 2, "microbatches": 4, "offload": "activations"},
+        trainer={"precision": "bf16-mixed"},
+    ),
 ]
 # offload="optimizer": fp32 masters and optimizer state in host memory, the update there; the same math
 WORLD_2 += [
@@ -205,10 +210,11 @@ WORLD_4 += [
         model={"cls": "TiedEmbeddingModel"},
         trainer={"max_steps": 4, "gradient_clip_val": 0.05},
     ),
-    # resumes from a checkpoint written without offload; 1F1B: one stage per rank, streamed all the same
+    # every level at once resumes from a checkpoint written without offload; 1F1B: one stage per rank, streamed
+    # all the same
     scenario(
-        "P2D2-offload-parameters-resume-from-P2D2-epoch1",
-        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": "parameters"},
+        "P2D2-offload-all-levels-resume-from-P2D2-epoch1",
+        strategy={"pipeline_stages": 2, "microbatches": 2, "offload": ["parameters", "activations"]},
         trainer={"max_steps": -1, "max_epochs": 2},
         resume={"from": "P2D2-ModelCheckpoint-epoch1", "file": "epoch=0-step=4.ckpt"},
     ),
