@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--accelerator", default="cpu", help="gpu: 2 GPUs, the copies cross PCIe")
+    parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed on GPUs")
     args = parser.parse_args(argv)
     levels = [x for x in args.levels.split(",") if x]
     streamed = any("parameters" in level for level in levels)
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             "trace": None,
             "timeout": args.timeout,
             "ac": False,
+            "accelerator": args.accelerator,
+            "precision": args.precision,
         }
         try:
             for r in range(args.repeats):

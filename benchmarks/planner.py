@@ -143,7 +143,8 @@ def worker() -> None:
             )
         )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=job.get("accelerator", "cpu"),
+        precision=job.get("precision", "32-true"),
         devices=job["world"],
         strategy=strategy,
         max_steps=job["warmup"] + job["steps"],
