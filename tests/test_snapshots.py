@@ -343,3 +343,23 @@ def test_checkpoint_copies_reuse_their_host_buffers() -> None:
     second = split_checkpoint({"state_dict": {"w": w}}, copy=True, with_lightning=False, staging=staging)
     assert second.tensors["model"]["w"].data_ptr() == first.tensors["model"]["w"].data_ptr(), "the same buffer"
     assert torch.equal(second.tensors["model"]["w"], torch.full((4, 4), 2.0)) and staging.nbytes == 64
+
+
+def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_an_object_store(
+    tmp_path: Path,
+) -> None:
+    """Local directories get the share copied inside the kernel (sendfile, CRC32 on the mapped file), other
+    storage in chunks: the same files, the same digests."""
+    from lightning_spot.checkpoint.shares import upload_share
+    from lightning_spot.checkpoint.storage import Storage
+
+    store = SnapshotStore(tmp_path / "shm")
+    _write(store, 2, 0, ["a", "b"])
+    local, remote = Storage(str(tmp_path / "run")), Storage("memory://spot-share-test/run")
+    assert local.is_local and not remote.is_local
+    digests = [upload_share(s, "step-000000002", store, 2, 0) for s in (local, remote)]
+    assert digests[0] == digests[1] and digests[0]["rank00000.pt"]["size"] > 0
+    for name in ("rank00000.pt", "rank00000.json"):
+        assert (tmp_path / "run" / "step-000000002" / name).read_bytes() == remote.fs.cat_file(
+            remote.path_of("step-000000002", name)
+        )
