@@ -11,7 +11,6 @@ data. Without training data (validate/test/predict only) simple rules apply inst
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -35,7 +34,6 @@ from lightning_spot.planning.cost_model import (
     PLANNED_SCHEDULES,
     Candidate,
     evaluate,
-    evaluate_streamed,
     plan_layouts,
 )
 from lightning_spot.planning.hardware import Hardware, default_hardware
@@ -378,17 +376,16 @@ def _decide(
         fitting = [c for c in candidates if c.microbatches == requested.microbatches]
         if not fitting:
             d = world_size // candidates[0].pipeline_stages
-            offload = tuple(candidates[0].offload)
-            streamed = "parameters" in offload
             fitting = [
-                (evaluate_streamed if streamed else functools.partial(evaluate, schedule=candidates[0].schedule))(
+                evaluate(
                     profile,
                     pipeline_stages=candidates[0].pipeline_stages,
                     data_parallel=d,
                     microbatches=requested.microbatches,
                     global_batch=global_batch,
+                    schedule=candidates[0].schedule,
                     hardware=hardware,
-                    offload=offload,
+                    offload=tuple(candidates[0].offload),
                 )
             ]
         candidates = fitting
@@ -517,22 +514,8 @@ def _reevaluate(
     p, m = previous.pipeline_stages, previous.microbatches
     if world_size % p or global_batch % ((world_size // p) * m) or (previous.schedule == "1F1B" and m < p):
         return None
-    if "parameters" in previous.offload:  # streamed weights: the cuts follow from the profile (one layer per stage)
-        try:
-            return evaluate_streamed(
-                profile,
-                pipeline_stages=p,
-                data_parallel=world_size // p,
-                microbatches=m,
-                global_batch=global_batch,
-                checkpointing=previous.activation_checkpointing,
-                hardware=hardware,
-                offload=tuple(previous.offload),
-            )
-        except LayoutError:
-            return None
-    if len(previous.cuts) != p - 1 or any(not 0 < c < len(profile.layers) for c in previous.cuts):
-        return None
+    if any(not 0 < c < len(profile.layers) for c in previous.cuts):
+        return None  # (a cut count that does not fit the layout is refused by evaluate)
     try:
         again = evaluate(
             profile,

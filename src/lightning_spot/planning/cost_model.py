@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -182,13 +181,7 @@ def predict_step_seconds(
         comm.append(hardware.p2p_latency_s + out / hardware.p2p_bytes_per_s if out else 0.0)
         grads.append(sum(p.param_bytes for p in layers))
     pipeline = sum(per_mb) + 2 * sum(comm) + (microbatches - 1) * max(t + 2 * c for t, c in zip(per_mb, comm))
-    allreduce = 0.0
-    if data_parallel > 1:
-        ring = 2 * (data_parallel - 1) / data_parallel
-        allreduce = max(
-            ring * g / hardware.allreduce_bytes_per_s + 2 * (data_parallel - 1) * hardware.allreduce_latency_s
-            for g in grads
-        )
+    allreduce = max(_allreduce_seconds(g, data_parallel, hardware) for g in grads)
     if "optimizer" in offload:
         optimizer = max(
             g * hardware.state_factor / hardware.host_optimizer_bytes_per_s + 2 * g / hardware.host_copy_bytes_per_s
@@ -211,6 +204,25 @@ def predict_step_seconds(
     )
 
 
+def _allreduce_seconds(nbytes: float, data_parallel: int, hardware: Hardware, collectives: int = 1) -> float:
+    """A ring all-reduce of ``nbytes`` over ``data_parallel`` replicas, in ``collectives`` calls (0 for D = 1)."""
+    if data_parallel <= 1:
+        return 0.0
+    ring = 2 * (data_parallel - 1) / data_parallel
+    return ring * nbytes / hardware.allreduce_bytes_per_s + 2 * collectives * (data_parallel - 1) * (
+        hardware.allreduce_latency_s
+    )
+
+
+def _check_host_memory(needed: float, hardware: Hardware, offload: tuple[str, ...]) -> None:
+    """Raise when the offloaded state of a process does not fit its host memory (when that is known)."""
+    if hardware.host_memory_bytes is not None and needed > hardware.host_memory_bytes:
+        raise LayoutError(
+            f"offloading {'+'.join(offload)} needs {format_bytes(needed)} of host memory per process, more than "
+            f"the {format_bytes(hardware.host_memory_bytes)} available"
+        )
+
+
 def evaluate(
     profile: ModelProfile,
     *,
@@ -225,7 +237,22 @@ def evaluate(
     offload: tuple[str, ...] = (),
 ) -> Candidate:
     """Cost-balanced cuts (or the given ``cuts``) and the predicted step for one layout; raises if it does not
-    fit the device memory, or (with ``offload``) the host memory."""
+    fit the device memory, or (with ``offload``) the host memory. With the weights streamed (``"parameters"``)
+    the layout is :func:`evaluate_streamed`'s (LoopedBFS; ``schedule`` does not apply)."""
+    if "parameters" in offload:
+        return evaluate_streamed(
+            profile,
+            pipeline_stages=pipeline_stages,
+            data_parallel=data_parallel,
+            microbatches=microbatches,
+            global_batch=global_batch,
+            checkpointing=checkpointing,
+            hardware=hardware,
+            cuts=cuts,
+            offload=offload,
+        )
+    if cuts is not None and len(cuts) != pipeline_stages - 1:
+        raise LayoutError(f"{len(cuts)} cuts do not make {pipeline_stages} pipeline stages")
     samples = global_batch // (data_parallel * microbatches)
     scaled = profile.scaled(samples)
 
@@ -269,11 +296,7 @@ def evaluate(
             )
             for s, (a, b) in enumerate(zip(bounds, bounds[1:]))
         )
-        if host > hardware.host_memory_bytes:
-            raise LayoutError(
-                f"offloading {'+'.join(offload)} needs {format_bytes(host)} of host memory per process, more than "
-                f"the {format_bytes(hardware.host_memory_bytes)} available"
-            )
+        _check_host_memory(host, hardware, offload)
     step, stage_secs, detail = predict_step_seconds(
         scaled,
         cuts,
@@ -336,17 +359,16 @@ def plan_layouts(
                     streamed = "parameters" in offload
                     if streamed and (schedule != schedules[0] or p > n):
                         continue  # weights streamed: one schedule of their own (LoopedBFS), tried once
-                    extra: dict[str, Any] = {} if streamed else {"schedule": schedule}
-                    trial: Callable[..., Candidate] = functools.partial(
-                        evaluate_streamed if streamed else evaluate,
+                    trial = functools.partial(
+                        evaluate,
                         profile,
                         pipeline_stages=p,
                         data_parallel=d,
                         microbatches=m,
                         global_batch=global_batch,
+                        schedule=schedule,
                         checkpointing=ac,
                         offload=offload,
-                        **extra,
                     )
                     try:
                         found.append(trial(hardware=hardware))
@@ -388,10 +410,12 @@ def evaluate_streamed(
     global_batch: int,
     checkpointing: bool = False,
     hardware: Hardware = Hardware(),
+    cuts: list[int] | None = None,
     offload: tuple[str, ...] = ("optimizer", "parameters"),
 ) -> Candidate:
     """A layout with the weights streamed (``offload="parameters"``): LoopedBFS, one layer per stage as far as
-    the layers allow, rank ``r`` holding stages ``r, r + P, ...``. Raises if it does not fit the device or host.
+    the layers allow (or the given ``cuts``), rank ``r`` holding stages ``r, r + P, ...``. Raises if it does not
+    fit the device or host.
 
     Device memory per rank: the two largest local stages' weights and gradients (the active one and the
     prefetched one), the modules beside the layer sequence (weights and gradients), every micro-batch's saved
@@ -409,8 +433,11 @@ def evaluate_streamed(
     stages = p * per_rank
     samples = global_batch // (data_parallel * m)
     scaled = profile.scaled(samples)
-    times = [_stage_seconds([x], checkpointing, hardware) - hardware.microbatch_overhead_s for x in scaled.layers]
-    cuts = balanced_cuts(times, stages) if stages < n else list(range(1, n))
+    if cuts is not None and len(cuts) != stages - 1:
+        raise LayoutError(f"{len(cuts)} cuts do not make {stages} stages of one or a few layers")
+    if cuts is None:
+        times = [_stage_seconds([x], checkpointing, hardware) - hardware.microbatch_overhead_s for x in scaled.layers]
+        cuts = balanced_cuts(times, stages) if stages < n else list(range(1, n))
     bounds = [0, *cuts, n]
     spans = list(zip(bounds, bounds[1:]))
     last_rank = (stages - 1) % p
@@ -443,21 +470,10 @@ def evaluate_streamed(
     fits = hardware.memory_bytes is None or max(device) <= hardware.memory_bytes
     if not fits:
         raise LayoutError(f"streamed weights: {format_bytes(max(device))} per device do not fit")
-    if hardware.host_memory_bytes is not None and max(host) > hardware.host_memory_bytes:
-        raise LayoutError(
-            f"offloading {'+'.join(offload)} needs {format_bytes(max(host))} of host memory per process, more than "
-            f"the {format_bytes(hardware.host_memory_bytes)} available"
-        )
+    _check_host_memory(max(host), hardware, offload)
     stretch = (per_rank * m + p - 1) / (per_rank * m)
     pipeline = max(stretch * c + max(0.0, k - c) + f for c, k, f in zip(compute, copies, first_load))
-    allreduce = 0.0
-    if data_parallel > 1:
-        ring = 2 * (data_parallel - 1) / data_parallel
-        allreduce = max(
-            ring * g / hardware.allreduce_bytes_per_s
-            + 2 * per_rank * (data_parallel - 1) * hardware.allreduce_latency_s
-            for g in grads
-        )
+    allreduce = max(_allreduce_seconds(g, data_parallel, hardware, collectives=per_rank) for g in grads)
     optimizer = max(g * hardware.state_factor for g in grads) / hardware.host_optimizer_bytes_per_s
     step = pipeline + allreduce + optimizer + hardware.step_overhead_s
     return Candidate(
