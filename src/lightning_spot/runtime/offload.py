@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_spot.runtime.last_order import LastOrder
+
 
 class OptimizerOffload:
     """Host masters for the parameters of some optimizers, and the swap around each update."""
@@ -222,8 +224,7 @@ class ActivationOffload:
         self.prefetch_hits = 0
         self.key: Hashable = None
         self._by_key: dict[Hashable, list[_Saved]] = {}
-        self._order: list[Hashable] = []
-        self._last_order: list[Hashable] = []
+        self._order = LastOrder()
         self._ready: dict[int, torch.cuda.Event] = {}
         self._stream = torch.cuda.Stream(device) if self.pinned and device is not None else None
 
@@ -258,20 +259,18 @@ class ActivationOffload:
 
     def new_step(self) -> None:
         """A training step starts: the order in which the last one's backward asked for chunks is the guess."""
-        if self._order:
-            self._last_order = self._order
-        self._order = []
+        self._order.end()
+        self._order.begin("train")
         self._by_key.clear()
         self.key = None
 
     def prefetch(self, key: Hashable) -> None:
         """``key``'s backward starts: bring its tensors back (if not yet on their way) and start on the next
         chunk's, as the last step's backward ordered them."""
-        self._order.append(key)
         self._fetch(key)
-        position = len(self._order)
-        if self._last_order[:position] == self._order and position < len(self._last_order):
-            self._fetch(self._last_order[position])
+        upcoming = self._order.next_after(key)
+        if upcoming is not None:
+            self._fetch(upcoming)
 
     @torch.no_grad()
     def _fetch(self, key: Hashable) -> None:

@@ -22,6 +22,7 @@ copied on a side stream. Other schedules work too (same math) but may bring a st
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors
 
 from lightning_spot.partition.discovery import ModelContractError
+from lightning_spot.runtime.last_order import LastOrder
 
 
 class WeightStreaming:
@@ -71,9 +73,7 @@ class WeightStreaming:
         self._on_device: set[int] = set()
         self._ready: dict[int, torch.cuda.Event] = {}
         self._stream = torch.cuda.Stream(device) if self.cuda else None
-        self._orders: dict[Hashable, list[int]] = {}
-        self._key: Hashable = None
-        self._seen: list[int] = []
+        self._order = LastOrder()
         #: stage loads so far and the bytes they copied to the device
         self.loads = 0
         self.loaded_bytes = 0
@@ -123,7 +123,7 @@ class WeightStreaming:
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for p in params:
                 self._device[id(p)].copy_(self.masters[id(p)], non_blocking=self.cuda)
         if stream is not None:
@@ -166,7 +166,7 @@ class WeightStreaming:
     # ---------------------------------------------------------------- schedule hooks
     def begin(self, key: Hashable) -> None:
         """A schedule starts; ``key`` names it (the stage order of its last run is the prefetch order)."""
-        self._key, self._seen = key, []
+        self._order.begin(key)
 
     def use(self, stage: int, record: bool = True) -> None:
         """``stage`` computes next: its weights are made resident (waiting for their copy) and, when the order of
@@ -180,21 +180,13 @@ class WeightStreaming:
             self.prefetched = None
             self._load(stage)
             if record:
-                self._seen.append(stage)
-                upcoming = self._next_in_order()
-                if upcoming is not None and upcoming != stage:
+                upcoming = self._order.next_after(stage)
+                if isinstance(upcoming, int) and upcoming != stage:
                     self.prefetched = upcoming
                     self._load(upcoming)
         ready = self._ready.pop(stage, None)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-
-    def _next_in_order(self) -> int | None:
-        order = self._orders.get(self._key)
-        position = len(self._seen)
-        if order is None or order[:position] != self._seen or position >= len(order):
-            return None
-        return order[position]
 
     def backward_done(self, stage: int) -> None:
         """``stage`` has had its last backward chunk of the step: its weights are released and its gradients
@@ -252,17 +244,10 @@ class WeightStreaming:
             self._release(stage)
         if self._averaging:
             self._land_average()
-        if self._seen:
-            self._orders[self._key] = self._seen
-        self._seen = []
+        self._order.end()
 
     @contextmanager
     def resident(self, stage: int) -> Iterator[None]:
         """``stage``'s weights on the device inside (torch's set-up passes outside the recorded order)."""
         self.use(stage, record=False)
         yield
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
