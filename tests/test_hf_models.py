@@ -36,10 +36,11 @@ def hf_scenario(
     layers: str = "",
     tied: bool = False,
     trainer: dict[str, Any] | None = None,
+    offload: list[str] | None = None,
 ) -> dict[str, Any]:
     p = int(layout[1])
     return {
-        "name": f"{family}{'-tied' if tied else ''}-{layout}-{schedule}",
+        "name": f"{family}{'-tied' if tied else ''}-{layout}-{schedule}{'-offload-' + '+'.join(offload) if offload else ''}",
         "loader": {"batch_size": 8, "n": 32, "tokens": True},
         "trainer": {"max_steps": 4, **(trainer or {})},
         "model": {"cls": "CausalLM", "family": family, "tied": tied, "lr": 1e-3},
@@ -48,6 +49,7 @@ def hf_scenario(
             "microbatches": microbatches,
             "schedule": schedule,
             "layers": layers or LAYERS[family],
+            **({"offload": offload} if offload else {}),
         },
     }
 
@@ -66,6 +68,8 @@ WORLD_4 = [
     hf_scenario("qwen2", "P2D2", "Interleaved1F1B", microbatches=2),
     hf_scenario("llama", "P2D2", "1F1B", tied=True),
     hf_scenario("gpt2", "P4D1", "1F1B", tied=True, trainer={"gradient_clip_val": 0.5}),  # norms count a tie once
+    # every offload level on a model we did not write: Llama's decoder layers streamed one per stage
+    hf_scenario("llama", "P2D2", "LoopedBFS", tied=True, offload=["parameters", "activations"]),
 ]
 TIED_NAMES = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
 TIED_NAMES["llama"] = TIED_NAMES["qwen2"] = ("model.model.embed_tokens.weight", "model.lm_head.weight")
@@ -92,6 +96,10 @@ def test_hf_causal_lm_matches_single_process_lightning(
     assert all(len(r["state_dict"]) > 0 for r in ranks)
     model = CausalLM(case["model"]["family"], tied=case["model"]["tied"])
     assert {r["parameters"] for r in ranks} == {sum(p.numel() for p in model.parameters())}  # a tie counts once
+    if "parameters" in case["strategy"].get("offload", []):  # each decoder layer's weights came and went
+        for r in ranks:
+            w = r["weights"]
+            assert w["checks"] > 0 and not w["not_resident"] and w["most_resident"] <= 2 and w["at_rest_on_host"], w
     if case["model"]["tied"]:  # every copy of the tied weight ended equal (merged_state checks replicas)
         embed, head = TIED_NAMES[case["model"]["family"]]
         copies = [r["state_dict"][n] for r in ranks for n in (embed, head) if n in r["state_dict"]]
