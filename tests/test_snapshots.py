@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_spot.checkpoint import tensorfile
 from lightning_spot.checkpoint.recall import Recall, Source
-from lightning_spot.checkpoint.snapshot import SnapshotError, SnapshotStore, encode_tensors
+from lightning_spot.checkpoint.snapshot import SnapshotError, SnapshotStore
 from lightning_spot.checkpoint.snapshotter import needs_peer_copy
 from tests.distributed import free_port
 from tests.elastic import Agent, agents_cleanup, assert_restart_phases, port_open, wait_for
@@ -31,7 +32,7 @@ STATE = {"rng": None, "optimizer_values": [{"param_groups.a.lr": 0.1}], "lightni
 def _write(store: SnapshotStore, step: int, rank: int, names: list[str], pp_rank: int = 0) -> None:
     tensors = {"model": {n: torch.full((3,), float(step)) for n in names}}
     meta = {"names": {"model": names}, "layout": LAYOUT, "pp_rank": pp_rank}
-    store.write(step, rank, encode_tensors(tensors), meta, {**STATE, "info": {"step": step}})
+    store.write(step, rank, tensorfile.encode(tensors), meta, {**STATE, "info": {"step": step}})
 
 
 def test_a_share_exists_once_written_whole(tmp_path: Path) -> None:
@@ -41,25 +42,38 @@ def test_a_share_exists_once_written_whole(tmp_path: Path) -> None:
         for rank in (0, 1):
             _write(store, step, rank, [f"w{rank}"], pp_rank=rank)
     (store.path / "step-000000006").mkdir()
-    (store.path / "step-000000006" / "rank00000.pt").write_bytes(b"torn")  # killed before its description
+    (store.path / "step-000000006" / "rank00000.safetensors").write_bytes(b"torn")  # killed before its description
     shares = store.shares()
     assert sorted(shares) == [2, 4] and sorted(shares[4]) == [0, 1]
     assert shares[4][1]["names"] == {"model": ["w1"]} and shares[4][1]["pp_rank"] == 1
     assert torch.equal(store.read_tensors(4, 1)["model"]["w1"], torch.full((3,), 4.0))
     assert store.read_state(4, 1)["info"] == {"step": 4}
-    (store.path / "step-000000004" / "rank00001.pt").unlink()  # a share's tensors vanished
+    (store.path / "step-000000004" / "rank00001.safetensors").unlink()  # a share's tensors vanished
     assert sorted(store.shares()[4]) == [0]
     assert not list(store.path.glob("step-*/.*.tmp")), "temporary files are renamed into place"
 
 
-def test_snapshots_are_bounded_dropped_after_a_resume_and_cleared(tmp_path: Path) -> None:
+def test_snapshots_are_bounded_recycled_pinned_dropped_after_a_resume_and_cleared(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "run")
+    inodes = {}
     for step in (1, 2, 3, 4):
-        _write(store, step, 0, ["w"])
-        store.prune(keep=2)
+        store.write(step, 0, {"model": {"w": torch.full((1000 // step,), float(step))}}, _meta(0, ["w"]), STATE)
+        inodes[step] = store.share_path(step, 0, ".safetensors").stat().st_ino
+        store.retire([0], keep=2)
     assert sorted(store.shares()) == [3, 4]
-    store.drop_after(3)
-    assert sorted(store.shares()) == [3]
+    assert inodes[4] == inodes[1], "a retired tensor file is written over, not a new one made"
+    assert torch.equal(store.read_tensors(4, 0)["model"]["w"], torch.full((250,), 4.0)), "cut to its new size"
+    assert store.share_path(4, 0, ".safetensors").stat().st_size < 2000, "step 1 wrote 4000 bytes of tensors"
+    store.pin(3, 0)  # an upload reads step 3: it outlives its turn, and is retired once unpinned
+    store.write(5, 0, {"model": {"w": torch.full((3,), 5.0)}}, _meta(0, ["w"]), STATE)
+    store.retire([0], keep=2)
+    store.prune(keep=2)  # the node's clean-up spares it too
+    assert sorted(store.shares()) == [3, 4, 5]
+    store.unpin(3, 0)
+    store.retire([0], keep=2)
+    assert sorted(store.shares()) == [4, 5] and not (store.path / "step-000000003").exists()
+    store.drop_after(4)
+    assert sorted(store.shares()) == [4]
     store.clear()
     assert not store.path.exists()
 
@@ -325,7 +339,7 @@ def test_a_durable_checkpoint_from_a_snapshot_is_its_files_checked_when_read(tmp
         assert manifest is not None and manifest["kind"] == "shares"
         assert manifest["shares"] == {"0": {"names": {"model": ["a", "b"]}, "pp_rank": 0}}
     assert torch.equal(load_full_state_dict(str(tmp_path / "run"))["b"], torch.full((3,), 4.0))
-    damaged = tmp_path / "run" / "step-000000004" / "rank00000.pt"
+    damaged = tmp_path / "run" / "step-000000004" / "rank00000.safetensors"
     data = bytearray(damaged.read_bytes())
     data[-100] ^= 0xFF
     damaged.write_bytes(bytes(data))
@@ -358,8 +372,32 @@ def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_a
     local, remote = Storage(str(tmp_path / "run")), Storage("memory://spot-share-test/run")
     assert local.is_local and not remote.is_local
     digests = [upload_share(s, "step-000000002", store, 2, 0) for s in (local, remote)]
-    assert digests[0] == digests[1] and digests[0]["rank00000.pt"]["size"] > 0
-    for name in ("rank00000.pt", "rank00000.json"):
+    assert digests[0] == digests[1] and digests[0]["rank00000.safetensors"]["size"] > 0
+    for name in ("rank00000.safetensors", "rank00000.json"):
         assert (tmp_path / "run" / "step-000000002" / name).read_bytes() == remote.fs.cat_file(
             remote.path_of("step-000000002", name)
         )
+
+
+def test_a_local_checkpoint_that_retention_deletes_lends_its_tensor_files_to_the_next_uploads(tmp_path: Path) -> None:
+    from lightning_spot import load_full_state_dict
+    from lightning_spot.checkpoint.payload import Payload
+    from lightning_spot.checkpoint.shares import SPARES, clear_spares, recycle
+    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.checkpoint.write import write_checkpoint
+
+    store, storage = SnapshotStore(tmp_path / "shm"), Storage(str(tmp_path / "run"))
+    inodes = {}
+    for step in (2, 4):
+        store.write(step, 0, {"model": {"w": torch.full((1000 // step,), float(step))}}, _meta(0, ["w"]), STATE)
+        payload = Payload(tensors={}, optimizer_values=[{}], rng=None, lightning={"global_step": step})
+        write_checkpoint(storage, f"step-{step:09d}", payload, info={"step": step}, snapshot=(store, step))
+        inodes[step] = (tmp_path / "run" / f"step-{step:09d}" / "rank00000.safetensors").stat().st_ino
+        if step == 2:
+            recycle(storage, "step-000000002")  # retention is about to delete it
+            storage.delete("step-000000002")
+    assert inodes[4] == inodes[2], "the upload wrote over the retired file"
+    assert storage.committed() == ["step-000000004"] and not list((tmp_path / "run" / SPARES).iterdir())
+    assert torch.equal(load_full_state_dict(str(tmp_path / "run"))["w"], torch.full((250,), 4.0)), "cut, checked"
+    clear_spares(storage)
+    assert not (tmp_path / "run" / SPARES).exists()

@@ -115,7 +115,7 @@ def test_storage_holds_the_last_committed_checkpoints(name: str, morphs: dict) -
     }
     if name in SNAPSHOTS:
         assert manifest["kind"] == "shares" and sorted(manifest["shares"]) == [str(r) for r in range(world)]
-        assert all(f"rank{r:05d}.pt" in files and f"rank{r:05d}.json" in files for r in range(world))
+        assert all(f"rank{r:05d}.safetensors" in files and f"rank{r:05d}.json" in files for r in range(world))
         first = storage.read_json("step-000000010/manifest.json")
         assert first["kind"] == "shares"
     else:

@@ -28,6 +28,7 @@ from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.journal import Journal, read_events, summarize
 from lightning_spot.checkpoint.payload import Staging, split_checkpoint
 from lightning_spot.checkpoint.read import CheckpointError
+from lightning_spot.checkpoint.shares import clear_spares, recycle
 from lightning_spot.checkpoint.snapshot import SNAPSHOT_SCHEME, SnapshotStore
 from lightning_spot.checkpoint.snapshotter import Snapshotter
 from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirname, step_of
@@ -319,6 +320,8 @@ class SpotCheckpoint(L.Callback):
         waited = time.monotonic()
         self.wait()  # the last upload: training is over, but the run is not done until it is committed
         self._final_wait = time.monotonic() - waited
+        if trainer.is_global_zero and self.storage is not None:
+            clear_spares(self.storage)  # every upload is committed
         assert self.journal is not None
         self.journal.record("end", step=trainer.global_step)
         self._report(trainer)
@@ -355,6 +358,8 @@ class SpotCheckpoint(L.Callback):
             snapshotter = self._snapshotter(trainer)
             snapshotter.take(share, dict(info))
             snapshot = snapshotter.thread
+            if snapshot is not None and self.snapshots is not None:
+                self.snapshots.pin(info["step"], rank())  # not recycled before the upload has read it
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
         info["reason"] = reason
@@ -384,20 +389,24 @@ class SpotCheckpoint(L.Callback):
         assert self.storage is not None
         started = time.perf_counter()
         from_snapshot = None
-        if snapshot is not None and self.snapshots is not None:
-            snapshot.join()
-            written = self.snapshots.has_share(info["step"], rank())
-            if all(all_gather_object(written, self._group)):  # one kind for every rank
-                from_snapshot = (self.snapshots, info["step"])
-        manifest = write_checkpoint(
-            self.storage,
-            rel,
-            share,
-            info=info,
-            group=self._group,
-            thread_count=self.io_threads,
-            snapshot=from_snapshot,
-        )
+        try:
+            if snapshot is not None and self.snapshots is not None:
+                snapshot.join()
+                written = self.snapshots.has_share(info["step"], rank())
+                if all(all_gather_object(written, self._group)):  # one kind for every rank
+                    from_snapshot = (self.snapshots, info["step"])
+            manifest = write_checkpoint(
+                self.storage,
+                rel,
+                share,
+                info=info,
+                group=self._group,
+                thread_count=self.io_threads,
+                snapshot=from_snapshot,
+            )
+        finally:
+            if snapshot is not None and self.snapshots is not None:
+                self.snapshots.unpin(info["step"], rank())
         if timeline is not None:
             timeline.add(
                 "checkpoint upload", "checkpoint", started, time.perf_counter(), lane="checkpoint", step=info["step"]
@@ -441,6 +450,7 @@ class SpotCheckpoint(L.Callback):
         assert self.storage is not None
         committed = self.storage.committed()
         for old in committed[: -self.keep_last]:
+            recycle(self.storage, old)  # a local directory keeps its tensor files for the next uploads
             self.storage.delete(old)
         for name in self.storage.step_dirs():
             if name not in committed and step_of(name) < step_of(newest):

@@ -2,29 +2,36 @@
 
     digests = upload_share(storage, rel, store, step, rank)      # this rank's two files, CRC32 as they pass
     tensors = read_shares(storage, rel, manifest, needs)         # the named tensors, from the files holding them
+    recycle(storage, old_rel)    # before deleting a local checkpoint: its tensor files become spares
 
 With snapshots on, a durable checkpoint needs no second serialisation: the tensors file a snapshot
-already wrote to host memory is copied to storage in chunks (the copy, the CRC32 and the writes release
-the GIL), and no collective plans the save; the manifest (kind ``"shares"``) lists each rank's share
+already wrote to host memory (``rankNNNNN.safetensors``, see ``checkpoint.tensorfile``) is copied to
+storage in chunks (the copy, the CRC32 and the writes release the GIL), and no collective plans the save; the manifest (kind ``"shares"``) lists each rank's share
 with the names it holds. A reader picks, for the names it needs, the shares that hold them (its own
 first) and reads only those files, checking each against its size and CRC32.
+
+In a local directory, the tensor files of checkpoints that retention deletes are kept in ``.spares/``
+and written over by the next uploads (see ``checkpoint.spares``); the pool holds at most one
+checkpoint's worth and goes when training ends.
 """
 
 from __future__ import annotations
 
-import io
 import mmap
 import os
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_spot.checkpoint.snapshot import SnapshotStore, cover, share_name
+from lightning_spot.checkpoint import spares, tensorfile
+from lightning_spot.checkpoint.snapshot import TENSORS, SnapshotStore, cover, share_name
 from lightning_spot.checkpoint.storage import ChecksumError, Storage, join
 
 KIND = "shares"
 CHUNK = 8 * 2**20
+SPARES = ".spares"
 Needs = dict[str, set[str]]
 
 
@@ -33,10 +40,15 @@ def upload_share(storage: Storage, rel: str, store: SnapshotStore, step: int, ra
     digests = {}
     if storage.is_local:
         storage.fs.makedirs(storage.path_of(rel), exist_ok=True)
-    for suffix in (".pt", ".json"):
+    for suffix in (TENSORS, ".json"):
         name = share_name(rank, suffix)
         source, target = store.share_path(step, rank, suffix), storage.path_of(join(rel, name))
-        crc, size = _copy_local(source, target) if storage.is_local else _copy_chunked(source, storage, target)
+        if storage.is_local:
+            if suffix == TENSORS:
+                spares.take(Path(storage.path_of(SPARES)), Path(target), os.stat(source).st_size)
+            crc, size = _copy_local(source, target)
+        else:
+            crc, size = _copy_chunked(source, storage, target)
         digests[name] = {"size": size, "crc32": f"{crc:08x}"}
     return digests
 
@@ -53,18 +65,39 @@ def _copy_chunked(source: Any, storage: Storage, target: str) -> tuple[int, int]
 
 
 def _copy_local(source: Any, target: str) -> tuple[int, int]:
-    """Copy a file into a local directory inside the kernel (``sendfile``: no pass through Python buffers); the
-    CRC32 is computed on the source mapped into memory (both release the GIL)."""
-    with open(source, "rb") as src, open(target, "wb") as dst:
+    """Copy a file into a local directory inside the kernel (``sendfile``: no pass through Python buffers), over
+    the target's bytes if it exists (a spare), then cut to size; the CRC32 is computed on the source mapped
+    into memory (both release the GIL)."""
+    with open(source, "rb") as src:
         size = os.fstat(src.fileno()).st_size
         crc = 0
         if size:
             with mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as view:
                 crc = zlib.crc32(view)
-        sent = 0
-        while sent < size:
-            sent += os.sendfile(dst.fileno(), src.fileno(), sent, size - sent)
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            sent = 0
+            while sent < size:
+                sent += os.sendfile(dst, src.fileno(), sent, size - sent)
+            os.ftruncate(dst, size)
+        finally:
+            os.close(dst)
     return crc, size
+
+
+def recycle(storage: Storage, rel: str) -> None:
+    """Before the local checkpoint ``rel`` is deleted: keep its tensor files as spares (the pool holds at most
+    as many files as one checkpoint has)."""
+    if not storage.is_local:
+        return
+    files = sorted(Path(storage.path_of(rel)).glob(f"rank*{TENSORS}"))
+    for path in files:
+        spares.keep(path, Path(storage.path_of(SPARES)), limit=len(files))
+
+
+def clear_spares(storage: Storage) -> None:
+    if storage.is_local:
+        spares.clear(Path(storage.path_of(SPARES)))
 
 
 def _read_verified(storage: Storage, rel: str, name: str, expected: dict[str, Any]) -> bytes:
@@ -87,8 +120,9 @@ def read_shares(
         raise ChecksumError(f"no share of {rel} holds {len(missing)} needed tensor(s), e.g. {missing[0]}")
     out: dict[str, dict[str, torch.Tensor]] = {}
     for old, take in used:
-        name = share_name(old, ".pt")
-        tensors = torch.load(io.BytesIO(_read_verified(storage, rel, name, manifest["files"][name])), weights_only=True)
+        name = share_name(old, TENSORS)
+        data = bytearray(_read_verified(storage, rel, name, manifest["files"][name]))
+        tensors = tensorfile.decode(data, storage.url_of(join(rel, name)))
         for g, names in take.items():
             out.setdefault(g, {}).update({n: tensors[g][n] for n in names})
     return out

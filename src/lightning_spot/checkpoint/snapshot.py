@@ -5,14 +5,20 @@ the worker processes (a tmpfs such as ``/dev/shm``), so that a restart resumes w
     store.write(step, rank, tensors, meta, state)   # this rank's share, whole or not at all
     store.shares()                                  # {step: {rank: meta}} of the whole shares on this node
     tensors = store.read_tensors(step, rank); state = store.read_state(step, rank)
-    store.prune(keep=2); store.drop_after(step); store.clear()
+    store.retire([rank], keep=2)                    # older shares of these ranks: their files recycled
+    store.pin(step, rank); store.unpin(step, rank)  # an upload reads the share: not recycled meanwhile
+    store.prune(keep=3); store.drop_after(step); store.clear()
 
-A share is two files, ``rankNNNNN.pt`` (tensors by stored name) and ``rankNNNNN.json`` (what it holds:
-its names, layout and pipeline position, and the JSON-ready rest: loop and data position, optimizer
-hyper-parameters, RNG). Each is written to a temporary name and renamed; the JSON is renamed last, so a
-share exists once its JSON does and a worker killed mid-write leaves nothing that counts. A node may
-also hold shares of ranks on another node (copies that survive that node's loss). Whether the shares
-of a step, across the surviving nodes, make a complete state is decided by ``checkpoint.recall``.
+A share is two files, ``rankNNNNN.safetensors`` (tensors by stored name, see ``checkpoint.tensorfile``)
+and ``rankNNNNN.json`` (what it holds: its names, layout and pipeline position, and the JSON-ready rest:
+loop and data position, optimizer hyper-parameters, RNG). Each is written to a temporary name and
+renamed; the JSON is renamed last, so a share exists once its JSON does and a worker killed mid-write
+leaves nothing that counts. A node may also hold shares of ranks on another node (copies that survive
+that node's loss). Whether the shares of a step, across the surviving nodes, make a complete state is
+decided by ``checkpoint.recall``.
+
+Retired tensor files are kept in ``spare/`` and overwritten by the next shares: writing into memory the
+tmpfs already holds costs a copy, a new file also costs the kernel allocating and zeroing its pages.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_spot.checkpoint import spares, tensorfile
 
 #: ``ckpt_path`` of a resume from the in-memory snapshots of a step: ``snapshot://120``
 SNAPSHOT_SCHEME = "snapshot://"
@@ -47,12 +55,15 @@ def default_root() -> str:
 
 
 def share_name(rank: int, suffix: str) -> str:
-    """The file name of a rank's share: ``rank00003.pt`` (tensors) or ``rank00003.json`` (the rest)."""
+    """The file name of a rank's share: ``rank00003.safetensors`` (tensors) or ``rank00003.json`` (the rest)."""
     return f"rank{rank:05d}{suffix}"
 
 
+TENSORS = tensorfile.SUFFIX
+
+
 def encode_tensors(obj: Any) -> bytes:
-    """``torch.save`` bytes of tensors (a share's tensors file, what a peer copy or a recall sends)."""
+    """``torch.save`` bytes of any picklable object with tensors (what a recall sends between ranks)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -122,7 +133,7 @@ class SnapshotStore:
         return self._step_dir(step) / share_name(rank, suffix)
 
     def has_share(self, step: int, rank: int) -> bool:
-        return self.share_path(step, rank, ".json").is_file() and self.share_path(step, rank, ".pt").is_file()
+        return self.share_path(step, rank, ".json").is_file() and self.share_path(step, rank, TENSORS).is_file()
 
     def read_meta(self, step: int, rank: int) -> dict[str, Any]:
         meta: dict[str, Any] = json.loads(self.share_path(step, rank, ".json").read_text())["meta"]
@@ -142,24 +153,54 @@ class SnapshotStore:
         meta: dict[str, Any],
         state: dict[str, Any],
     ) -> int:
-        """Write the share of ``rank`` at ``step`` (``tensors``: the tensors, or their bytes from
-        :func:`encode_tensors`); returns its bytes.
+        """Write the share of ``rank`` at ``step`` (``tensors``: the tensors, or the bytes of their file from
+        :func:`tensorfile.encode`); returns its bytes.
 
         ``meta`` says what the share holds (``names``, ``layout``, ``pp_rank``); ``state`` is the JSON-ready rest.
         """
         folder = self._step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
-        target = folder / share_name(rank, ".pt")
-        if isinstance(tensors, bytes):
-            self._write_whole(target, tensors)
-        else:  # serialised straight into the file: no copy of the bytes in between
-            tmp = folder / f".{target.name}.{uuid.uuid4().hex}.tmp"
-            torch.save(tensors, tmp)
-            tmp.rename(target)
-        size = target.stat().st_size
+        target = folder / share_name(rank, TENSORS)
+        tmp = folder / f".{target.name}.{uuid.uuid4().hex}.tmp"
+        packed = tensors if isinstance(tensors, bytes) else tensorfile.pack(tensors)
+        spares.take(self._spare_dir, tmp, len(packed) if isinstance(packed, bytes) else packed.size)
+        try:
+            size = tensorfile.write_file(tmp, packed)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        tmp.rename(target)
         sidecar = json.dumps({"meta": {**meta, "step": step, "rank": rank, "bytes": size}, "state": state})
         self._write_whole(folder / share_name(rank, ".json"), sidecar.encode())
         return size + len(sidecar)
+
+    @property
+    def _spare_dir(self) -> Path:
+        return self.path / "spare"
+
+    def retire(self, ranks: list[int], keep: int) -> None:
+        """Retire the shares of ``ranks`` older than their newest ``keep`` (pinned ones stay): the JSON goes
+        first (the share stops counting), the tensor file joins the spares; emptied step folders go."""
+        for rank in ranks:
+            held = sorted(self.path.glob(f"step-*/{share_name(rank, '.json')}"))
+            for sidecar in held[: max(0, len(held) - keep)]:
+                folder = sidecar.parent
+                if (folder / f".pinned-{rank}").exists():
+                    continue
+                sidecar.unlink(missing_ok=True)
+                spares.keep(folder / share_name(rank, TENSORS), self._spare_dir)
+                try:
+                    folder.rmdir()
+                except OSError:  # other ranks' shares are still there
+                    pass
+
+    def pin(self, step: int, rank: int) -> None:
+        """Keep the share of ``rank`` at ``step`` from being retired (an upload is reading it)."""
+        self._step_dir(step).mkdir(parents=True, exist_ok=True)
+        (self._step_dir(step) / f".pinned-{rank}").touch()
+
+    def unpin(self, step: int, rank: int) -> None:
+        (self._step_dir(step) / f".pinned-{rank}").unlink(missing_ok=True)
 
     def shares(self) -> dict[int, dict[int, dict[str, Any]]]:
         """``{step: {rank: meta}}`` of every whole share on this node."""
@@ -169,24 +210,25 @@ class SnapshotStore:
                 meta = json.loads(sidecar.read_text())["meta"]
             except (OSError, ValueError, KeyError):
                 continue
-            if sidecar.with_suffix(".pt").is_file():
+            if sidecar.with_suffix(TENSORS).is_file():
                 found.setdefault(int(meta["step"]), {})[int(meta["rank"])] = meta
         return found
 
     def read_tensors(self, step: int, rank: int) -> dict[str, dict[str, torch.Tensor]]:
-        path = self.share_path(step, rank, ".pt")
-        tensors: dict[str, dict[str, torch.Tensor]] = torch.load(path, weights_only=True, mmap=True)
-        return tensors
+        """The share's tensors in fresh memory (its file may be recycled once training goes on)."""
+        return tensorfile.read_file(self.share_path(step, rank, TENSORS))
 
     def read_state(self, step: int, rank: int) -> dict[str, Any]:
         state: dict[str, Any] = json.loads(self.share_path(step, rank, ".json").read_text())["state"]
         return state
 
     def prune(self, keep: int = 2) -> None:
-        """Delete all but the newest ``keep`` steps."""
+        """Delete all but the newest ``keep`` steps, except steps with a pinned share (for leftovers that no
+        rank retires: shares of ranks of an earlier layout, files of a worker killed mid-write)."""
         folders = sorted(self.path.glob("step-*"))
         for folder in folders[: max(0, len(folders) - keep)]:
-            shutil.rmtree(folder, ignore_errors=True)
+            if not any(folder.glob(".pinned-*")):
+                shutil.rmtree(folder, ignore_errors=True)
 
     def drop_after(self, step: int) -> None:
         """Delete the steps after ``step`` (a resume from ``step`` abandons them; they may be of another layout)."""

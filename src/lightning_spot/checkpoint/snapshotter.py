@@ -23,13 +23,14 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_spot._dist import all_gather_object, exchange_bytes
+from lightning_spot.checkpoint import tensorfile
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.payload import Payload, Staging, split_checkpoint
-from lightning_spot.checkpoint.snapshot import SnapshotStore, encode_tensors
+from lightning_spot.checkpoint.snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
 
-KEEP = 2  # snapshots kept per node: the newest may be half-written when a node dies
+KEEP = 2  # snapshots kept per rank: the newest may be half-written when a node dies
 
 
 def needs_peer_copy(world: int, local_world: int, stage_of: Callable[[int], int]) -> bool:
@@ -99,7 +100,7 @@ class Snapshotter:
 
     def _check_room(self, nbytes: int) -> None:
         """Before the first snapshot: does every node's memory hold its snapshots? If not, all ranks stop."""
-        per_node = nbytes * self.local_world * KEEP * (2 if self.peer_copy else 1)
+        per_node = nbytes * self.local_world * (KEEP + 1) * (2 if self.peer_copy else 1)  # + the one being written
         free = shutil.disk_usage(self.store.path).free
         short = all_gather_object((per_node, free, self.store.node_key) if free < 1.1 * per_node else None)
         problem = next((s for s in short if s is not None), None)
@@ -107,7 +108,7 @@ class Snapshotter:
             need, have, where = problem
             log.warning(
                 "lightning-spot: snapshots off: %s has %.0f MiB free, but the snapshots of its node need about "
-                "%.0f MiB (%d kept%s). Restarts will read storage. Enlarge the tmpfs (e.g. docker --shm-size) "
+                "%.0f MiB (%d kept, one more being written%s). Restarts will read storage. Enlarge the tmpfs (e.g. docker --shm-size) "
                 "or pass SpotCheckpoint(snapshot_dir=...) a larger one.",
                 where,
                 have / 2**20,
@@ -121,7 +122,7 @@ class Snapshotter:
         self, step: int, tensors: Any, meta: dict[str, Any], state: dict[str, Any], record: dict[str, Any]
     ) -> None:
         started = time.monotonic()
-        data = encode_tensors(tensors) if self.peer_copy else None
+        data = tensorfile.encode(tensors) if self.peer_copy else None
         self._store(step, self.rank, data if data is not None else tensors, meta, state)
         if data is not None:
             header = json.dumps({"meta": meta, "state": state}).encode()
@@ -132,8 +133,9 @@ class Snapshotter:
             )
             peer = json.loads(got_header)
             self._store(step, self.prev_peer, got_data, peer["meta"], peer["state"])
+        self.store.retire([self.rank, self.prev_peer] if data is not None else [self.rank], KEEP)
         if self.rank % self.local_world == 0:
-            self.store.prune(KEEP)
+            self.store.prune(KEEP + 1)  # leftovers no rank retires (earlier layouts, killed writers)
         record["write_seconds"] = time.monotonic() - started
 
     def _store(self, step: int, rank: int, data: Any, meta: dict[str, Any], state: dict[str, Any]) -> None:

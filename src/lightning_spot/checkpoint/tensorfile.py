@@ -1,0 +1,203 @@
+"""Named tensors in one file of raw bytes (the safetensors layout), written and read without serialising.
+
+    write_file(path, tensors)          # {group: {name: tensor}} -> bytes on disk, one vectored write
+    packed = pack(tensors); packed.size; write_file(path, packed)   # the size known before writing
+    tensors = read_file(path)          # fresh tensors, one vectored read (no mapping left behind)
+    data = encode(tensors); tensors = decode(bytearray(data))   # the same bytes in memory (network copies)
+
+The layout is safetensors' (an 8-byte little-endian header length, a JSON header naming each tensor's
+dtype, shape and byte range, then the bytes), so ``safetensors.torch.load_file`` opens our files too;
+keys are ``group/name``. Tensors are stored widest element first, so that each one lies at an offset
+that is a multiple of its element size. Writing is a vectored ``pwritev`` of the tensors' own memory:
+no pickling, no intermediate copy, the GIL released; into a file that already exists (a recycled
+snapshot file in a tmpfs) it costs a memory copy (~1.5 ms for 12.5 MB, against ~8 ms for ``torch.save``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUFFIX = ".safetensors"
+Tensors = dict[str, dict[str, torch.Tensor]]
+
+_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+_CHUNK = 1 << 30  # bytes per system call: Linux moves at most ~2 GiB per read or write
+_IOV_MAX = 1024  # buffers per system call
+
+
+def _code(dtype: torch.dtype) -> str:
+    """safetensors' name of a dtype; dtypes it lacks are kept under torch's name (our reader takes both)."""
+    return _CODES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _dtype(code: str) -> torch.dtype:
+    dtype = _DTYPES.get(code) or getattr(torch, code, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {code!r} in a tensor file")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A file about to be written: its first bytes (length + header), the tensors in the order their bytes
+    follow, and its size."""
+
+    head: bytes
+    tensors: list[torch.Tensor]
+    size: int
+
+
+def pack(tensors: Tensors) -> Packed:
+    """Lay ``tensors`` out for a file (no bytes copied)."""
+    items = [(f"{group}/{name}", t.detach()) for group, named in tensors.items() for name, t in named.items()]
+    items.sort(key=lambda item: -item[1].element_size())  # widest first: every tensor naturally aligned
+    header: dict[str, Any] = {"__metadata__": {"format": "lightning-spot"}}
+    offset = 0
+    ordered = []
+    for key, t in items:
+        t = t.cpu().contiguous()
+        size = t.numel() * t.element_size()
+        header[key] = {"dtype": _code(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+        ordered.append(t)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the bytes start at a multiple of 8
+    return Packed(struct.pack("<Q", len(text)) + text, ordered, 8 + len(text) + offset)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    array: Any = t.reshape(-1).view(torch.uint8).numpy()  # numpy arrays export the buffer protocol
+    return memoryview(array).cast("B")
+
+
+def _chunks(buffers: Iterable[memoryview]) -> Iterable[memoryview]:
+    for b in buffers:
+        for start in range(0, len(b), _CHUNK):
+            yield b[start : start + _CHUNK]
+
+
+def _vectored(call: Any, fd: int, buffers: list[memoryview], offset: int) -> None:
+    """``os.pwritev``/``os.preadv`` every byte of ``buffers`` from ``offset``, resuming after short transfers."""
+    pending = [b for b in _chunks(buffers) if len(b)]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        done = call(fd, batch, offset)
+        if done <= 0:
+            raise OSError(f"tensor file transfer stopped at byte {offset} (of {offset + sum(map(len, pending))})")
+        offset += done
+        while done:
+            if done >= len(pending[0]):
+                done -= len(pending.pop(0))
+            else:
+                pending[0], done = pending[0][done:], 0
+
+
+def write_file(path: str | Path, tensors: Tensors | Packed | bytes) -> int:
+    """Write ``tensors`` (or their :func:`pack`, or the bytes of :func:`encode`) into ``path``; an existing file
+    is overwritten in place and cut to size. Returns the file's size."""
+    if isinstance(tensors, bytes):
+        buffers, size = [memoryview(tensors)], len(tensors)
+    else:
+        packed = tensors if isinstance(tensors, Packed) else pack(tensors)
+        buffers, size = [memoryview(packed.head), *(_raw(t) for t in packed.tensors)], packed.size
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        _vectored(os.pwritev, fd, buffers, 0)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return size
+
+
+def encode(tensors: Tensors) -> bytes:
+    """The bytes :func:`write_file` would write."""
+    packed = pack(tensors)
+    return b"".join([packed.head, *(_raw(t).tobytes() for t in packed.tensors)])
+
+
+def _entries(header: dict[str, Any]) -> Iterable[tuple[str, str, torch.dtype, list[int], int, int]]:
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        group, _, name = key.partition("/")
+        begin, end = entry["data_offsets"]
+        yield group, name, _dtype(entry["dtype"]), entry["shape"], begin, end
+
+
+def _header(prefix: bytes, where: str) -> tuple[dict[str, Any], int]:
+    if len(prefix) < 8:
+        raise ValueError(f"{where} is not a tensor file (too short)")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > len(prefix) - 8:
+        raise ValueError(f"{where} is not a tensor file, or is cut short (header of {length} bytes)")
+    try:
+        header: dict[str, Any] = json.loads(prefix[8 : 8 + length])
+    except ValueError as err:
+        raise ValueError(f"{where} is not a tensor file: {err}") from err
+    return header, 8 + length
+
+
+def decode(data: bytearray | memoryview, where: str = "tensor bytes") -> Tensors:
+    """Tensors viewing ``data`` (writable bytes of an :func:`encode`\\ d file; they keep it alive)."""
+    view = memoryview(data).cast("B")
+    length = struct.unpack("<Q", view[:8])[0] if len(view) >= 8 else 0
+    header, start = _header(bytes(view[: 8 + length]), where)
+    out: Tensors = {}
+    for group, name, dtype, shape, begin, end in _entries(header):
+        if start + end > len(view):
+            raise ValueError(f"{where} is cut short: {group}/{name} ends at byte {start + end} of {len(view)}")
+        raw = (
+            torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=start + begin) if end > begin else None
+        )
+        t = raw.view(dtype) if raw is not None else torch.empty(0, dtype=dtype)
+        out.setdefault(group, {})[name] = t.reshape(shape)
+    return out
+
+
+def read_file(path: str | Path) -> Tensors:
+    """The tensors of a file, read into fresh memory (a later overwrite of the file cannot reach them)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        (length,) = struct.unpack("<Q", os.pread(fd, 8, 0)) if size >= 8 else (0,)
+        header, start = _header(os.pread(fd, 8 + min(length, size), 0), str(path))
+        out: Tensors = {}
+        buffers, filled = [], 0
+        for group, name, dtype, shape, begin, end in sorted(_entries(header), key=lambda e: e[4]):
+            t = torch.empty(shape, dtype=dtype)
+            out.setdefault(group, {})[name] = t
+            if end > begin:
+                if begin != filled:  # one read fills the tensors in order: the bytes must follow each other
+                    raise ValueError(f"{path} has a gap or an overlap before {group}/{name} (byte {begin})")
+                buffers.append(_raw(t))
+                filled = end
+        if start + filled > size:
+            raise ValueError(f"{path} is cut short: {size} bytes, its tensors need {start + filled}")
+        _vectored(os.preadv, fd, buffers, start)
+    finally:
+        os.close(fd)
+    return out
