@@ -23,7 +23,7 @@ Usage::
     python benchmarks/checkpoint_loop.py --quick          # 40 steps, 1 repeat
     python benchmarks/checkpoint_loop.py --variants none,durable/20 --repeats 5
     python benchmarks/checkpoint_loop.py --block 100 --steps 700 --variants durable/20,durable/20+snapshot
-    python benchmarks/checkpoint_loop.py --block 100 --steps 700 --batch-size 128   # ~50 ms steps
+    python benchmarks/checkpoint_loop.py --block 100 --steps 700 --batch-size 128   # ~32 ms steps
 
 ``--block`` compares inside each run (checkpoints on in every other block of steps), which removes the
 run-to-run scatter of several percent that whole-run comparisons suffer on a shared machine.
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size",
         type=int,
         default=64,
-        help="global batch (64: ~26 ms steps on 2 cores; 128: ~50 ms, the low end of the step times the goal names)",
+        help="global batch (64: ~26 ms steps on 2 cores; 128: ~32 ms)",
     )
     parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
     parser.add_argument("--json", help="write every run's figures here")
