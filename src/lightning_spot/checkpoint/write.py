@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_spot._dist import gather_object_to_first, is_initialized, rank
+from lightning_spot._dist import all_gather_object, gather_object_to_first, rank
 from lightning_spot._version import __version__
 from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.checkpoint.shards import save_shards
@@ -59,14 +59,17 @@ def write_checkpoint(
     """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there.
 
     With ``snapshot`` (a store and step holding this rank's share of the same state), the share's files
-    are uploaded as they are (a checkpoint of kind ``"shares"``) instead of DCP shards.
+    are uploaded as they are (a checkpoint of kind ``"shares"``) instead of DCP shards, when every rank's
+    share was written.
     """
     start = time.monotonic()
     url = storage.url_of(rel)
     if rank(group) == 0 and storage.fs.exists(storage.path_of(rel)):
         storage.delete(rel)  # debris of an interrupted save of this step, or an older copy being replaced
-    if is_initialized():
-        dist.barrier(group=group)
+    # one collective: nobody writes before the debris is gone, and every rank uses its snapshot's files or none does
+    have_share = snapshot is not None and snapshot[0].has_share(snapshot[1], rank())
+    if not all(all_gather_object(have_share, group)):
+        snapshot = None
     share = None
     if snapshot is not None:
         store, step = snapshot
