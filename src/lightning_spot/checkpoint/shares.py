@@ -6,8 +6,9 @@
 
 With snapshots on, a durable checkpoint needs no second serialisation: the tensors file a snapshot
 already wrote to host memory (``rankNNNNN.safetensors``, see ``checkpoint.tensorfile``) is copied to
-storage in chunks (the copy, the CRC32 and the writes release the GIL), and no collective plans the save; the manifest (kind ``"shares"``) lists each rank's share
-with the names it holds. A reader picks, for the names it needs, the shares that hold them (its own
+storage (into a local directory inside the kernel, elsewhere in chunks; the copy, the CRC32 and the
+writes release the GIL), and no collective plans the save; the manifest (kind ``"shares"``) lists each
+rank's share with the names it holds. A reader picks, for the names it needs, the shares that hold them (its own
 first) and reads only those files, checking each against its size and CRC32.
 
 In a local directory, the tensor files of checkpoints that retention deletes are kept in ``.spares/``

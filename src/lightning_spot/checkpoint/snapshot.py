@@ -139,8 +139,13 @@ class SnapshotStore:
         meta: dict[str, Any] = json.loads(self.share_path(step, rank, ".json").read_text())["meta"]
         return meta
 
+    @staticmethod
+    def _temporary(target: Path) -> Path:
+        """Where ``target`` is written before it is renamed into place (not a share until then)."""
+        return target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
+
     def _write_whole(self, target: Path, data: bytes) -> None:
-        tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
+        tmp = self._temporary(target)
         with open(tmp, "wb") as f:
             f.write(data)
         tmp.rename(target)
@@ -161,7 +166,7 @@ class SnapshotStore:
         folder = self._step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
         target = folder / share_name(rank, TENSORS)
-        tmp = folder / f".{target.name}.{uuid.uuid4().hex}.tmp"
+        tmp = self._temporary(target)
         packed = tensors if isinstance(tensors, bytes) else tensorfile.pack(tensors)
         spares.take(self._spare_dir, tmp, len(packed) if isinstance(packed, bytes) else packed.size)
         try:

@@ -103,17 +103,19 @@ def _chunks(buffers: Iterable[memoryview]) -> Iterable[memoryview]:
 def _vectored(call: Any, fd: int, buffers: list[memoryview], offset: int) -> None:
     """``os.pwritev``/``os.preadv`` every byte of ``buffers`` from ``offset``, resuming after short transfers."""
     pending = [b for b in _chunks(buffers) if len(b)]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        done = call(fd, batch, offset)
+    first = 0  # pending[first:] is still to move (an index, not pop(0): ranks hold thousands of tensors)
+    while first < len(pending):
+        done = call(fd, pending[first : first + _IOV_MAX], offset)
         if done <= 0:
-            raise OSError(f"tensor file transfer stopped at byte {offset} (of {offset + sum(map(len, pending))})")
+            left = sum(map(len, pending[first:]))
+            raise OSError(f"tensor file transfer stopped at byte {offset} (of {offset + left})")
         offset += done
         while done:
-            if done >= len(pending[0]):
-                done -= len(pending.pop(0))
+            if done >= len(pending[first]):
+                done -= len(pending[first])
+                first += 1
             else:
-                pending[0], done = pending[0][done:], 0
+                pending[first], done = pending[first][done:], 0
 
 
 def write_file(path: str | Path, tensors: Tensors | Packed | bytes) -> int:
@@ -148,14 +150,20 @@ def _entries(header: dict[str, Any]) -> Iterable[tuple[str, str, torch.dtype, li
         yield group, name, _dtype(entry["dtype"]), entry["shape"], begin, end
 
 
-def _header(prefix: bytes, where: str) -> tuple[dict[str, Any], int]:
+def _header_length(first: bytes | memoryview) -> int:
+    """The header length a file's first 8 bytes give (0 if there are fewer: refused by :func:`_header`)."""
+    return int(struct.unpack("<Q", first[:8])[0]) if len(first) >= 8 else 0
+
+
+def _header(prefix: bytes | memoryview, where: str) -> tuple[dict[str, Any], int]:
+    """The JSON header at the start of ``prefix`` and where the tensors' bytes begin."""
     if len(prefix) < 8:
         raise ValueError(f"{where} is not a tensor file (too short)")
-    (length,) = struct.unpack("<Q", prefix[:8])
+    length = _header_length(prefix)
     if length > len(prefix) - 8:
         raise ValueError(f"{where} is not a tensor file, or is cut short (header of {length} bytes)")
     try:
-        header: dict[str, Any] = json.loads(prefix[8 : 8 + length])
+        header: dict[str, Any] = json.loads(bytes(prefix[8 : 8 + length]))
     except ValueError as err:
         raise ValueError(f"{where} is not a tensor file: {err}") from err
     return header, 8 + length
@@ -164,8 +172,7 @@ def _header(prefix: bytes, where: str) -> tuple[dict[str, Any], int]:
 def decode(data: bytearray | memoryview, where: str = "tensor bytes") -> Tensors:
     """Tensors viewing ``data`` (writable bytes of an :func:`encode`\\ d file; they keep it alive)."""
     view = memoryview(data).cast("B")
-    length = struct.unpack("<Q", view[:8])[0] if len(view) >= 8 else 0
-    header, start = _header(bytes(view[: 8 + length]), where)
+    header, start = _header(view, where)
     out: Tensors = {}
     for group, name, dtype, shape, begin, end in _entries(header):
         if start + end > len(view):
@@ -183,7 +190,7 @@ def read_file(path: str | Path) -> Tensors:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        (length,) = struct.unpack("<Q", os.pread(fd, 8, 0)) if size >= 8 else (0,)
+        length = _header_length(os.pread(fd, 8, 0))
         header, start = _header(os.pread(fd, 8 + min(length, size), 0), str(path))
         out: Tensors = {}
         buffers, filled = [], 0
