@@ -15,7 +15,8 @@ repeated in alternating order (medians shown):
 
 The figure is rank 0's wall time from the start of the first step to the end of the last step
 (everything the loop does, background work competing for the CPU included), over ``none``'s; goal for
-``durable/20``: within 2%. The time to commit the last checkpoint after training is shown apart.
+``durable/20``: within 2%. The time to commit the last checkpoint after training is shown apart, and with
+``--block`` the CPU time rank 0's background threads spend per snapshot write and per durable save.
 
 Usage::
 
@@ -57,6 +58,11 @@ def run(job: dict[str, Any]) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
+    from lightning_spot.checkpoint.snapshotter import Snapshotter
+
+    background_cpu = {"snapshot": [], "save": []}  # thread CPU seconds of each background write (this rank)
+    _count_thread_cpu(Snapshotter, "_write", background_cpu["snapshot"])
+    _count_thread_cpu(SpotCheckpoint, "_write", background_cpu["save"])
 
     class LoopTimer(L.Callback):
         start = last = end = cpu_start = cpu_last = 0.0
@@ -136,7 +142,22 @@ def run(job: dict[str, Any]) -> None:
         if spot is not None and spot.saves:
             out["save_stall"] = statistics.mean(s["stall_seconds"] for s in spot.saves)
             out["save_write"] = statistics.mean(s.get("write_seconds", 0.0) for s in spot.saves)
+        out.update({f"{k}_cpu": statistics.mean(v) for k, v in background_cpu.items() if v})
         Path(job["result"]).write_text(json.dumps(out))
+
+
+def _count_thread_cpu(cls: type, name: str, into: list[float]) -> None:
+    """Make ``cls.name`` append the CPU time its calling thread spends in it to ``into``."""
+    original = getattr(cls, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into.append(time.thread_time() - start)
+
+    setattr(cls, name, counted)
 
 
 def block_ratio(steps: list[float], block: int) -> float:
@@ -158,6 +179,16 @@ def print_blocks(rows: list[dict[str, Any]], variants: list[str], block: int) ->
         runs = " ".join(f"{100 * (x - 1):+.1f}%" for x in ratios)
         goal = f"  (goal {100 * GOAL:.0f}%)" if variant.startswith("durable/20") else ""
         print(f"{variant:<20} {runs:<40} {100 * (statistics.median(ratios) - 1):+7.1f}%{goal}")
+    print("\nbackground CPU per write, rank 0, thread CPU time (medians over runs of each run's mean):")
+    for variant in variants:
+        runs_of = [r for r in rows if r["variant"] == variant]
+        cells = [
+            f"{label} {1000 * statistics.median(r[key] for r in runs_of):.1f} ms"
+            for key, label in (("snapshot_cpu", "snapshot"), ("save_cpu", "durable upload + commit"))
+            if runs_of and all(key in r for r in runs_of)
+        ]
+        if cells:
+            print(f"{variant:<20} {', '.join(cells)}")
 
 
 def main(argv: list[str] | None = None) -> int:
