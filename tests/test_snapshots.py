@@ -53,6 +53,20 @@ def test_a_share_exists_once_written_whole(tmp_path: Path) -> None:
     assert not list(store.path.glob("step-*/.*.tmp")), "temporary files are renamed into place"
 
 
+def test_a_snapshot_share_whose_bytes_changed_in_memory_is_refused_and_dropped(tmp_path: Path) -> None:
+    from lightning_spot.checkpoint.checksum import ChecksumError
+
+    store = SnapshotStore(tmp_path)
+    _write(store, 2, 0, ["w"])
+    path = store.share_path(2, 0, ".safetensors")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40  # a flipped bit in a tensor: the file still parses
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"rank00000.safetensors fails its checksum.*corrupt and was dropped"):
+        store.read_tensors(2, 0)
+    assert store.shares() == {}, "no restart picks it again (storage or an older step is used)"
+
+
 def test_snapshots_are_bounded_recycled_pinned_dropped_after_a_resume_and_cleared(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "run")
     inodes = {}
@@ -362,8 +376,9 @@ def test_checkpoint_copies_reuse_their_host_buffers() -> None:
 def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_an_object_store(
     tmp_path: Path,
 ) -> None:
-    """Local directories get the share copied inside the kernel (sendfile, CRC32 on the mapped file), other
-    storage in chunks: the same files, the same digests."""
+    """Local directories get the share copied inside the kernel (sendfile), other storage in chunks: the same
+    files, and the records are those of the bytes (the tensor file's as its snapshot recorded it)."""
+    from lightning_spot.checkpoint import checksum
     from lightning_spot.checkpoint.shares import upload_share
     from lightning_spot.checkpoint.storage import Storage
 
@@ -373,6 +388,8 @@ def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_a
     assert local.is_local and not remote.is_local
     digests = [upload_share(s, "step-000000002", store, 2, 0) for s in (local, remote)]
     assert digests[0] == digests[1] and digests[0]["rank00000.safetensors"]["size"] > 0
+    for name, record in digests[0].items():
+        assert checksum.digest((tmp_path / "run" / "step-000000002" / name).read_bytes()) == record
     for name in ("rank00000.safetensors", "rank00000.json"):
         assert (tmp_path / "run" / "step-000000002" / name).read_bytes() == remote.fs.cat_file(
             remote.path_of("step-000000002", name)

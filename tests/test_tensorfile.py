@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_spot.checkpoint import tensorfile
+from lightning_spot.checkpoint import checksum, tensorfile
 
 
 def _tensors() -> tensorfile.Tensors:
@@ -41,10 +41,11 @@ def _assert_same(got: tensorfile.Tensors, want: tensorfile.Tensors) -> None:
 def test_tensors_round_trip_through_a_file_and_through_bytes(tmp_path: Path) -> None:
     want = _tensors()
     path = tmp_path / "rank00000.safetensors"
-    size = tensorfile.write_file(path, want)
-    assert size == path.stat().st_size == tensorfile.pack(want).size
+    written = tensorfile.write_file(path, want)
+    assert written == checksum.digest(path.read_bytes()), "the size and CRC32C of the bytes on disk"
+    assert written["size"] == tensorfile.pack(want).size
     assert path.read_bytes() == tensorfile.encode(want)
-    _assert_same(tensorfile.read_file(path), want)
+    _assert_same(tensorfile.read_file(path, expected=written), want)
     _assert_same(tensorfile.decode(bytearray(path.read_bytes())), want)
     for named in tensorfile.read_file(path).values():  # widest first: every tensor naturally aligned
         for t in named.values():
@@ -64,7 +65,7 @@ def test_a_file_is_overwritten_in_place_and_read_into_fresh_memory(tmp_path: Pat
     path = tmp_path / "slot.safetensors"
     tensorfile.write_file(path, {"model": {"w": torch.ones(1000)}})
     inode = path.stat().st_ino
-    size = tensorfile.write_file(path, {"model": {"w": torch.full((10,), 2.0)}})
+    size = tensorfile.write_file(path, {"model": {"w": torch.full((10,), 2.0)}})["size"]
     assert path.stat().st_ino == inode and path.stat().st_size == size < 200, "the same file, cut to size"
     read = tensorfile.read_file(path)
     tensorfile.write_file(path, {"model": {"w": torch.full((10,), 3.0)}})
@@ -82,3 +83,17 @@ def test_damaged_or_foreign_files_are_refused_with_their_name(tmp_path: Path) ->
     path.write_bytes(b"PK\x03\x04 a zip file, not ours")
     with pytest.raises(ValueError, match="not a tensor file"):
         tensorfile.read_file(path)
+
+
+def test_a_file_whose_bytes_changed_fails_its_recorded_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "rank00002.safetensors"
+    written = tensorfile.write_file(path, {"model": {"w": torch.ones(100)}})
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01  # one bit of a tensor: the file still parses
+    path.write_bytes(bytes(data))
+    assert torch.equal(tensorfile.read_file(path)["model"]["w"][:90], torch.ones(90)), "unchecked, it reads"
+    with pytest.raises(checksum.ChecksumError, match=r"rank00002.safetensors fails its checksum"):
+        tensorfile.read_file(path, expected=written)
+    path.write_bytes(bytes(data) + b"tail")
+    with pytest.raises(checksum.ChecksumError, match=r"bytes"):
+        tensorfile.read_file(path, expected=written)

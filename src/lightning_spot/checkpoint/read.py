@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_spot._dist import broadcast_object, rank
 from lightning_spot.checkpoint import shares
+from lightning_spot.checkpoint.checksum import ChecksumError
 from lightning_spot.checkpoint.jsonstate import decode
 from lightning_spot.checkpoint.payload import (
     FLAT_OPTIMIZER_STATE,
@@ -37,7 +38,7 @@ from lightning_spot.checkpoint.payload import (
 )
 from lightning_spot.checkpoint.recall import Recall
 from lightning_spot.checkpoint.shards import load_shards
-from lightning_spot.checkpoint.storage import MANIFEST, ChecksumError, Storage, join
+from lightning_spot.checkpoint.storage import MANIFEST, Storage, join
 from lightning_spot.checkpoint.write import FORMAT, rng_filename
 from lightning_spot.layout import LayoutError, PipelineLayout
 

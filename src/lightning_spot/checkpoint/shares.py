@@ -1,15 +1,16 @@
 """Durable checkpoints made of snapshot shares: each rank's snapshot files uploaded as they are.
 
-    digests = upload_share(storage, rel, store, step, rank)      # this rank's two files, CRC32 as they pass
+    digests = upload_share(storage, rel, store, step, rank)      # this rank's two files and their records
     tensors = read_shares(storage, rel, manifest, needs)         # the named tensors, from the files holding them
     recycle(storage, old_rel)    # before deleting a local checkpoint: its tensor files become spares
 
 With snapshots on, a durable checkpoint needs no second serialisation: the tensors file a snapshot
 already wrote to host memory (``rankNNNNN.safetensors``, see ``checkpoint.tensorfile``) is copied to
-storage (into a local directory inside the kernel, elsewhere in chunks; the copy, the CRC32 and the
-writes release the GIL), and no collective plans the save; the manifest (kind ``"shares"``) lists each
-rank's share with the names it holds. A reader picks, for the names it needs, the shares that hold them (its own
-first) and reads only those files, checking each against its size and CRC32.
+storage (into a local directory inside the kernel, elsewhere in chunks; the copy and the writes release
+the GIL) with the size and CRC32C recorded when the snapshot was written (no second pass over the bytes),
+and no collective plans the save; the manifest (kind ``"shares"``) lists each rank's share with the names it
+holds. A reader picks, for the names it needs, the shares that hold them (its own first) and reads only
+those files, checking each against its size and CRC32C.
 
 In a local directory, the tensor files of checkpoints that retention deletes are kept in ``.spares/``
 and written over by the next uploads (see ``checkpoint.spares``); the pool holds at most one
@@ -18,17 +19,17 @@ checkpoint's worth and goes when training ends.
 
 from __future__ import annotations
 
-import mmap
+import json
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_spot.checkpoint import spares, tensorfile
+from lightning_spot.checkpoint import checksum, spares, tensorfile
+from lightning_spot.checkpoint.checksum import ChecksumError
 from lightning_spot.checkpoint.snapshot import TENSORS, SnapshotStore, cover, share_name
-from lightning_spot.checkpoint.storage import ChecksumError, Storage, join
+from lightning_spot.checkpoint.storage import Storage, join
 
 KIND = "shares"
 CHUNK = 8 * 2**20
@@ -37,44 +38,41 @@ Needs = dict[str, set[str]]
 
 
 def upload_share(storage: Storage, rel: str, store: SnapshotStore, step: int, rank: int) -> dict[str, Any]:
-    """Copy the share of ``rank`` at ``step`` from host memory into the checkpoint ``rel``; returns the digests."""
-    digests = {}
+    """Copy the share of ``rank`` at ``step`` from host memory into the checkpoint ``rel``; returns the files'
+    records (the tensor file's size and CRC32C as the snapshot recorded them when writing it)."""
+    tensors_name, json_name = share_name(rank, TENSORS), share_name(rank, ".json")
+    sidecar = store.share_path(step, rank, ".json").read_bytes()
+    recorded: dict[str, Any] = json.loads(sidecar)["meta"]["tensor_file"]
+    source, target = store.share_path(step, rank, TENSORS), storage.path_of(join(rel, tensors_name))
     if storage.is_local:
         storage.fs.makedirs(storage.path_of(rel), exist_ok=True)
-    for suffix in (TENSORS, ".json"):
-        name = share_name(rank, suffix)
-        source, target = store.share_path(step, rank, suffix), storage.path_of(join(rel, name))
-        if storage.is_local:
-            if suffix == TENSORS:
-                spares.take(Path(storage.path_of(SPARES)), Path(target), os.stat(source).st_size)
-            crc, size = _copy_local(source, target)
-        else:
-            crc, size = _copy_chunked(source, storage, target)
-        digests[name] = {"size": size, "crc32": f"{crc:08x}"}
-    return digests
+        spares.take(Path(storage.path_of(SPARES)), Path(target), recorded["size"])
+        _copy_local(source, target, recorded)
+    else:
+        _copy_chunked(source, storage, target, recorded)
+    storage.fs.pipe_file(storage.path_of(join(rel, json_name)), sidecar)
+    return {tensors_name: recorded, json_name: checksum.digest(sidecar)}
 
 
-def _copy_chunked(source: Any, storage: Storage, target: str) -> tuple[int, int]:
-    """Copy a file to any storage in chunks; (CRC32, size) computed as the bytes pass."""
-    crc, size = 0, 0
+def _copy_chunked(source: Path, storage: Storage, target: str, recorded: dict[str, Any]) -> None:
+    """Copy a file to any storage in chunks, checked against its record as the bytes pass (nothing corrupt
+    becomes durable)."""
+    check = checksum.Verifier(recorded)
     with open(source, "rb") as src, storage.fs.open(target, "wb") as dst:
         while chunk := src.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+            check.update(chunk)
             dst.write(chunk)
-    return crc, size
+    check.done(str(source))
 
 
-def _copy_local(source: Any, target: str) -> tuple[int, int]:
-    """Copy a file into a local directory inside the kernel (``sendfile``: no pass through Python buffers), over
-    the target's bytes if it exists (a spare), then cut to size; the CRC32 is computed on the source mapped
-    into memory (both release the GIL)."""
+def _copy_local(source: Path, target: str, recorded: dict[str, Any]) -> None:
+    """Copy a file into a local directory inside the kernel (``sendfile``: no pass through Python buffers, the
+    GIL released), over the target's bytes if it exists (a spare), then cut to size. The bytes are not read
+    here: the checkpoint records the checksum computed when the snapshot was written, and readers verify it."""
     with open(source, "rb") as src:
         size = os.fstat(src.fileno()).st_size
-        crc = 0
-        if size:
-            with mmap.mmap(src.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                crc = zlib.crc32(view)
+        if size != recorded["size"]:
+            raise ChecksumError(f"{source} has {size} bytes, its snapshot recorded {recorded['size']}")
         dst = os.open(target, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             sent = 0
@@ -83,7 +81,6 @@ def _copy_local(source: Any, target: str) -> tuple[int, int]:
             os.ftruncate(dst, size)
         finally:
             os.close(dst)
-    return crc, size
 
 
 def recycle(storage: Storage, rel: str) -> None:
@@ -103,11 +100,7 @@ def clear_spares(storage: Storage) -> None:
 
 def _read_verified(storage: Storage, rel: str, name: str, expected: dict[str, Any]) -> bytes:
     data: bytes = storage.fs.cat_file(storage.path_of(join(rel, name)))
-    if (len(data), f"{zlib.crc32(data):08x}") != (expected["size"], expected["crc32"]):
-        raise ChecksumError(
-            f"{name} fails its checksum ({len(data)} bytes, crc32 {zlib.crc32(data):08x}; expected "
-            f"{expected['size']} bytes, crc32 {expected['crc32']})"
-        )
+    checksum.verify(data, expected, name)
     return data
 
 

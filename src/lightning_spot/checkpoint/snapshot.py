@@ -10,10 +10,11 @@ the worker processes (a tmpfs such as ``/dev/shm``), so that a restart resumes w
     store.prune(keep=3); store.drop_after(step); store.clear()
 
 A share is two files, ``rankNNNNN.safetensors`` (tensors by stored name, see ``checkpoint.tensorfile``)
-and ``rankNNNNN.json`` (what it holds: its names, layout and pipeline position, and the JSON-ready rest:
-loop and data position, optimizer hyper-parameters, RNG). Each is written to a temporary name and
-renamed; the JSON is renamed last, so a share exists once its JSON does and a worker killed mid-write
-leaves nothing that counts. A node may also hold shares of ranks on another node (copies that survive
+and ``rankNNNNN.json`` (what it holds: its names, layout and pipeline position, the tensor file's size and
+CRC32C, and the JSON-ready rest: loop and data position, optimizer hyper-parameters, RNG). Each is written
+to a temporary name and renamed; the JSON is renamed last, so a share exists once its JSON does and a
+worker killed mid-write leaves nothing that counts. A share whose bytes fail their checksum when read is
+dropped. A node may also hold shares of ranks on another node (copies that survive
 that node's loss). Whether the shares of a step, across the surviving nodes, make a complete state is
 decided by ``checkpoint.recall``.
 
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from lightning_spot.checkpoint import spares, tensorfile
+from lightning_spot.checkpoint.checksum import ChecksumError
 
 #: ``ckpt_path`` of a resume from the in-memory snapshots of a step: ``snapshot://120``
 SNAPSHOT_SCHEME = "snapshot://"
@@ -170,12 +172,15 @@ class SnapshotStore:
         packed = tensors if isinstance(tensors, bytes) else tensorfile.pack(tensors)
         spares.take(self._spare_dir, tmp, len(packed) if isinstance(packed, bytes) else packed.size)
         try:
-            size = tensorfile.write_file(tmp, packed)
+            written = tensorfile.write_file(tmp, packed)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         tmp.rename(target)
-        sidecar = json.dumps({"meta": {**meta, "step": step, "rank": rank, "bytes": size}, "state": state})
+        size = written["size"]
+        sidecar = json.dumps(
+            {"meta": {**meta, "step": step, "rank": rank, "bytes": size, "tensor_file": written}, "state": state}
+        )
         self._write_whole(folder / share_name(rank, ".json"), sidecar.encode())
         return size + len(sidecar)
 
@@ -220,8 +225,14 @@ class SnapshotStore:
         return found
 
     def read_tensors(self, step: int, rank: int) -> dict[str, dict[str, torch.Tensor]]:
-        """The share's tensors in fresh memory (its file may be recycled once training goes on)."""
-        return tensorfile.read_file(self.share_path(step, rank, TENSORS))
+        """The share's tensors in fresh memory (its file may be recycled once training goes on), checked against
+        the size and CRC32C recorded when it was written (``ChecksumError`` if they differ)."""
+        expected = self.read_meta(step, rank).get("tensor_file")
+        try:
+            return tensorfile.read_file(self.share_path(step, rank, TENSORS), expected=expected)
+        except ChecksumError as err:  # dropped, so that the next restart uses another step or storage
+            self.share_path(step, rank, ".json").unlink(missing_ok=True)
+            raise ChecksumError(f"{err}: the snapshot share is corrupt and was dropped") from err
 
     def read_state(self, step: int, rank: int) -> dict[str, Any]:
         state: dict[str, Any] = json.loads(self.share_path(step, rank, ".json").read_text())["state"]

@@ -16,12 +16,13 @@ import socket
 import time
 import urllib.parse
 import uuid
-import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
+
+from lightning_spot.checkpoint.checksum import digest, verify
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,10 +65,6 @@ def dumps_by_line(obj: Any) -> str:
 
 class StorageError(RuntimeError):
     """Checkpoint storage cannot be used; the message says why and what to change."""
-
-
-class ChecksumError(ValueError):
-    """A checkpoint file's bytes do not match the size and CRC32 recorded in the manifest."""
 
 
 def is_transient(err: BaseException) -> bool:
@@ -201,7 +198,7 @@ class Storage:
     def write_json(self, rel: str, obj: Any) -> dict[str, Any]:
         """Write JSON as one object: on object stores a single PUT, locally a rename of a complete file.
 
-        Returns the object's size and CRC32, as recorded in manifests.
+        Returns the object's size and checksum, as recorded in manifests.
         """
         data = dumps_by_line(obj).encode()
         target = self.path_of(rel)
@@ -216,13 +213,13 @@ class Storage:
                 self.fs.pipe_file(target, data)
 
         retry(put, f"writing {self.url_of(rel)}")
-        return {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        return digest(data)
 
     def read_json(self, rel: str, expected: dict[str, Any] | None = None) -> Any:
-        """Parse a JSON object; with ``expected`` ({size, crc32}), refuse bytes that do not match."""
+        """Parse a JSON object; with ``expected`` (its record in a manifest), refuse bytes that do not match."""
         data = retry(lambda: self.fs.cat_file(self.path_of(rel)), f"reading {self.url_of(rel)}")
-        if expected is not None and (len(data), f"{zlib.crc32(data):08x}") != (expected["size"], expected["crc32"]):
-            raise ChecksumError(f"{rel} fails its checksum")
+        if expected is not None:
+            verify(data, expected, self.url_of(rel))
         return json.loads(data)
 
     def sizes(self, rel_dir: str) -> dict[str, int]:

@@ -1,8 +1,9 @@
 """Named tensors in one file of raw bytes (the safetensors layout), written and read without serialising.
 
-    write_file(path, tensors)          # {group: {name: tensor}} -> bytes on disk, one vectored write
+    written = write_file(path, tensors)   # {group: {name: tensor}} -> bytes on disk, one vectored write;
+                                          # returns the file's {"size", "crc32c"} (see checkpoint.checksum)
     packed = pack(tensors); packed.size; write_file(path, packed)   # the size known before writing
-    tensors = read_file(path)          # fresh tensors, one vectored read (no mapping left behind)
+    tensors = read_file(path, expected=written)   # fresh tensors, one vectored read, checked if given
     data = encode(tensors); tensors = decode(bytearray(data))   # the same bytes in memory (network copies)
 
 The layout is safetensors' (an 8-byte little-endian header length, a JSON header naming each tensor's
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_spot.checkpoint import checksum
 
 SUFFIX = ".safetensors"
 Tensors = dict[str, dict[str, torch.Tensor]]
@@ -118,21 +121,24 @@ def _vectored(call: Any, fd: int, buffers: list[memoryview], offset: int) -> Non
                 pending[first], done = pending[first][done:], 0
 
 
-def write_file(path: str | Path, tensors: Tensors | Packed | bytes) -> int:
+def write_file(path: str | Path, tensors: Tensors | Packed | bytes) -> dict[str, Any]:
     """Write ``tensors`` (or their :func:`pack`, or the bytes of :func:`encode`) into ``path``; an existing file
-    is overwritten in place and cut to size. Returns the file's size."""
+    is overwritten in place and cut to size. Returns the file's size and CRC32C (``checksum.record``)."""
     if isinstance(tensors, bytes):
         buffers, size = [memoryview(tensors)], len(tensors)
     else:
         packed = tensors if isinstance(tensors, Packed) else pack(tensors)
         buffers, size = [memoryview(packed.head), *(_raw(t) for t in packed.tensors)], packed.size
+    crc = 0
+    for b in buffers:
+        crc = checksum.update(crc, b)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         _vectored(os.pwritev, fd, buffers, 0)
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
-    return size
+    return checksum.record(size, crc)
 
 
 def encode(tensors: Tensors) -> bytes:
@@ -185,13 +191,15 @@ def decode(data: bytearray | memoryview, where: str = "tensor bytes") -> Tensors
     return out
 
 
-def read_file(path: str | Path) -> Tensors:
-    """The tensors of a file, read into fresh memory (a later overwrite of the file cannot reach them)."""
+def read_file(path: str | Path, expected: dict[str, Any] | None = None) -> Tensors:
+    """The tensors of a file, read into fresh memory (a later overwrite of the file cannot reach them); with
+    ``expected`` (what :func:`write_file` returned), a file whose bytes differ raises ``ChecksumError``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         length = _header_length(os.pread(fd, 8, 0))
-        header, start = _header(os.pread(fd, 8 + min(length, size), 0), str(path))
+        prefix = os.pread(fd, 8 + min(length, size), 0)
+        header, start = _header(prefix, str(path))
         out: Tensors = {}
         buffers, filled = [], 0
         for group, name, dtype, shape, begin, end in sorted(_entries(header), key=lambda e: e[4]):
@@ -207,4 +215,9 @@ def read_file(path: str | Path) -> Tensors:
         _vectored(os.preadv, fd, buffers, start)
     finally:
         os.close(fd)
+    if expected is not None:
+        check = checksum.Verifier(expected)
+        for b in (memoryview(prefix), *buffers):
+            check.update(b)
+        check.done(str(path))
     return out
