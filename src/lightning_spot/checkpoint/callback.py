@@ -123,6 +123,7 @@ class SpotCheckpoint(L.Callback):
         self.saves: list[dict[str, Any]] = []
         self._group: Optional[dist.ProcessGroup] = None
         self._staging = Staging()
+        self._buffer_names: frozenset[str] = frozenset()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._last_step = -1
@@ -249,6 +250,8 @@ class SpotCheckpoint(L.Callback):
     # ------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._train_start = self._last_snapshot_time = time.monotonic()
+        # a forward may change buffers: snapshots copy them at once, the rest before the next optimizer step
+        self._buffer_names = frozenset(name for name, _ in pl_module.named_buffers())
         self._last_step = self._checked_step = trainer.global_step
         if self.watcher is not None:
             self.watcher.start()
@@ -269,6 +272,10 @@ class SpotCheckpoint(L.Callback):
             restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             process_started=round(process_started(), 3),
         )
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.snapshotter is not None:  # the last snapshot's parameters and optimizer state are copied
+            self.snapshotter.wait_copied()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -344,22 +351,21 @@ class SpotCheckpoint(L.Callback):
         waited = time.monotonic() - start
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         background = self.async_save and not blocking and self._group is not None
-        with_snapshot = self.snapshots is not None
-        share = split_checkpoint(
-            checkpoint,
-            copy=background or with_snapshot,
-            with_lightning=trainer.is_global_zero or with_snapshot,
-            staging=self._staging,  # free again: the previous save (and its snapshot) is done
-        )
         info = _host(trainer).checkpoint_info(checkpoint)
         snapshot: Optional[threading.Thread] = None  # the writer of this step's snapshot
-        if with_snapshot:  # the same copy is the step's snapshot: memory stays at least as new as storage,
-            self._last_snapshot_time = time.monotonic()  # and the upload copies the snapshot's files
+        if self.snapshots is not None:  # the same copy is the step's snapshot: memory stays at least as new as
+            self._last_snapshot_time = time.monotonic()  # storage, and the upload copies the snapshot's files
             snapshotter = self._snapshotter(trainer)
+            # into the snapshot's file, or into our staging (free again: the previous save is done)
+            share = snapshotter.copy(checkpoint, info["step"], staging=self._staging, now=self._buffer_names)
             snapshotter.take(share, dict(info))
             snapshot = snapshotter.thread
-            if snapshot is not None and self.snapshots is not None:
+            if snapshot is not None:
                 self.snapshots.pin(info["step"], rank())  # not recycled before the upload has read it
+        else:
+            share = split_checkpoint(
+                checkpoint, copy=background, with_lightning=trainer.is_global_zero, staging=self._staging
+            )
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
         info["reason"] = reason
@@ -390,9 +396,11 @@ class SpotCheckpoint(L.Callback):
         started = time.perf_counter()
         from_snapshot = None
         try:
+            changed = False
             if snapshot is not None and self.snapshots is not None:
                 snapshot.join()
                 from_snapshot = (self.snapshots, info["step"])  # if every rank's share was written
+                changed = self.snapshotter is not None and self.snapshotter.changed(info["step"])
             manifest = write_checkpoint(
                 self.storage,
                 rel,
@@ -401,6 +409,7 @@ class SpotCheckpoint(L.Callback):
                 group=self._group,
                 thread_count=self.io_threads,
                 snapshot=from_snapshot,
+                discard=changed,
             )
         finally:
             if snapshot is not None and self.snapshots is not None:
@@ -459,7 +468,8 @@ class SpotCheckpoint(L.Callback):
         """Keep this rank's state of this step in host memory (written in the background; not collective)."""
         self._last_snapshot_time = time.monotonic()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        stall = self._snapshotter(trainer).take(checkpoint, _host(trainer).checkpoint_info(checkpoint))
+        snapshotter, info = self._snapshotter(trainer), _host(trainer).checkpoint_info(checkpoint)
+        stall = snapshotter.take(snapshotter.copy(checkpoint, info["step"], now=self._buffer_names), info)
         timeline = _timeline(trainer)
         if timeline is not None and stall:
             now = time.perf_counter()

@@ -3,6 +3,9 @@ the worker processes (a tmpfs such as ``/dev/shm``), so that a restart resumes w
 
     store = SnapshotStore.for_run(run_url, "/dev/shm/lightning-spot")
     store.write(step, rank, tensors, meta, state)   # this rank's share, whole or not at all
+    staged = store.stage(step, rank, laid)          # or: a mapped spare file to copy the tensors into,
+    store.write(step, rank, staged, meta, state)    #     then committed the same way
+    store.prepare(rank, size)                       # in the background: a mapped spare ready for the next
     store.shares()                                  # {step: {rank: meta}} of the whole shares on this node
     tensors = store.read_tensors(step, rank); state = store.read_state(step, rank)
     store.retire([rank], keep=2)                    # older shares of these ranks: their files recycled
@@ -18,8 +21,11 @@ dropped. A node may also hold shares of ranks on another node (copies that survi
 that node's loss). Whether the shares of a step, across the surviving nodes, make a complete state is
 decided by ``checkpoint.recall``.
 
-Retired tensor files are kept in ``spare/`` and overwritten by the next shares: writing into memory the
-tmpfs already holds costs a copy, a new file also costs the kernel allocating and zeroing its pages.
+Retired tensor files are kept in a pool per rank (``spare/rankNNNNN/``) and overwritten by that rank's next
+shares: writing into memory the tmpfs already holds costs a copy, a new file also costs the kernel
+allocating and zeroing its pages. A rank's spares are mapped into its process (``checkpoint.mapped``), so
+that the training thread copies its state straight into the next share's file; ``prepare`` keeps one
+spare mapped and ready, off the training thread.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import json
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,7 @@ import torch
 
 from lightning_spot.checkpoint import spares, tensorfile
 from lightning_spot.checkpoint.checksum import ChecksumError
+from lightning_spot.checkpoint.mapped import FileMaps, MappedFile
 
 #: ``ckpt_path`` of a resume from the in-memory snapshots of a step: ``snapshot://120``
 SNAPSHOT_SCHEME = "snapshot://"
@@ -62,6 +70,16 @@ def share_name(rank: int, suffix: str) -> str:
 
 
 TENSORS = tensorfile.SUFFIX
+SPARES_PER_RANK = 2  # retired tensor files a rank keeps to write over (more are deleted)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A share's tensor file being filled in place: its temporary path, its mapping, the tensors viewing it."""
+
+    path: Path
+    mapped: MappedFile
+    tensors: tensorfile.Tensors
 
 
 def encode_tensors(obj: Any) -> bytes:
@@ -95,6 +113,7 @@ class SnapshotStore:
         self.path = Path(path)
         #: the gloo process group that snapshot traffic between nodes uses (set by ``SpotCheckpoint``)
         self.group: Any = None
+        self.maps = FileMaps()  # this process's spare and share files, mapped
 
     @classmethod
     def for_run(cls, run_url: str, root: str | None = None) -> SnapshotStore:
@@ -152,30 +171,74 @@ class SnapshotStore:
             f.write(data)
         tmp.rename(target)
 
+    def stage(self, step: int, rank: int, laid: tensorfile.Layout) -> Staged | None:
+        """A file for the share of ``rank`` at ``step``, laid out as ``laid``, to copy the tensors into: one of the
+        rank's spares, mapped; ``None`` when it has none (the first shares: then write the tensors)."""
+        folder = self._step_dir(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = self._temporary(folder / share_name(rank, TENSORS))
+        if not spares.take(self._pool(rank), tmp, laid.size):
+            return None
+        try:
+            mapped = self.maps.open(tmp, laid.size)
+        except (OSError, ValueError):
+            tmp.unlink(missing_ok=True)
+            return None
+        return Staged(tmp, mapped, mapped.views(laid))
+
+    def prepare(self, rank: int, size: int) -> None:
+        """Have a spare of ``rank`` mapped for its next share of ``size`` bytes, made if the rank has none, so
+        that the next :meth:`stage` finds its pages allocated and mapped (call it off the training thread).
+        Mappings of files deleted meanwhile are released. A full tmpfs makes no spare (the next share is
+        then written as before)."""
+        self.maps.release_deleted()
+        pool = self._pool(rank)
+        try:
+            pool.mkdir(parents=True, exist_ok=True)
+            held = sorted(pool.iterdir())
+            if not held:
+                path = pool / f"{size:015d}-{uuid.uuid4().hex}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError:
+                    path.unlink(missing_ok=True)
+                    raise
+                finally:
+                    os.close(fd)
+                held = [path]
+            for spare in held[:1]:
+                self.maps.open(spare, size)
+        except OSError:
+            pass
+
     def write(
         self,
         step: int,
         rank: int,
-        tensors: bytes | dict[str, dict[str, torch.Tensor]],
+        tensors: bytes | dict[str, dict[str, torch.Tensor]] | Staged,
         meta: dict[str, Any],
         state: dict[str, Any],
     ) -> int:
-        """Write the share of ``rank`` at ``step`` (``tensors``: the tensors, or the bytes of their file from
-        :func:`tensorfile.encode`); returns its bytes.
+        """Write the share of ``rank`` at ``step`` (``tensors``: the tensors, the bytes of their file from
+        :func:`tensorfile.encode`, or a file from :meth:`stage`, already filled); returns its bytes.
 
         ``meta`` says what the share holds (``names``, ``layout``, ``pp_rank``); ``state`` is the JSON-ready rest.
         """
         folder = self._step_dir(step)
         folder.mkdir(parents=True, exist_ok=True)
         target = folder / share_name(rank, TENSORS)
-        tmp = self._temporary(target)
-        packed = tensors if isinstance(tensors, bytes) else tensorfile.pack(tensors)
-        spares.take(self._spare_dir, tmp, len(packed) if isinstance(packed, bytes) else packed.size)
-        try:
-            written = tensorfile.write_file(tmp, packed)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        if isinstance(tensors, Staged):
+            tmp, written = tensors.path, tensors.mapped.record()
+        else:
+            tmp = self._temporary(target)
+            packed = tensors if isinstance(tensors, bytes) else tensorfile.pack(tensors)
+            spares.take(self._pool(rank), tmp, len(packed) if isinstance(packed, bytes) else packed.size)
+            try:
+                written = tensorfile.write_file(tmp, packed)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         tmp.rename(target)
         size = written["size"]
         sidecar = json.dumps(
@@ -184,9 +247,9 @@ class SnapshotStore:
         self._write_whole(folder / share_name(rank, ".json"), sidecar.encode())
         return size + len(sidecar)
 
-    @property
-    def _spare_dir(self) -> Path:
-        return self.path / "spare"
+    def _pool(self, rank: int) -> Path:
+        """Where the retired tensor files of ``rank``'s shares wait to be written over."""
+        return self.path / "spare" / share_name(rank, "")
 
     def retire(self, ranks: list[int], keep: int) -> None:
         """Retire the shares of ``ranks`` older than their newest ``keep`` (pinned ones stay): the JSON goes
@@ -198,7 +261,7 @@ class SnapshotStore:
                 if (folder / f".pinned-{rank}").exists():
                     continue
                 sidecar.unlink(missing_ok=True)
-                spares.keep(folder / share_name(rank, TENSORS), self._spare_dir)
+                spares.keep(folder / share_name(rank, TENSORS), self._pool(rank), limit=SPARES_PER_RANK)
                 try:
                     folder.rmdir()
                 except OSError:  # other ranks' shares are still there
@@ -253,4 +316,5 @@ class SnapshotStore:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def clear(self) -> None:
+        self.maps.close()
         shutil.rmtree(self.path, ignore_errors=True)

@@ -2,7 +2,19 @@
 
     snapshotter = Snapshotter(store, group, rank=r, world=w, local_world=lw, pp_rank=p, stage_of=layout.grid.same_state_key)
     snapshotter.take(checkpoint, info)       # a Lightning checkpoint dict of this step; returns the stall
+    share = snapshotter.copy(checkpoint, step); snapshotter.take(share, info)   # the same, the copy shared
+    snapshotter.wait_copied()                # before the next optimizer step (SpotCheckpoint's hook)
     snapshotter.wait(); snapshotter.close()
+
+The copy goes straight into the share's file in host memory (a spare tensor file of this rank, mapped
+into the process: see ``checkpoint.mapped``). Parameters and optimizer state change only when the
+optimizer steps, so, as in CheckFreq (FAST'21), the background thread copies them while the next step's
+forward and backward run, and the training thread waits for that copy only before the next update
+(``wait_copied``); the tensors named ``now`` (buffers, which a forward may change) are copied on the
+training thread. Every tensor's version counter is checked after the copy: if one was changed in place
+meanwhile, that step's snapshot (and a durable checkpoint made of it) is dropped with a warning, and
+later copies are all made on the training thread. The first shares of a run (no spare yet) and tensors
+on a GPU are copied into staging buffers on the training thread and written by the background thread.
 
 Redundancy across nodes: when some pipeline stage lives on one node only (the usual placement keeps a
 stage's data-parallel replicas together), every rank also sends its share to the rank with the same
@@ -21,12 +33,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_spot._dist import all_gather_object, exchange_bytes
 from lightning_spot.checkpoint import tensorfile
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.payload import Payload, Staging, split_checkpoint
-from lightning_spot.checkpoint.snapshot import SnapshotStore
+from lightning_spot.checkpoint.snapshot import TENSORS, SnapshotStore, Staged
 
 log = logging.getLogger(__name__)
 
@@ -66,25 +79,66 @@ class Snapshotter:
         self.prev_peer = (rank - local_world) % world
         self.enabled = True
         self.staging = Staging()  # reused once the previous snapshot's thread is done with it
-        self.taken: list[dict[str, Any]] = []  # step, stall_seconds, write_seconds, bytes
+        self.taken: list[dict[str, Any]] = []  # step, stall_seconds, write_seconds, bytes, mapped
         self.thread: threading.Thread | None = None  # the newest snapshot's writer
+        self._staged: tuple[Payload, Staged] | None = None  # the newest copy, when it went into a mapped file
+        self._pending: list[tuple[str, Tensor, Tensor, int]] = []  # its copies left to the background thread
+        self._copied: threading.Event | None = None  # set once the background thread has made them
+        self.defer = True  # copy parameters and optimizer state in the background (off after a change is seen)
         self._warned = False
 
+    def copy(
+        self, checkpoint: dict[str, Any], step: int, staging: Staging | None = None, now: frozenset[str] = frozenset()
+    ) -> Payload:
+        """This rank's share of a Lightning checkpoint dict, its tensors copied: into the file of the snapshot
+        of ``step`` when a mapped spare is ready (the model tensors named in ``now`` here, the rest by the
+        background thread of :meth:`take`), else into ``staging`` (the snapshotter's own by default)."""
+        self.wait()  # the previous snapshot's thread is done with its files and buffers
+        share = split_checkpoint(checkpoint, copy=False, with_lightning=True)
+        if not self.taken:
+            self._check_room(share.nbytes)
+        self._staged, self._pending = None, []
+        on_cpu = all(t.device.type == "cpu" for group in share.tensors.values() for t in group.values())
+        staged = None
+        if self.enabled and on_cpu:
+            staged = self.store.stage(step, self.rank, tensorfile.layout(share.tensors))
+        if staged is None:
+            staging = staging or self.staging
+            share.tensors = {
+                g: {n: staging.copy(g, n, t) for n, t in named.items()} for g, named in share.tensors.items()
+            }
+            return share
+        for group, named in share.tensors.items():
+            into = staged.tensors[group]
+            for name, t in named.items():
+                if self.defer and not (group == "model" and name in now):
+                    self._pending.append((f"{group}/{name}", t, into[name], t._version))
+                else:
+                    into[name].copy_(t)
+        share.tensors = staged.tensors
+        self._staged = (share, staged)
+        return share
+
+    def wait_copied(self) -> None:
+        """Block until the background thread has copied the newest snapshot's parameters and optimizer state
+        (call before anything changes them: the optimizer step)."""
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
+
     def take(self, checkpoint: dict[str, Any] | Payload, info: dict[str, Any]) -> float:
-        """Copy this rank's state of the step (unless given a copied ``Payload``, which a durable checkpoint of
-        the same step shares); write it (and the peer copy) in the background. Returns the stall."""
+        """Copy this rank's state of the step (unless given the ``Payload`` that :meth:`copy` made of it, which a
+        durable checkpoint of the same step shares); write it (and the peer copy) in the background. Returns
+        the stall."""
         if not self.enabled:
             return 0.0
         start = time.monotonic()
-        self.wait()
-        if isinstance(checkpoint, Payload):
-            share = checkpoint
-        else:
-            share = split_checkpoint(checkpoint, copy=True, with_lightning=True, staging=self.staging)
-        if not self.taken:
-            self._check_room(share.nbytes)
-        if not self.enabled:
+        share = checkpoint if isinstance(checkpoint, Payload) else self.copy(checkpoint, info["step"])
+        if not self.enabled:  # the first snapshot found too little memory
             return 0.0
+        staged = self._staged[1] if self._staged is not None and self._staged[0] is share else None
+        pending, self._pending, self._staged = (self._pending if staged is not None else []), [], None
+        self._copied = threading.Event() if pending else None
         meta = {
             "names": {g: sorted(t) for g, t in share.tensors.items()},
             "layout": info["layout"],
@@ -92,9 +146,11 @@ class Snapshotter:
         }
         state = {"rng": share.rng, "optimizer_values": share.optimizer_values, "lightning": share.lightning}
         state["info"] = info
-        record: dict[str, Any] = {"step": info["step"], "bytes": share.nbytes}
+        record: dict[str, Any] = {"step": info["step"], "bytes": share.nbytes, "mapped": staged is not None}
         self.taken.append(record)
-        self.thread = start_background(self._write, info["step"], share.tensors, meta, state, record)
+        self.thread = start_background(
+            self._write, info["step"], staged or share.tensors, meta, state, record, pending, self._copied
+        )
         record["stall_seconds"] = time.monotonic() - start
         return record["stall_seconds"]
 
@@ -119,11 +175,28 @@ class Snapshotter:
             self.enabled = False
 
     def _write(
-        self, step: int, tensors: Any, meta: dict[str, Any], state: dict[str, Any], record: dict[str, Any]
+        self,
+        step: int,
+        tensors: Any,
+        meta: dict[str, Any],
+        state: dict[str, Any],
+        record: dict[str, Any],
+        pending: list[tuple[str, Tensor, Tensor, int]],
+        copied: threading.Event | None,
     ) -> None:
         started = time.monotonic()
-        data = tensorfile.encode(tensors) if self.peer_copy else None
-        self._store(step, self.rank, data if data is not None else tensors, meta, state)
+        try:
+            changed = _finish_copies(pending)
+        finally:
+            if copied is not None:
+                copied.set()
+        if changed:
+            self._drop_changed(step, tensors, changed, record)
+            return
+        data = None
+        if self.peer_copy:
+            data = bytes(tensors.mapped.buffer) if isinstance(tensors, Staged) else tensorfile.encode(tensors)
+        written = self._store(step, self.rank, tensors, meta, state)
         if data is not None:
             header = json.dumps({"meta": meta, "state": state}).encode()
             got_header, got_data = exchange_bytes(
@@ -136,18 +209,45 @@ class Snapshotter:
         self.store.retire([self.rank, self.prev_peer] if data is not None else [self.rank], KEEP)
         if self.rank % self.local_world == 0:
             self.store.prune(KEEP + 1)  # leftovers no rank retires (earlier layouts, killed writers)
+        if written:  # the next copy goes straight into a mapped file of this size
+            self.store.prepare(self.rank, self.store.share_path(step, self.rank, TENSORS).stat().st_size)
         record["write_seconds"] = time.monotonic() - started
 
-    def _store(self, step: int, rank: int, data: Any, meta: dict[str, Any], state: dict[str, Any]) -> None:
+    def _drop_changed(self, step: int, staged: Any, changed: str, record: dict[str, Any]) -> None:
+        """A tensor changed in place before the background thread had copied it: the share of ``step`` is not
+        written, and from now on every copy is made on the training thread."""
+        record["changed"] = changed
+        self.defer = False
+        if isinstance(staged, Staged):
+            staged.path.unlink(missing_ok=True)
+        log.warning(
+            "lightning-spot: %s changed in place between the checkpoint of step %d and the next optimizer step, "
+            "before it was copied: that step's snapshot and checkpoint are dropped, and the state is copied on "
+            "the training thread from now on.",
+            changed,
+            step,
+        )
+
+    def changed(self, step: int) -> bool:
+        """Whether the snapshot of ``step`` was dropped because its state changed while being copied (call
+        after its thread is done)."""
+        return any(t["step"] == step and "changed" in t for t in self.taken)
+
+    def _store(self, step: int, rank: int, data: Any, meta: dict[str, Any], state: dict[str, Any]) -> bool:
         """Write one share; a full or failing tmpfs costs this snapshot (with a warning), not the training."""
         try:
             self.store.write(step, rank, data, meta, state)
+            return True
         except OSError as err:
+            if isinstance(data, Staged):
+                data.path.unlink(missing_ok=True)
             if not self._warned:
                 log.warning("lightning-spot: a snapshot of step %d could not be kept in memory: %s", step, err)
                 self._warned = True
+            return False
 
     def wait(self) -> None:
+        self.wait_copied()
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -155,7 +255,16 @@ class Snapshotter:
     def close(self) -> None:
         """Wait for the last snapshot; the node's first rank deletes them (call once training is over)."""
         self.wait()
+        self.store.maps.close()
         if self.group is not None:
             dist.barrier(group=self.group)
         if self.rank % self.local_world == 0:
             self.store.clear()
+
+
+def _finish_copies(pending: list[tuple[str, Tensor, Tensor, int]]) -> str:
+    """Make the copies ``(name, source, target, source version)``; the name of a source that changed in place
+    since its version was taken (the copy may hold a later value), or ``""``."""
+    for _, source, target, _ in pending:
+        target.copy_(source)
+    return next((name for name, source, _, version in pending if source._version != version), "")

@@ -12,6 +12,7 @@ JSON file of its own (``rng-rankNNNNN.json``), listed and checksummed like the s
 from __future__ import annotations
 
 import datetime
+import logging
 import platform
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from lightning_spot.checkpoint.snapshot import SnapshotStore
 from lightning_spot.checkpoint.storage import MANIFEST, Storage, join, retry
 
 FORMAT = "lightning-spot-checkpoint/1"
+log = logging.getLogger(__name__)
 
 
 def rng_filename(global_rank: int) -> str:
@@ -55,20 +57,31 @@ def write_checkpoint(
     group: dist.ProcessGroup | None = None,
     thread_count: int = 2,
     snapshot: tuple[SnapshotStore, int] | None = None,
+    discard: bool = False,
 ) -> dict[str, Any] | None:
     """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there.
 
     With ``snapshot`` (a store and step holding this rank's share of the same state), the share's files
     are uploaded as they are (a checkpoint of kind ``"shares"``) instead of DCP shards, when every rank's
-    share was written.
+    share was written. ``discard``: this rank's copy of the state is not that of one step (it changed while
+    being copied): no rank writes anything, and ``None`` is returned everywhere.
     """
     start = time.monotonic()
     url = storage.url_of(rel)
     if rank(group) == 0 and storage.fs.exists(storage.path_of(rel)):
         storage.delete(rel)  # debris of an interrupted save of this step, or an older copy being replaced
-    # one collective: nobody writes before the debris is gone, and every rank uses its snapshot's files or none does
+    # one collective: nobody writes before the debris is gone, every rank uses its snapshot's files or none
+    # does, and a copy that is not of one step stops them all
     have_share = snapshot is not None and snapshot[0].has_share(snapshot[1], rank())
-    if not all(all_gather_object(have_share, group)):
+    agreed = all_gather_object((have_share, discard), group)
+    if any(d for _, d in agreed):
+        if rank(group) == 0:
+            log.warning(
+                "lightning-spot: the checkpoint of step %s is not written (its state changed while copied)",
+                info.get("step"),
+            )
+        return None
+    if not all(h for h, _ in agreed):
         snapshot = None
     share = None
     if snapshot is not None:
