@@ -196,15 +196,23 @@ def test_auto_refuses_two_large_sequences_and_an_explicit_path_wins() -> None:
     assert discover(t5, "decoder.block").layers_path == "decoder.block"
 
 
-def _tied_phase(name: str, layout: str, steps: int, run: str) -> dict[str, Any]:
+def _tied_phase(name: str, layout: str, steps: int, run: str, snapshots: str | None = None) -> dict[str, Any]:
     case = hf_scenario("gpt2", layout, "1F1B", tied=True, trainer={"max_steps": steps})
     case["name"] = name
     case["spot_checkpoint"] = {"dirpath": run, "every_n_train_steps": 2}
+    if snapshots is not None:  # a snapshot every step; the durable checkpoint of step 2 is made of step 2's
+        case["spot_checkpoint"].update(snapshot_every_n_train_steps=1, snapshot_dir=snapshots)
     return case
 
 
 def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """P2xD2 for 2 steps -> P1xD1 to step 4 (one tensor again) -> P2xD1 to step 6 = 6 uninterrupted steps."""
+    """P2xD2 for 2 steps -> P1xD1 to step 4 (one tensor again) -> P2xD1 to step 6 = 6 uninterrupted steps.
+
+    The first job also keeps snapshots (every step): its checkpoint of step 2 is made of the snapshot files
+    (kind "shares"), the second snapshot copied into a mapped file with the parameters and optimizer state
+    copied in the background, and the P1xD1 job resumes from those files onto its layout."""
+    import json
+
     import transformers
 
     from lightning_spot import load_full_state_dict
@@ -214,8 +222,15 @@ def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factor
     run = str(tmp / "run")
     results = {}
     for world, layout, steps in ((4, "P2D2", 2), (1, "P1D1", 4), (2, "P2D1", 6)):
-        phase = _tied_phase(f"tied-{layout}", layout, steps, run)
+        phase = _tied_phase(f"tied-{layout}", layout, steps, run, str(tmp / "shm") if layout == "P2D2" else None)
         results[layout] = run_scenarios(world, [phase], tmp / layout, timeout=300)[phase["name"]]
+    for r in results["P2D2"]:
+        assert [(t["step"], t["mapped"], "changed" in t) for t in r["spot"]["snapshots"]] == [
+            (1, False, False),
+            (2, True, False),
+        ]
+    manifest = json.loads((tmp / "run" / "step-000000002" / "manifest.json").read_text())
+    assert manifest["kind"] == "shares" and sorted(manifest["shares"]) == ["0", "1", "2", "3"]
     assert [r["restored_step"] for r in results["P1D1"]] == [2]
     assert {r["restored_step"] for r in results["P2D1"]} == {4}
     reference = reference_run(_tied_phase("reference", "P1D1", 6, run))

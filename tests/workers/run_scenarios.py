@@ -185,6 +185,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         result["pipeline_stats"] = strategy.pipeline_stats()
     if spot is not None:
         result["spot"] = {"saves": spot.saves, "summary": spot.summary(), "url": spot.url}
+        if spot.snapshotter is not None:  # how each snapshot was copied (into a mapped file?) and whether it stood
+            result["spot"]["snapshots"] = spot.snapshotter.taken
     if strategy.restored_manifest is not None:
         result["restored_step"] = strategy.restored_manifest["step"]
     if scenario.get("checkpoint"):
