@@ -184,3 +184,17 @@ def test_a_checkpoint_whose_copy_changed_is_written_by_no_rank(tmp_path: Path) -
     payload = Payload(tensors={"model": {"w": torch.ones(3)}}, optimizer_values=[], rng=None, lightning={})
     assert write_checkpoint(storage, "step-000000002", payload, info={"step": 2}, discard=True) is None
     assert storage.committed() == [] and not (tmp_path / "run" / "step-000000002").exists()
+
+
+def test_a_dropped_snapshot_still_takes_part_in_the_peer_copies(tmp_path: Path) -> None:
+    """Peer copies go both ways between nodes: a rank whose share was dropped still sends (a marker) and
+    receives, so that its peers do not wait for it; nobody keeps a copy of the dropped share."""
+    import json
+
+    from tests.distributed import launch
+
+    launch(2, ["tests/workers/snapshot_peers.py", str(tmp_path)], log_dir=tmp_path / "logs", timeout=120)
+    held = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert held[0]["changed"] and not held[1]["changed"]
+    # each node: rank 0's newest two shares (steps 1 and 3: there is no step 2) and rank 1's (2 and 3)
+    assert held[0]["shares"] == held[1]["shares"] == {"1": [0], "2": [1], "3": [0, 1]}

@@ -86,6 +86,8 @@ class FileMaps:
                 found.close()
             if stat.st_size != size:
                 os.ftruncate(fd, size)
+                if size > stat.st_size:  # allocate the new pages now: a full tmpfs fails here, not in a copy
+                    os.posix_fallocate(fd, 0, size)
             mapped = MappedFile(fd, size, key)
         except BaseException:
             os.close(fd)

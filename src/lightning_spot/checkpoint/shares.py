@@ -113,8 +113,8 @@ def _write_direct(source: int, target: str, size: int) -> int:
                         done += max(sent, 0)
                         break
                     done += sent
-            except OSError as err:
-                if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or done:
+            except OSError as err:  # refused part way (alignment, a filesystem's limits): the rest by sendfile
+                if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
             finally:
                 view.release()

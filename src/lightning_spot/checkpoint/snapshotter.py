@@ -186,46 +186,51 @@ class Snapshotter:
     ) -> None:
         started = time.monotonic()
         try:
-            changed = _finish_copies(pending)
+            name = _finish_copies(pending)
+            changed = f"{name} changed in place between the save and the next optimizer step, before it was copied"
+            changed = changed if name else ""
+        except Exception as err:  # the share holds a partial copy: dropped like a changed one
+            changed = f"its background copy failed ({type(err).__name__}: {err})"
         finally:
             if copied is not None:
                 copied.set()
         if changed:
             self._drop_changed(step, tensors, changed, record)
-            return
         data = None
-        if self.peer_copy:
+        if self.peer_copy and not changed:
             data = bytes(tensors.mapped.buffer) if isinstance(tensors, Staged) else tensorfile.encode(tensors)
-        written = self._store(step, self.rank, tensors, meta, state)
-        if data is not None:
-            header = json.dumps({"meta": meta, "state": state}).encode()
+        written = not changed and self._store(step, self.rank, tensors, meta, state)
+        if self.peer_copy:  # both ways even when this share was dropped: the peers wait for each other
+            header = json.dumps({"meta": meta, "state": state, "dropped": bool(changed)}).encode()
             got_header, got_data = exchange_bytes(
-                [(self.next_peer, 0, header), (self.next_peer, 1, data)],
+                [(self.next_peer, 0, header), (self.next_peer, 1, data or b"\0")],
                 [(self.prev_peer, 0), (self.prev_peer, 1)],
                 self.group,
             )
             peer = json.loads(got_header)
-            self._store(step, self.prev_peer, got_data, peer["meta"], peer["state"])
-        self.store.retire([self.rank, self.prev_peer] if data is not None else [self.rank], KEEP)
+            if not peer["dropped"]:
+                self._store(step, self.prev_peer, got_data, peer["meta"], peer["state"])
+        if changed:
+            return
+        self.store.retire([self.rank, self.prev_peer] if self.peer_copy else [self.rank], KEEP)
         if self.rank % self.local_world == 0:
             self.store.prune(KEEP + 1)  # leftovers no rank retires (earlier layouts, killed writers)
         if written:  # the next copy goes straight into a mapped file of this size
             self.store.prepare(self.rank, self.store.share_path(step, self.rank, TENSORS).stat().st_size)
         record["write_seconds"] = time.monotonic() - started
 
-    def _drop_changed(self, step: int, staged: Any, changed: str, record: dict[str, Any]) -> None:
-        """A tensor changed in place before the background thread had copied it: the share of ``step`` is not
-        written, and from now on every copy is made on the training thread."""
-        record["changed"] = changed
+    def _drop_changed(self, step: int, staged: Any, why: str, record: dict[str, Any]) -> None:
+        """The background copy of ``step`` is not that step's state (``why``): its share is not written, and from
+        now on every copy is made on the training thread."""
+        record["changed"] = why
         self.defer = False
         if isinstance(staged, Staged):
             staged.path.unlink(missing_ok=True)
         log.warning(
-            "lightning-spot: %s changed in place between the checkpoint of step %d and the next optimizer step, "
-            "before it was copied: that step's snapshot and checkpoint are dropped, and the state is copied on "
-            "the training thread from now on.",
-            changed,
+            "lightning-spot: the snapshot of step %d is dropped: %s. A durable checkpoint of that step is not "
+            "written either; the state is copied on the training thread from now on.",
             step,
+            why,
         )
 
     def changed(self, step: int) -> bool:
