@@ -17,9 +17,9 @@ Two measurements, both real runs:
 
 (b) **Throughput.** In this process (one rank, no process group), a state of the same model
     (weights + AdamW state, as ``SpotCheckpoint`` would write it) is saved with ``write_checkpoint``
-    (DCP shards + CRC32 + RNG file + manifest) to local disk and to S3, and the produced files'
+    (DCP shards + CRC32C + RNG file + manifest) to local disk and to S3, and the produced files'
     bytes are uploaded again with a plain ``fs.pipe`` into another prefix; restore is
-    ``lightning_spot.load_full_state_dict`` (verifies every file's CRC32 as it reads) against a plain
+    ``lightning_spot.load_full_state_dict`` (verifies every file's CRC32C as it reads) against a plain
     ``fs.cat`` of the same files. Also shown, without a goal: ``load_checkpoint`` (the full
     training-state restore into a model and optimizer). Every measurement is repeated and the median
     is reported as MB/s (MB = 10^6 bytes of the checkpoint's files); the ratio is spot time / plain
@@ -44,7 +44,7 @@ Usage::
     python benchmarks/checkpoint.py --steps 60 --every 10 --train-repeats 3 --io-repeats 5
 
 On a 2-core machine the 4 training processes, their background writer threads and the moto server
-share the same cores, so the wall-time overhead includes CPU contention from serialising, CRC32 and
+share the same cores, so the wall-time overhead includes CPU contention from serialising, CRC32C and
 (for S3) HTTP that happens in the background; the stall figure is only the time the training loop
 itself was blocked. Local-disk figures go through the page cache (no fsync on either side).
 """

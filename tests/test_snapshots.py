@@ -338,7 +338,7 @@ def test_time_based_snapshots_are_agreed_by_all_ranks(tmp_path: Path) -> None:
 
 def test_a_durable_checkpoint_from_a_snapshot_is_its_files_checked_when_read(tmp_path: Path) -> None:
     """write_checkpoint(snapshot=...) uploads the share's files as they are; a damaged one is refused by
-    its CRC32 and the previous checkpoint is used."""
+    its CRC32C and the previous checkpoint is used."""
     from lightning_spot import load_full_state_dict
     from lightning_spot.checkpoint.payload import Payload
     from lightning_spot.checkpoint.storage import Storage

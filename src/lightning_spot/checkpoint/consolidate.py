@@ -27,7 +27,7 @@ def latest_intact(storage: Storage) -> tuple[str, dict[str, Any]]:
 
 def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Consolidated model weights (parameter name -> tensor, on CPU) of a run's latest intact checkpoint,
-    or of the checkpoint ``url`` names. Every file is checked against its CRC32 as it is read; nothing
+    or of the checkpoint ``url`` names. Every file is checked against its CRC32C as it is read; nothing
     is unpickled but DCP's metadata (allow-listed). A tied parameter appears under each of its names, as
     the original model's ``state_dict()`` lists it."""
     storage = Storage(url, storage_options)

@@ -4,7 +4,7 @@
 
 ``url`` is a run directory (the latest committed ``step-*`` checkpoint is used) or one checkpoint
 directory. Every file listed in the manifest is checked for presence and size (one listing) and
-for its CRC32 as it is read; a damaged checkpoint is skipped with a warning that says what was
+for its CRC32C as it is read; a damaged checkpoint is skipped with a warning that says what was
 wrong, and the previous committed one is tried.
 """
 

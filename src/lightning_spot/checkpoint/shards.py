@@ -3,7 +3,7 @@
     digests = save_shards(url, {"model": sd, "optimizer_0": flat}, storage_options)   # collective
     load_shards(url, {"model": target_sd, ...}, storage_options)                       # collective, any layout
 
-Writing records the size and CRC32 of every file this rank writes (for the manifest); reading
+Writing records the size and CRC32C of every file this rank writes (for the manifest); reading
 checks them as the bytes arrive. Reading parses DCP's ``.metadata`` with an allow-list unpickler
 (only DCP's own metadata classes) and the tensor files with ``torch.load(weights_only=True)``, so
 a checkpoint cannot run code on load.
@@ -116,7 +116,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _VerifyingFileSystem(FileSystem):
-    """Reads each listed file once into a spool while computing its CRC32; refuses mismatches."""
+    """Reads each listed file once into a spool while computing its CRC32C; refuses mismatches."""
 
     def __init__(self, fs: Any, expected: Digests) -> None:
         super().__init__()
@@ -204,7 +204,7 @@ def load_shards(
 ) -> None:
     """Fill ``state``'s tensors in place from the shards under ``url``; resharded by key; collective.
 
-    With ``expected``, each file read is verified against its recorded size and CRC32.
+    With ``expected``, each file read is verified against its recorded size and CRC32C.
     """
     dcp.load(state, storage_reader=SafeReader(url, storage_options, expected), process_group=process_group)
 

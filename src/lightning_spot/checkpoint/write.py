@@ -4,7 +4,7 @@
 
 The manifest (``manifest.json``, plain JSON) is written last, by rank 0, as a single object: a
 checkpoint directory without it does not exist for readers. It records the step, the layout,
-the data position, every file's size and CRC32, the optimizer hyper-parameters, Lightning's
+the data position, every file's size and CRC32C, the optimizer hyper-parameters, Lightning's
 loop / callback / scheduler state and the versions that wrote it. Each rank's RNG state is a small
 JSON file of its own (``rng-rankNNNNN.json``), listed and checksummed like the shards.
 """

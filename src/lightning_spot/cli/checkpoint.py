@@ -82,7 +82,7 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     print(f"versions     {', '.join(f'{k} {v}' for k, v in manifest.get('versions', {}).items())}")
     if args.verify:
-        print("verified     the model's files match the sizes and CRC32 in the manifest")
+        print("verified     the model's files match the sizes and CRC32C in the manifest")
     return 0
 
 
@@ -110,7 +110,7 @@ def main(argv: Sequence[str]) -> int:
         if name == "convert":
             p.add_argument("out", help="output file, e.g. model.pt")
         if name == "inspect":
-            p.add_argument("--verify", action="store_true", help="also read the model weights and check their CRC32")
+            p.add_argument("--verify", action="store_true", help="also read the model weights and check their CRC32C")
             p.add_argument("--json", action="store_true", help="print the manifest as JSON")
         p.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
     args = parser.parse_args(list(argv))
