@@ -163,7 +163,7 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     if names is not None and names[0] == [id(p) for p in params] and _plain_state(optimizer, params):
         return _flatten(optimizer.state_dict(), names[1])
     flat = get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIMIZER_STATE)
-    found = _names_of(flat, optimizer, params)
+    found = _names_of(flat, optimizer)
     if found is not None:
         _NAMES[optimizer] = ([id(p) for p in params], found)
     return flat
@@ -181,7 +181,7 @@ def _plain_state(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool
     )
 
 
-def _names_of(flat: dict[str, Any], optimizer: torch.optim.Optimizer, params: list[Tensor]) -> list[str] | None:
+def _names_of(flat: dict[str, Any], optimizer: torch.optim.Optimizer) -> list[str] | None:
     """The name torch's flattened state gave each parameter: its ``param_groups.<name>.<key>`` entries come in the
     parameters' order, one run of the group's keys each. ``None`` if they cannot be matched."""
     entries = iter([k for k in flat if k.startswith("param_groups.")])
@@ -198,7 +198,7 @@ def _names_of(flat: dict[str, Any], optimizer: torch.optim.Optimizer, params: li
             if run != [f"param_groups.{name}{x}" for x in suffixes]:
                 return None
             names.append(name)
-    return names if next(entries, None) is None and len(names) == len(params) else None
+    return names if next(entries, None) is None else None
 
 
 def _flatten(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -195,20 +195,18 @@ class SnapshotStore:
         pool = self._pool(rank)
         try:
             pool.mkdir(parents=True, exist_ok=True)
-            held = sorted(pool.iterdir())
-            if not held:
-                path = pool / f"{size:015d}-{uuid.uuid4().hex}"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            spare = min(pool.iterdir(), default=None)
+            if spare is None:
+                spare = pool / f"{size:015d}-{uuid.uuid4().hex}"
+                fd = os.open(spare, os.O_RDWR | os.O_CREAT, 0o644)
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError:
-                    path.unlink(missing_ok=True)
+                    spare.unlink(missing_ok=True)
                     raise
                 finally:
                     os.close(fd)
-                held = [path]
-            for spare in held[:1]:
-                self.maps.open(spare, size)
+            self.maps.open(spare, size)
         except OSError:
             pass
 

@@ -44,6 +44,7 @@ from lightning_spot.checkpoint.snapshot import TENSORS, SnapshotStore, Staged
 log = logging.getLogger(__name__)
 
 KEEP = 2  # snapshots kept per rank: the newest may be half-written when a node dies
+Copy = tuple[str, Tensor, Tensor, int]  # a copy left to the background thread: name, source, target, version
 
 
 def needs_peer_copy(world: int, local_world: int, stage_of: Callable[[int], int]) -> bool:
@@ -81,8 +82,8 @@ class Snapshotter:
         self.staging = Staging()  # reused once the previous snapshot's thread is done with it
         self.taken: list[dict[str, Any]] = []  # step, stall_seconds, write_seconds, bytes, mapped
         self.thread: threading.Thread | None = None  # the newest snapshot's writer
-        self._staged: tuple[Payload, Staged] | None = None  # the newest copy, when it went into a mapped file
-        self._pending: list[tuple[str, Tensor, Tensor, int]] = []  # its copies left to the background thread
+        #: the newest copy, when it went into a mapped file: the share, its file, the copies left to the thread
+        self._staged: tuple[Payload, Staged, list[Copy]] | None = None
         self._copied: threading.Event | None = None  # set once the background thread has made them
         self.defer = True  # copy parameters and optimizer state in the background (off after a change is seen)
         self._warned = False
@@ -97,7 +98,7 @@ class Snapshotter:
         share = split_checkpoint(checkpoint, copy=False, with_lightning=True)
         if not self.taken:
             self._check_room(share.nbytes)
-        self._staged, self._pending = None, []
+        self._staged = None
         on_cpu = all(t.device.type == "cpu" for group in share.tensors.values() for t in group.values())
         staged = None
         if self.enabled and on_cpu:
@@ -108,15 +109,16 @@ class Snapshotter:
                 g: {n: staging.copy(g, n, t) for n, t in named.items()} for g, named in share.tensors.items()
             }
             return share
+        pending: list[Copy] = []
         for group, named in share.tensors.items():
             into = staged.tensors[group]
             for name, t in named.items():
                 if self.defer and not (group == "model" and name in now):
-                    self._pending.append((f"{group}/{name}", t, into[name], t._version))
+                    pending.append((f"{group}/{name}", t, into[name], t._version))
                 else:
                     into[name].copy_(t)
         share.tensors = staged.tensors
-        self._staged = (share, staged)
+        self._staged = (share, staged, pending)
         return share
 
     def wait_copied(self) -> None:
@@ -136,8 +138,11 @@ class Snapshotter:
         share = checkpoint if isinstance(checkpoint, Payload) else self.copy(checkpoint, info["step"])
         if not self.enabled:  # the first snapshot found too little memory
             return 0.0
-        staged = self._staged[1] if self._staged is not None and self._staged[0] is share else None
-        pending, self._pending, self._staged = (self._pending if staged is not None else []), [], None
+        staged: Staged | None = None
+        pending: list[Copy] = []
+        if self._staged is not None and self._staged[0] is share:
+            _, staged, pending = self._staged
+        self._staged = None
         self._copied = threading.Event() if pending else None
         meta = {
             "names": {g: sorted(t) for g, t in share.tensors.items()},
@@ -181,14 +186,14 @@ class Snapshotter:
         meta: dict[str, Any],
         state: dict[str, Any],
         record: dict[str, Any],
-        pending: list[tuple[str, Tensor, Tensor, int]],
+        pending: list[Copy],
         copied: threading.Event | None,
     ) -> None:
         started = time.monotonic()
         try:
-            name = _finish_copies(pending)
-            changed = f"{name} changed in place between the save and the next optimizer step, before it was copied"
-            changed = changed if name else ""
+            changed = ""
+            if name := _finish_copies(pending):
+                changed = f"{name} changed in place between the save and the next optimizer step, before it was copied"
         except Exception as err:  # the share holds a partial copy: dropped like a changed one
             changed = f"its background copy failed ({type(err).__name__}: {err})"
         finally:
@@ -267,7 +272,7 @@ class Snapshotter:
             self.store.clear()
 
 
-def _finish_copies(pending: list[tuple[str, Tensor, Tensor, int]]) -> str:
+def _finish_copies(pending: list[Copy]) -> str:
     """Make the copies ``(name, source, target, source version)``; the name of a source that changed in place
     since its version was taken (the copy may hold a later value), or ``""``."""
     for _, source, target, _ in pending:

@@ -69,10 +69,11 @@ def _dtype(code: str) -> torch.dtype:
 @dataclass(frozen=True)
 class Layout:
     """Where each tensor of a file lies: the file's first bytes (length + header), each tensor's key
-    (``group``, ``name``) and byte range from the start of the file in file order, and the file's size."""
+    (``group``, ``name``), dtype, shape and byte range from the start of the file, in file order, and the
+    file's size."""
 
     head: bytes
-    entries: tuple[tuple[str, str, int, int], ...]
+    entries: tuple[tuple[str, str, torch.dtype, tuple[int, ...], int, int], ...]
     size: int
 
 
@@ -110,14 +111,14 @@ def _layout(items: tuple[tuple[str, str, torch.dtype, tuple[int, ...]], ...]) ->
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
-        spans.append((group, name, offset, size))
+        spans.append((group, name, dtype, shape, offset, size))
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the bytes start at a multiple of 8
     start = 8 + len(text)
     return Layout(
         struct.pack("<Q", len(text)) + text,
-        tuple((group, name, start + begin, start + begin + size) for group, name, begin, size in spans),
+        tuple((g, n, dtype, shape, start + begin, start + begin + size) for g, n, dtype, shape, begin, size in spans),
         start + offset,
     )
 
@@ -129,20 +130,17 @@ def pack(tensors: Tensors) -> Packed:
 
 
 def views(buffer: Any, laid: Layout) -> Tensors:
-    """Tensors viewing a writable ``buffer`` of ``laid.size`` bytes where ``laid`` puts them (of the dtypes and
-    shapes ``laid``'s header names): copying into them fills the file's bytes. Writes the file's first bytes."""
+    """Tensors viewing a writable ``buffer`` of ``laid.size`` bytes where ``laid`` puts them: copying into them
+    fills the file's bytes. Writes the file's first bytes."""
     view = memoryview(buffer).cast("B")
     view[: len(laid.head)] = laid.head
-    header, _ = _header(laid.head, "a layout")
     out: Tensors = {}
-    for group, name, begin, end in laid.entries:
-        entry = header[f"{group}/{name}"]
-        dtype = _dtype(entry["dtype"])
+    for group, name, dtype, shape, begin, end in laid.entries:
         if end > begin:
             t = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin).view(dtype)
         else:
             t = torch.empty(0, dtype=dtype)
-        out.setdefault(group, {})[name] = t.reshape(entry["shape"])
+        out.setdefault(group, {})[name] = t.reshape(shape)
     return out
 
 
