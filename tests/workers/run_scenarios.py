@@ -112,6 +112,13 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         options = scenario["checkpoint"] if isinstance(scenario["checkpoint"], dict) else {"every_n_epochs": 1}
         callbacks.append(ModelCheckpoint(dirpath=target / "ckpts", save_top_k=-1, **options))
     spot = None
+    if scenario.get("slow_snapshot_copies"):  # the background copies start late: the next step must wait for them
+        import time
+
+        from lightning_spot.checkpoint import snapshotter
+
+        finish, delay = snapshotter._finish_copies, scenario["slow_snapshot_copies"]
+        snapshotter._finish_copies = lambda pending: (time.sleep(delay) if pending else None) or finish(pending)  # type: ignore[assignment]
     if "spot_checkpoint" in scenario:
         from lightning_spot import SpotCheckpoint
 
