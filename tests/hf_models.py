@@ -103,3 +103,111 @@ class PretrainedCausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+# ------------------------------------------------------------------ fine-tuning batches: padding and masked labels
+PAD, MASK = 0, 1
+CLASSES = 3
+
+
+def padded_dataset(task: str, n: int = 32, seed: int = 5) -> list[dict[str, torch.Tensor]]:
+    """``n`` padded samples of ``SEQ`` tokens whose real lengths vary from 2 to ``SEQ`` (so micro-batches hold
+    different numbers of real tokens), as a fine-tuning collator gives them:
+
+    - ``"sft"``: causal-LM fine-tuning; labels are the ids with the prompt (1 to 4 tokens) and the padding
+      set to -100;
+    - ``"mlm"``: masked LM; about a third of the real tokens replaced by ``MASK`` and labelled, the rest -100;
+    - ``"classify"``: one class per sequence.
+    """
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        length = int(torch.randint(2, SEQ + 1, (), generator=g))
+        real = torch.arange(SEQ) < length
+        ids = torch.where(real, torch.randint(2, VOCAB, (SEQ,), generator=g), PAD)
+        sample = {"input_ids": ids, "attention_mask": real.long()}
+        if task == "sft":
+            prompt = int(torch.randint(1, min(4, length - 1) + 1, (), generator=g))
+            sample["labels"] = torch.where(real & (torch.arange(SEQ) >= prompt), ids, -100)
+        elif task == "mlm":
+            chosen = real & (torch.rand(SEQ, generator=g) < 0.35)
+            chosen[int(torch.randint(0, length, (), generator=g))] = True  # at least one labelled token
+            sample["input_ids"] = torch.where(chosen, MASK, ids)
+            sample["labels"] = torch.where(chosen, ids, -100)
+        elif task == "classify":
+            sample["labels"] = torch.randint(0, CLASSES, (), generator=g)
+        else:
+            raise ValueError(task)
+        samples.append(sample)
+    return samples
+
+
+def padded_loader(task: str, batch_size: int = 8, n: int = 32, seed: int = 5) -> DataLoader:
+    return DataLoader(padded_dataset(task, n, seed), batch_size=batch_size)  # type: ignore[arg-type]
+
+
+def fine_tune_model(family: str, kind: str, tied: bool = False, layers: int = 4) -> Any:
+    """A tiny random-weight transformers model for ``kind`` ("causal", "masked", "classify"), dropout off."""
+    import transformers
+
+    if family == "bert":
+        config = transformers.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            tie_word_embeddings=tied,
+            num_labels=CLASSES,
+            pad_token_id=PAD,
+        )
+    elif family == "opt":
+        config = transformers.OPTConfig(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            layerdrop=0.0,
+            tie_word_embeddings=tied,
+            num_labels=CLASSES,
+            pad_token_id=PAD,
+        )
+    else:
+        config = hf_config(family, tied, layers)
+        config.num_labels, config.pad_token_id = CLASSES, PAD
+    auto = {
+        "causal": transformers.AutoModelForCausalLM,
+        "masked": transformers.AutoModelForMaskedLM,
+        "classify": transformers.AutoModelForSequenceClassification,
+    }[kind]
+    return auto.from_config(config)
+
+
+class FineTune(L.LightningModule):
+    """Fine-tuning on padded batches with masked labels, as a user writes it: ``self.model(**batch).loss``."""
+
+    def __init__(self, family: str = "llama", kind: str = "causal", tied: bool = False, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.model = fine_tune_model(family, kind, tied)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

@@ -88,8 +88,13 @@ def make_loader(
     shuffle: bool = False,
     dict_batches: bool = False,
     tokens: bool = False,
+    padded: str = "",
     **kwargs: Any,
 ) -> DataLoader:
+    if padded:  # padded fine-tuning batches (dicts) for tests.hf_models.FineTune: "sft", "mlm" or "classify"
+        from tests.hf_models import padded_dataset
+
+        return DataLoader(padded_dataset(padded, n), batch_size=batch_size, shuffle=shuffle, **kwargs)  # type: ignore[arg-type]
     if tokens:  # token ids for the Hugging Face models of tests.hf_models
         from tests.hf_models import token_dataset
 
@@ -101,10 +106,10 @@ def make_loader(
 
 def make_model(seed: int = 7, cls: str = "TinyPipelineModel", **kwargs: Any) -> L.LightningModule:
     torch.manual_seed(seed)
-    if cls == "CausalLM":
-        from tests.hf_models import CausalLM
+    if cls in ("CausalLM", "FineTune"):
+        import tests.hf_models
 
-        return CausalLM(**kwargs)
+        return getattr(tests.hf_models, cls)(**kwargs)
     return globals()[cls](**kwargs)
 
 

@@ -123,6 +123,7 @@ class PipelineEngine:
         self.share = LastStageShare(ctx.pp_group, self.last_stage_rank, ctx.device)
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: Grads | None = None
+        self._pending_factor = 1.0
         self.last_microbatches: int | None = None
         self.last_global_batch: int | None = None
         self.samples_seen = 0
@@ -257,7 +258,7 @@ class PipelineEngine:
         self.last_global_batch = global_batch = self.global_batch_of(local)
         program = self._program("train", "training_step", m, batch)
         saved = take_grads(self.params)
-        losses: list[Tensor] = []
+        losses: list[Tensor] = []  # (what was back-propagated: the runner keeps the losses to log)
         idx = torch.arange(local, device=self.ctx.device)
         self.capture.clear()
         clock = self.clock
@@ -279,13 +280,10 @@ class PipelineEngine:
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
         self.samples_seen += global_batch
-        extra = (
-            [LogRecord("__loss__", torch.stack([x.detach().float() for x in losses]).mean(), float(local), {})]
-            if self.holds_last
-            else []
-        )
-        logged = self._share_logs(extra)
-        loss = logged.pop("__loss__")[0]
+        weights = self.runner.loss_weights
+        logged = self._share_logs(weights.records() if self.holds_last else [])
+        # losses that are means over items (tokens) count by their items: the gradients get the step's factor
+        loss, self._pending_factor = weights.settle(logged, self.layout.total_microbatches)
         replay(self.module, logged, batch_size=global_batch, device=self.ctx.device)
         return torch.tensor(loss, device=self.ctx.device)
 
@@ -306,7 +304,7 @@ class PipelineEngine:
         """Add the gradients of the last :meth:`train_step` (times ``scale``) to ``.grad``."""
         if self._pending is None:
             raise RuntimeError("spot_pipeline: backward() called without a preceding training step")
-        add_grads(self.params, self._pending, scale)
+        add_grads(self.params, self._pending, scale * self._pending_factor)
         self._pending = None
 
     def eval_step(self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Any:

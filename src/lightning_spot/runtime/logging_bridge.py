@@ -32,8 +32,11 @@ _REDUCE = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "mi
 class LogRecord:
     name: str
     value: Tensor
-    weight: float
+    #: of the value among the step's micro-batches: samples, or items for a loss averaged over items
+    weight: float | Tensor
     options: dict[str, Any]
+    #: ``id`` of the object that was logged (to find the records of a loss)
+    source: int = 0
 
 
 @dataclass
@@ -63,7 +66,7 @@ class LogCapture:
             if tensor.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) needs a scalar, got shape {tuple(tensor.shape)}")
             options = {k: v for k, v in kwargs.items() if k not in _SYNC_KEYS}
-            self.records.append(LogRecord(name, tensor.reshape(()).float(), weight, options))
+            self.records.append(LogRecord(name, tensor.reshape(()).float(), weight, options, source=id(value)))
 
         had = "log" in module.__dict__
         saved = module.__dict__.get("log")
@@ -75,6 +78,14 @@ class LogCapture:
                 module.__dict__["log"] = saved
             else:
                 del module.__dict__["log"]
+
+    def weigh(self, first: int, counts: dict[int, Tensor]) -> None:
+        """Records from index ``first`` on whose logged object is a loss with an item count: weigh them by it."""
+        if counts:
+            for record in self.records[first:]:
+                count = counts.get(record.source)
+                if count is not None:
+                    record.weight = count
 
     def clear(self) -> None:
         self.records.clear()
@@ -89,7 +100,7 @@ def _reduce_fx(options: dict[str, Any]) -> str:
 def reduce_records(
     records: list[LogRecord], dp_group: dist.ProcessGroup | None, device: torch.device
 ) -> dict[str, tuple[float, dict[str, Any]]]:
-    """Combine records over micro-batches (weighted by sample count) and over ``dp_group``.
+    """Combine records over micro-batches (weighted by sample count, or item count) and over ``dp_group``.
 
     Every replica must have logged the same names (they run the same code).
     """
@@ -103,9 +114,10 @@ def reduce_records(
     for n in names:
         rs = by_name[n]
         values = torch.stack([r.value for r in rs]).to(device)
-        w = torch.tensor([r.weight for r in rs], device=device, dtype=torch.float32)
+        w = torch.stack([torch.as_tensor(r.weight, dtype=torch.float32).to(device) for r in rs])
         fx = _reduce_fx(rs[0].options)
-        sums.append((values * w).sum() if fx == "mean" else values.sum())
+        # a weight of 0 (a loss over no items: NaN) adds nothing
+        sums.append(torch.where(w > 0, values * w, 0.0).sum() if fx == "mean" else values.sum())
         weights.append(w.sum())
         maxes.append(values.max())
         mins.append(values.min())

@@ -15,6 +15,7 @@ unchanged user code.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -26,11 +27,26 @@ from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import StageExit, StageProbe, StageRun, check_reproducible, running
 from lightning_spot.runtime.clock import StepClock
+from lightning_spot.runtime.item_counts import ItemCounts
 from lightning_spot.runtime.logging_bridge import LogCapture
+from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.offload import ActivationOffload
 from lightning_spot.runtime.weight_streaming import WeightStreaming
 
 Mode = Literal["train", "eval", "predict"]
+
+#: training steps during which losses are watched for means over ignored targets (for the warning)
+WATCHED_STEPS = 8
+
+
+UNWEIGHTED_MEAN = (
+    "spot_pipeline: training_step returned a loss averaged over targets that hold an ignore_index (e.g. labels of "
+    "-100 on padding or prompt tokens), so the micro-batches of a step hold different numbers of real items, but "
+    "the step did not say how many: each micro-batch's mean counts the same, which differs from the mean over the "
+    "global batch that single-process training computes. Return the count with the loss, e.g. "
+    "`return {'loss': loss, 'num_items': (labels != -100).sum()}` (plain Lightning ignores the extra key); see "
+    "docs/model-contract.md, 'Losses averaged over tokens'."
+)
 
 
 def batch_size_of(batch: Any) -> int:
@@ -84,6 +100,11 @@ class StepRunner:
         self.weights: WeightStreaming | None = None
         #: called with a stage's index once its gradients of the step are final (after its last backward)
         self.grads_final: list[Callable[[int], None]] = []
+        #: what each micro-batch's loss is a mean over, and how the step's losses combine
+        self.items = ItemCounts(module)
+        self.loss_weights = LossWeights()
+        self._train_steps = 0
+        self._warned_unweighted = False
 
     @contextlib.contextmanager
     def inferring(self) -> Iterator[None]:
@@ -103,6 +124,9 @@ class StepRunner:
         self.step_args, self.step_kwargs = args, kwargs
         self.results = []
         self._losses_computed = 0
+        if mode == "train":
+            self.loss_weights.start()
+            self._train_steps += 1
         try:
             yield
         finally:
@@ -166,11 +190,14 @@ class StepRunner:
         self._check_arguments(self.last_stage, micro_batch)
         # the last stage's layers run here (its forward_one_chunk only passes activations on)
         timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
+        first_record = len(self.capture.records)
+        watch = self.mode == "train" and self._train_steps <= WATCHED_STEPS and not self._warned_unweighted
         with (
             timed,
             running(run),
             self.capture.capturing(self.module, weight=float(idx.numel()), keep=True),
             self._saving(),
+            self.items.micro_batch(watch),
         ):
             result = self._call(micro_batch)
         if self.last_stage > 0 and not run.layers_started:
@@ -178,7 +205,7 @@ class StepRunner:
                 f"`{self.fn_name}` on the last pipeline stage never ran the layer sequence; it must compute its "
                 f"result from `self(x)`."
             )
-        return self._consume(result, idx)
+        return self._consume(result, idx, first_record)
 
     def _saving(self) -> Any:
         """Where autograd keeps what the forward saves: host memory when activations are offloaded (training)."""
@@ -212,7 +239,8 @@ class StepRunner:
                 return None
         return None
 
-    def _consume(self, result: Any, idx: Tensor) -> Tensor:
+    def _consume(self, result: Any, idx: Tensor, first_record: int) -> Tensor:
+        counts = self.items.counts_by_tensor()
         if self.mode == "train":
             loss = result.get("loss") if isinstance(result, Mapping) else result
             if not isinstance(loss, Tensor):
@@ -222,7 +250,15 @@ class StepRunner:
                 )
             if not loss.requires_grad:
                 raise ModelContractError("the loss returned by training_step does not depend on the model's output.")
-            return loss
+            count = self.items.count_of(result, loss)
+            if count is not None:
+                counts[id(loss)] = count
+            elif self.items.ignored_targets and not self._warned_unweighted:
+                self._warned_unweighted = True
+                warnings.warn(UNWEIGHTED_MEAN, UserWarning, stacklevel=1)
+            self.capture.weigh(first_record, counts)
+            return self.loss_weights.add(loss, count, int(idx.numel()))
+        self.capture.weigh(first_record, counts)
         if self.mode == "predict":
             self.results.append((idx, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result)))
         return torch.zeros((), device=idx.device)

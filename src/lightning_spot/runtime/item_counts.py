@@ -1,0 +1,146 @@
+"""How many items (tokens) a micro-batch's loss is a mean over: declared by the step, or known from transformers.
+
+    counts = ItemCounts(module)                      # hooks on the transformers models inside ``module``
+    with counts.micro_batch(watch=True):
+        result = module.training_step(micro_batch)   # may return {"loss": loss, "num_items": n}
+    count = counts.count_of(result, loss)            # a tensor, or None: the loss counts like any other
+
+A loss that is a mean over the items of its micro-batch (the tokens whose label is not -100) must be
+combined over micro-batches and replicas as a sum over items divided by the items of the global batch
+(:mod:`lightning_spot.runtime.loss_weights`). The count comes from
+
+* the step itself: ``return {"loss": loss, "num_items": count}`` (plain Lightning ignores the extra key);
+* a transformers model called with ``labels=``: the items its loss function averages over, by its
+  ``loss_type`` (causal LM: the labels after the first position, masked LM and token classification: every
+  label, sequence classification: one per sample), when the step returns that model's loss itself.
+
+With ``watch``, cross-entropy and NLL losses averaged over targets that hold their ``ignore_index`` are
+noticed, so that a loss averaged over a varying count that nobody declared can be warned about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+#: the key of a step result that says how many items its loss is a mean over
+NUM_ITEMS = "num_items"
+IGNORE_INDEX = -100
+
+
+def transformers_item_count(model: nn.Module, kwargs: Mapping[str, Any]) -> Tensor | None:
+    """The number of items the loss of transformers ``model`` averages over when called with ``kwargs``
+    (``None``: no labels, or a loss this rule does not know)."""
+    labels = kwargs.get("labels")
+    if not isinstance(labels, Tensor):
+        return None
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type in ("ForCausalLM", "ForConditionalGeneration"):
+        shifted = kwargs.get("shift_labels")
+        target = shifted if isinstance(shifted, Tensor) else labels[..., 1:]  # position t predicts token t + 1
+        return (target != IGNORE_INDEX).sum()
+    if loss_type in ("ForMaskedLM", "ForTokenClassification"):
+        return (labels != IGNORE_INDEX).sum()
+    if loss_type in (
+        "ForSequenceClassification",
+        "ForImageClassification",
+        "ForAudioClassification",
+        "ForVideoClassification",
+    ):
+        if labels.is_floating_point():  # regression or multi-label: a mean over every label value
+            return torch.tensor(labels.numel(), device=labels.device)
+        return (labels != IGNORE_INDEX).sum()
+    return None
+
+
+class _IgnoredTargets(TorchFunctionMode):
+    """Notices mean-reduced cross-entropy / NLL losses over targets that hold their ``ignore_index``."""
+
+    WATCHED = (F.cross_entropy, F.nll_loss)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.WATCHED and not self.seen:
+            bound = inspect.signature(func).bind(*args, **kwargs)
+            target = bound.arguments.get("target")
+            reduction = bound.arguments.get("reduction", "mean")
+            legacy = bound.arguments.get("size_average") is not None or bound.arguments.get("reduce") is not None
+            ignore = bound.arguments.get("ignore_index", IGNORE_INDEX)
+            if (
+                reduction == "mean"
+                and not legacy
+                and isinstance(target, Tensor)
+                and not target.is_floating_point()
+                and bool((target == ignore).any())
+            ):
+                self.seen = True
+        return func(*args, **kwargs)
+
+
+class ItemCounts:
+    """Item counts of the micro-batch being run: what transformers models computed a loss over, what the step
+    declared, and whether a mean over ignored targets was seen."""
+
+    def __init__(self, module: nn.Module) -> None:
+        #: (loss, items) of every transformers model call with labels in the current micro-batch
+        self.seen: list[tuple[Tensor, Tensor]] = []
+        self.ignored_targets = False
+        self._collecting = False
+        self._open: list[Tensor | None] = []
+        transformers = sys.modules.get("transformers")  # a model of it exists only if it was imported
+        base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+        if base is None:
+            return
+        for sub in module.modules():
+            if isinstance(sub, base):
+                sub.register_forward_pre_hook(self._before, with_kwargs=True)
+                sub.register_forward_hook(self._after, with_kwargs=True, always_call=True)
+
+    def _before(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._collecting:
+            self._open.append(transformers_item_count(model, kwargs))
+
+    def _after(self, model: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if not self._collecting or not self._open:
+            return
+        count = self._open.pop()
+        loss = getattr(output, "loss", None) if not isinstance(output, Tensor) else None
+        if count is not None and isinstance(loss, Tensor):
+            self.seen.append((loss, count))
+
+    @contextlib.contextmanager
+    def micro_batch(self, watch: bool) -> Iterator[None]:
+        """Collect the counts of one run of the user's step (and, with ``watch``, look for ignored targets)."""
+        self.seen, self._open, self.ignored_targets = [], [], False
+        self._collecting = True
+        mode = _IgnoredTargets() if watch else None
+        try:
+            with mode if mode is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._collecting = False
+            self.ignored_targets = mode is not None and mode.seen
+
+    def count_of(self, result: Any, loss: Tensor) -> Tensor | None:
+        """The item count of ``loss``, returned by the step as ``result``: declared, or the count of the
+        transformers model whose loss it is; ``None`` when unknown."""
+        declared = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
+        if declared is not None:
+            return torch.as_tensor(declared, device=loss.device)
+        return next((count for seen, count in self.seen if seen is loss), None)
+
+    def counts_by_tensor(self) -> dict[int, Tensor]:
+        """Counts keyed by the ``id`` of the loss tensor they belong to (to weigh logged losses)."""
+        return {id(loss): count for loss, count in self.seen}

@@ -1,0 +1,91 @@
+"""Combine a step's micro-batch losses the way one process computes the loss of the whole global batch.
+
+    weights = LossWeights()
+    weights.start()                                        # before the schedule
+    loss = weights.add(loss, count, samples)               # each micro-batch (last stage): what is back-propagated
+    records = weights.records()                            # after it (last stage): sums, reduced over replicas
+    value, factor = weights.settle(logged, total=8)        # every rank, from the shared sums
+
+Without item counts every micro-batch's loss counts the same (micro-batches hold equal numbers of
+samples): the schedule's mean over micro-batches and the data-parallel mean give the mean gradient.
+
+With counts (a loss ``l_i`` that is a mean over ``n_i`` items, e.g. the tokens whose label is not -100),
+micro-batch ``i`` back-propagates ``l_i * n_i * s`` and the step's gradients are multiplied by
+``M / (s * N)`` afterwards, ``N`` being the items of all ``M`` micro-batches of all replicas (and pipelines
+of mixed depths). The result is ``Σ n_i ∇l_i / N``: the gradient of the mean over the global batch's items,
+which is what single-process training computes. ``s`` is the previous step's ``M / N`` (1 at first): any
+value gives the same math; this one keeps what is back-propagated near the size of a mean.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_spot.partition.discovery import ModelContractError
+from lightning_spot.runtime.logging_bridge import LogRecord
+
+_SUM = {"reduce_fx": "sum"}
+LOSS, ITEMS, WEIGHTED = "__loss__", "__items__", "__weighted__"
+
+
+class LossWeights:
+    """One step's micro-batch losses with their weights, and the scale of the item-weighted path."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self._parts: list[tuple[Tensor, Tensor | None, int]] = []
+
+    def start(self) -> None:
+        self._parts = []
+
+    def add(self, loss: Tensor, count: Tensor | None, samples: int) -> Tensor:
+        """Record one micro-batch's loss (``count``: the items it is a mean over, if known); return what the
+        schedule back-propagates for it."""
+        self._parts.append((loss.detach().float(), count, samples))
+        if count is None:
+            return loss
+        return loss * (count.to(device=loss.device, dtype=torch.float32) * self.scale)
+
+    def records(self) -> list[LogRecord]:
+        """The sums this rank contributes: the weighted losses, their weights, the micro-batches with counts."""
+        parts = self._parts
+        with_counts = sum(count is not None for _, count, _ in parts)
+        if 0 < with_counts < len(parts):
+            raise ModelContractError(
+                f"{with_counts} of this step's {len(parts)} micro-batches gave an item count for their loss and the "
+                f"others did not. Return `num_items` from every training step (or from none)."
+            )
+        if not parts:
+            zero = torch.zeros(())
+            return [LogRecord(name, zero, 1.0, _SUM) for name in (LOSS, ITEMS, WEIGHTED)]
+        if with_counts:
+            counts = [count.float().to(loss.device) for loss, count, _ in parts if count is not None]
+            # a micro-batch without items has a NaN mean (0 / 0) and adds nothing
+            total = torch.stack([torch.where(n > 0, loss * n, 0.0) for (loss, _, _), n in zip(parts, counts)]).sum()
+            items = torch.stack(counts).sum()
+        else:
+            total = torch.stack([loss * samples for loss, _, samples in parts]).sum()
+            items = torch.tensor(float(sum(samples for _, _, samples in parts)), device=total.device)
+        return [
+            LogRecord(LOSS, total, 1.0, _SUM),
+            LogRecord(ITEMS, items, 1.0, _SUM),
+            LogRecord(WEIGHTED, torch.tensor(float(with_counts), device=total.device), 1.0, _SUM),
+        ]
+
+    def settle(self, logged: dict[str, tuple[float, dict]], total: int) -> tuple[float, float]:
+        """(the step's loss, the factor for its gradients) from the reduced sums, which are removed from
+        ``logged``; the same on every rank. ``total``: the step's micro-batches over all replicas."""
+        loss_sum, items, weighted = (logged.pop(name)[0] for name in (LOSS, ITEMS, WEIGHTED))
+        if weighted == 0:
+            return loss_sum / items, 1.0
+        if round(weighted) != total:
+            raise ModelContractError(
+                f"{round(weighted)} of this step's {total} micro-batches gave an item count for their loss and the "
+                f"others did not. Return `num_items` from every training step (or from none)."
+            )
+        if items <= 0:  # nothing to learn from: no gradient (one process would get NaN)
+            return float("nan"), 0.0
+        factor = total / (self.scale * items)
+        self.scale = total / items
+        return loss_sum / items, factor
