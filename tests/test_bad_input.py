@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from torch.utils.data import BatchSampler, SequentialSampler
@@ -13,7 +12,7 @@ from lightning_spot import Layout, LayoutError, ModelContractError, SpotPipeline
 from lightning_spot.data import ReplicaBatchSampler
 from lightning_spot.partition.placement import tied_parameters
 from lightning_spot.runtime.schedules import resolve_schedule
-from tests.distributed import WorkerFailure, launch
+from tests.distributed import launch
 from tests.models import NoLayersModel, TiedEmbeddingModel, make_model
 
 
@@ -149,22 +148,6 @@ def test_trainer_reports_bad_input_on_every_rank(
     for rank_errors in errors_on_every_rank:
         assert rank_errors[name] != "no error"
         assert re.search(pattern, rank_errors[name], flags=re.S), rank_errors[name]
-
-
-def test_module_on_the_wrong_side_of_the_sequence_fails_loudly(tmp_path: Path) -> None:
-    """A head registered before `layers` lands on the first stage; the last stage names the module and the fix."""
-    spec = tmp_path / "s.json"
-    spec.write_text(json.dumps([{"name": "x", "model": {}, "strategy": {"pipeline_stages": 2}}]))
-    with pytest.raises(WorkerFailure) as info:
-        launch(
-            2,
-            ["tests/workers/run_scenarios.py", str(spec), str(tmp_path / "out")],
-            log_dir=tmp_path / "logs",
-            timeout=120,
-            env={"SPOT_TEST_MODEL": "HeadBeforeLayersModel"},
-        )
-    assert "Module `head` was placed on the first stage but runs on stage 1" in str(info.value)
-    assert "last_stage_modules" in str(info.value)
 
 
 @pytest.mark.parametrize(

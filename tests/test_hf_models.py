@@ -54,6 +54,43 @@ def hf_scenario(
     }
 
 
+def fine_tune_scenario(
+    family: str,
+    kind: str,
+    task: str,
+    stages: int | list[int],
+    *,
+    microbatches: int = 4,
+    tied: bool = False,
+    loss: str = "model",
+    schedule: str = "1F1B",
+) -> dict[str, Any]:
+    """Fine-tuning on padded batches whose micro-batches hold different numbers of real (not -100) labels."""
+    layout = "+".join(map(str, stages)) if isinstance(stages, list) else f"P{stages}"
+    return {
+        "name": f"finetune-{family}-{kind}-{layout}-{loss}",
+        "loader": {"batch_size": 8, "n": 32, "padded": task},
+        "trainer": {"max_steps": 4},
+        "model": {"cls": "FineTune", "family": family, "kind": kind, "tied": tied, "lr": 1e-3, "loss": loss},
+        "strategy": {"pipeline_stages": stages, "microbatches": microbatches, "schedule": schedule},
+    }
+
+
+#: (micro-batches of one or two samples): BERT masked LM, causal-LM fine-tuning with prompt and padding masked
+#: (Llama, OPT, whose decoder registers its final norm before its layers), a classification head, mixed depths
+FINE_TUNE_4 = [
+    fine_tune_scenario("bert", "masked", "mlm", 2, tied=True),
+    fine_tune_scenario("llama", "causal", "sft", 2),
+    fine_tune_scenario("bert", "classify", "classify", 2, microbatches=2, tied=True),
+    fine_tune_scenario("opt", "causal", "sft", 2, tied=True),
+    fine_tune_scenario("llama", "causal", "sft", [1, 3]),
+]
+#: a hand-written mean over the labels that are not -100: undeclared (warned about) and declared
+FINE_TUNE_2 = [
+    fine_tune_scenario("llama", "causal", "sft", 2, loss="mean"),
+    fine_tune_scenario("llama", "causal", "sft", 2, loss="counted"),
+]
+
 WORLD_2 = [  # the layer sequence found by layers="auto"
     hf_scenario("gpt2", "P2D1", "1F1B", layers="auto"),
     hf_scenario("llama", "P2D1", "ZBVZeroBubble", layers="auto"),
@@ -73,7 +110,7 @@ WORLD_4 = [
 ]
 TIED_NAMES = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
 TIED_NAMES["llama"] = TIED_NAMES["qwen2"] = ("model.model.embed_tokens.weight", "model.lm_head.weight")
-ALL = {2: WORLD_2, 4: WORLD_4}
+ALL = {2: WORLD_2 + FINE_TUNE_2, 4: WORLD_4 + FINE_TUNE_4}
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +118,52 @@ def jobs() -> dict[int, dict[str, list[dict]]]:
     return {}
 
 
+def _job(world: int, jobs: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    if world not in jobs:
+        jobs[world] = run_scenarios(world, ALL[world], tmp_path_factory.mktemp(f"hf-world{world}"), timeout=600)
+    return jobs[world]
+
+
+@pytest.mark.parametrize("case", FINE_TUNE_4, ids=lambda c: c["name"])
+def test_padded_fine_tuning_matches_single_process_lightning(
+    case: dict[str, Any], jobs: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Losses that transformers averages over the labels that are not -100 count by those labels: the same
+    parameters and the same logged loss as one process training on the whole global batch."""
+    ranks = _job(4, jobs, tmp_path_factory)[case["name"]]
+    reference = reference_run(case)
+    assert_same_params(merged_state(ranks), reference)
+    for rank in ranks:
+        assert rank["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
+        assert not [w for w in rank["warnings"] if "num_items" in w]
+    if isinstance(case["strategy"]["pipeline_stages"], list):
+        assert {r["layout"] for r in ranks} == {"P1+P3"}
+
+
+def test_a_hand_written_mean_over_a_varying_count_is_warned_about_until_it_is_weighted(
+    jobs: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    mean, counted = (_job(2, jobs, tmp_path_factory)[c["name"]] for c in FINE_TUNE_2)
+    reference = reference_run(FINE_TUNE_2[0])  # the same loss either way in one process
+    warned = [w for rank in mean for w in rank["warnings"] if "'num_items'" in w]
+    assert len(warned) == 1 and "ignore_index" in warned[0], [r["warnings"] for r in mean]
+    with pytest.raises(AssertionError, match="differ from the single-process run"):
+        assert_same_params(merged_state(mean), reference)  # each micro-batch's mean counted the same
+    assert not [w for rank in counted for w in rank["warnings"] if "'num_items'" in w]
+    assert_same_params(merged_state(counted), reference)
+    for rank in counted:
+        assert rank["metrics"]["train_loss"] == pytest.approx(reference["metrics"]["train_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("world", "case"),
-    [(w, c) for w, cases in ALL.items() for c in cases],
+    [(w, c) for w, cases in {2: WORLD_2, 4: WORLD_4}.items() for c in cases],
     ids=lambda v: v if isinstance(v, int) else v["name"],
 )
 def test_hf_causal_lm_matches_single_process_lightning(
     world: int, case: dict[str, Any], jobs: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    if world not in jobs:
-        jobs[world] = run_scenarios(world, ALL[world], tmp_path_factory.mktemp(f"hf-world{world}"), timeout=600)
-    ranks = jobs[world][case["name"]]
+    ranks = _job(world, jobs, tmp_path_factory)[case["name"]]
     assert_same_params(merged_state(ranks), reference_run(case))
     assert all(len(r["state_dict"]) > 0 for r in ranks)
     model = CausalLM(case["model"]["family"], tied=case["model"]["tied"])

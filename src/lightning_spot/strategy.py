@@ -49,10 +49,18 @@ from lightning_spot.checkpoint.storage import Storage
 from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.data import shard_dataloader
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
-from lightning_spot.partition.discovery import ModelContractError, discover
+from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
 from lightning_spot.partition.placement import placement_of
 from lightning_spot.partition.pretrained import SafetensorsWeights, load_stage_weights
-from lightning_spot.planning.choose import LayoutChoice, Requested, choose_layout, describe_choice
+from lightning_spot.partition.run_order import place_by_run
+from lightning_spot.planning.choose import (
+    LayoutChoice,
+    Requested,
+    choose_layout,
+    describe_choice,
+    first_samples,
+    shared_sample_batch,
+)
 from lightning_spot.planning.memory import PlanPlace
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
@@ -437,23 +445,15 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     def _build_engine(self, module: pl.LightningModule) -> PipelineEngine:
         previous = placement_of(module)
-        split = (
-            previous.split
-            if previous is not None
-            else discover(
-                module,
-                self._layers,
-                first_stage_modules=self._first_stage_modules,
-                last_stage_modules=self._last_stage_modules,
-            )
-        )
+        sample = shared_sample_batch(module.trainer) if previous is None else None
+        split = previous.split if previous is not None else self._split(module, sample)
         choice = module.__dict__.get("_spot_layout_choice") if previous is not None else None
         if choice is None:
             choice = choose_layout(
                 module,
                 split,
-                module.trainer,
                 self._requested,
+                sample,
                 world_size=self.world_size,
                 device=self.root_device,
                 autocast=self.precision_plugin.forward_context,
@@ -505,6 +505,22 @@ class SpotPipelineStrategy(ParallelStrategy):
             f"micro-batches{checkpointing}"
         )
         return engine
+
+    def _split(self, module: pl.LightningModule, sample: Optional[tuple[int, Any]]) -> ModelSplit:
+        """The layer sequence and the stage of each module beside it: where one run of the step on a sample of
+        the training data uses it, else by registration order (collective when there is a sample)."""
+        split = discover(
+            module,
+            self._layers,
+            first_stage_modules=self._first_stage_modules,
+            last_stage_modules=self._last_stage_modules,
+        )
+        if sample is None:
+            return split
+        size, batch = sample
+        fixed = (*self._first_stage_modules, *self._last_stage_modules)
+        placed = place_by_run(module, split, first_samples(batch, size, 1), fixed) if self.global_rank == 0 else None
+        return broadcast_object(placed)
 
     def _load_pretrained(self, module: pl.LightningModule, path: str) -> None:
         weights = SafetensorsWeights(path)

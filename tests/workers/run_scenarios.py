@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -151,8 +152,11 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     )
     loader = make_loader(**scenario.get("loader", {}))
     val = make_loader(**scenario["val_loader"]) if "val_loader" in scenario else None
-    trainer.fit(model, loader, val, ckpt_path=ckpt_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        trainer.fit(model, loader, val, ckpt_path=ckpt_path)
     result: dict[str, Any] = {
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "initial": record.state,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -235,11 +235,13 @@ class RemoteModule(nn.Module):
         run = active_run()
         if run is not None and (run.first_stage or run.layers_started):
             here = "the first stage" if run.first_stage else f"stage {run.stage}, after the layer sequence"
+            side = "first_stage_modules" if run.first_stage else "last_stage_modules"
             raise ModelContractError(
-                f"Module `{self.fqn}` was placed on the {self.owner} stage but runs on {here}. Modules with "
-                f"parameters registered before the layer sequence go to the first stage, those after it to the "
-                f"last stage. Register `{self.fqn}` on the right side of the sequence in __init__, or pass "
-                f"`SpotPipelineStrategy(first_stage_modules=[...]` / `last_stage_modules=[...])`."
+                f"Module `{self.fqn}` was placed on the {self.owner} stage but runs on {here}. Modules beside the "
+                f"layer sequence go where one run of the training step on a training batch uses them; without one "
+                f"(validate/test/predict only, or modules built on the meta device) by registration order: before "
+                f"the sequence in __init__ means the first stage, after it the last. Pass "
+                f"`SpotPipelineStrategy({side}=['{self.fqn}'])`, or register it on the right side of the sequence."
             )
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
         if run is None or run.device is None:

@@ -1,6 +1,7 @@
 """Decide the layout when the job starts: profile on rank 0, plan, share the decision with every rank.
 
-    choice = choose_layout(module, split, trainer, requested, world_size=8, device=dev, autocast=..., cache_dir=None)
+    sample = shared_sample_batch(trainer)       # collective: (global batch, a batch) of the training data, or None
+    choice = choose_layout(module, split, requested, sample, world_size=8, device=dev, autocast=..., cache_dir=None)
     choice.layout            # PipelineLayout: P x D, schedule, stages, cuts, micro-batches (an int)
     choice.activation_checkpointing
 
@@ -145,7 +146,13 @@ def sample_batch(trainer: Any) -> tuple[int, Any] | None:
     return int(loader.batch_size), next(iter(loader))
 
 
-def _first_samples(batch: Any, size: int, count: int) -> Any:
+def shared_sample_batch(trainer: Any) -> tuple[int, Any] | None:
+    """Collective: rank 0's :func:`sample_batch` on every rank."""
+    return broadcast_object(sample_batch(trainer) if rank() == 0 else None)
+
+
+def first_samples(batch: Any, size: int, count: int) -> Any:
+    """The first ``count`` samples of a batch of ``size``."""
     return tree_map(lambda t: t[:count] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t, batch)
 
 
@@ -245,8 +252,8 @@ def _settle_mixed(
 def choose_layout(
     module: torch.nn.Module,
     split: ModelSplit,
-    trainer: Any,
     requested: Requested,
+    sample: tuple[int, Any] | None,
     *,
     world_size: int,
     device: torch.device,
@@ -265,7 +272,6 @@ def choose_layout(
     if not requested.wants_plan:
         return _settle(_fallback(requested), requested, split, world_size, None)
     is_rank_zero = rank() == 0
-    sample = broadcast_object(sample_batch(trainer) if is_rank_zero else None)
     if sample is None:
         return _settle(_fallback(requested), requested, split, world_size, None)
     global_batch, batch = sample
@@ -275,7 +281,7 @@ def choose_layout(
     if is_rank_zero:
         samples = max(1, min(global_batch, global_batch // world_size))
         try:
-            args, kwargs = forward_inputs(module, _first_samples(batch, global_batch, samples))
+            args, kwargs = forward_inputs(module, first_samples(batch, global_batch, samples))
             args, kwargs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
             profile = profile_model(
                 module,

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, loss_hook_inputs
+from lightning_spot.partition.run_order import run_step_quietly, shadowed
 from lightning_spot.partition.stage_run import SkippedLayer, StageExit, meta_copy
 from lightning_spot.planning.hardware import sync_device
 
@@ -212,21 +213,11 @@ def forward_inputs(module: nn.Module, batch: Any, step: str = "training_step") -
     def capture(*args: Any, **kwargs: Any) -> None:
         raise StageExit((args, kwargs))
 
-    patched = {"forward": capture, "log": lambda *a, **k: None, "log_dict": lambda *a, **k: None}
-    saved = {k: module.__dict__[k] for k in patched if k in module.__dict__}
-    module.__dict__.update(patched)
-    try:
-        fn = getattr(module, step)
-        import inspect
-
-        takes_index = len(inspect.signature(fn).parameters) > 1
-        fn(batch, 0) if takes_index else fn(batch)
-    except StageExit as stop:
-        return stop.output
-    finally:
-        for k in patched:
-            module.__dict__.pop(k, None)
-        module.__dict__.update(saved)
+    with shadowed(module, forward=capture):
+        try:
+            run_step_quietly(module, batch, step)
+        except StageExit as stop:
+            return stop.output
     raise ModelContractError(f"`{step}` never called `self(...)`, so there is no forward to profile.")
 
 

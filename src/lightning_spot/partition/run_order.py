@@ -1,0 +1,125 @@
+"""Place the modules beside the layer sequence by where the step runs them, not by where ``__init__`` put them.
+
+    split = discover(module)                                   # by registration order
+    split = place_by_run(module, split, batch, fixed=("head",))  # by one cheap run of the step
+
+:func:`~lightning_spot.partition.discovery.discover` guesses by registration order: a module registered
+before the sequence goes to the first stage. Some models break that rule (OPT's decoder registers
+``final_layer_norm`` before ``layers`` and runs it after them). :func:`place_by_run` runs the training step
+once on one sample, without gradients and with every layer of the sequence passing its input through, and
+moves each module that ran only before the first layer to the first stage and each that ran only after the
+last layer to the last stage. Modules named in ``fixed`` (the user's ``first_stage_modules`` /
+``last_stage_modules``) stay where they were put; modules the run does not reach keep the registration rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_spot.partition.discovery import ModelSplit
+from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
+from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def shadowed(module: nn.Module, **attributes: Any) -> Iterator[None]:
+    """Instance attributes that shadow ``module``'s own (e.g. a silent ``log``), removed on the way out."""
+    saved = {k: module.__dict__[k] for k in attributes if k in module.__dict__}
+    module.__dict__.update(attributes)
+    try:
+        yield
+    finally:
+        for k in attributes:
+            module.__dict__.pop(k, None)
+        module.__dict__.update(saved)
+
+
+def run_step_quietly(module: nn.Module, batch: Any, step: str = "training_step") -> Any:
+    """Call the module's ``step`` (or its loss hook) on ``batch`` as Lightning would, with ``self.log`` silenced."""
+    with shadowed(module, log=lambda *a, **k: None, log_dict=lambda *a, **k: None):
+        if step == "training_step" and has_loss_hook(module):
+            return run_loss_hook(module, batch)
+        fn = getattr(module, step)
+        takes_index = len(inspect.signature(fn).parameters) > 1
+        return fn(batch, 0) if takes_index else fn(batch)
+
+
+def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, set[str]]:
+    """Where each module beside the sequence ran in one training step whose layers pass their input through:
+    a set of ``"before"`` (the first layer), ``"inside"``, ``"after"`` (the last layer) per module that ran."""
+    seq = module.get_submodule(split.layers_path)
+    originals = dict(seq._modules)
+    phase = ["before"]
+    ran: dict[str, set[str]] = {}
+    handles = []
+
+    def enter(*_: Any) -> None:
+        phase[0] = "inside"
+
+    def leave(*_: Any) -> None:
+        phase[0] = "after"
+
+    try:
+        for index, name in enumerate(split.layer_names):
+            layer = originals[name]
+            assert layer is not None
+            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(type(layer).forward))
+        handles.append(seq._modules[split.layer_names[0]].register_forward_pre_hook(enter))  # type: ignore[union-attr]
+        handles.append(seq._modules[split.layer_names[-1]].register_forward_hook(leave))  # type: ignore[union-attr]
+        for fqn in (*split.first_modules, *split.last_modules):
+            handles.append(
+                module.get_submodule(fqn).register_forward_pre_hook(
+                    lambda _m, _a, fqn=fqn: ran.setdefault(fqn, set()).add(phase[0])
+                )
+            )
+        training = module.training
+        module.eval()  # no running statistics updated, no dropout
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                run_step_quietly(module, batch)
+        finally:
+            module.train(training)
+    finally:
+        for handle in handles:
+            handle.remove()
+        seq._modules.update(originals)
+    return ran
+
+
+def place_by_run(module: nn.Module, split: ModelSplit, batch: Any, fixed: Sequence[str] = ()) -> ModelSplit:
+    """``split`` with the modules beside the sequence moved to the stage where the step runs them (see the
+    module docstring). Returns ``split`` unchanged when the step cannot run here (e.g. modules on the meta
+    device)."""
+    movable = [fqn for fqn in (*split.first_modules, *split.last_modules) if fqn not in fixed]
+    if not movable:
+        return split
+    if any(p.is_meta for fqn in movable for p in module.get_submodule(fqn).parameters()):
+        log.info("lightning-spot: modules beside the layer sequence are on the meta device; placed by registration")
+        return split
+    try:
+        ran = sides_by_run(module, split, batch)
+    except Exception as err:  # the registration rule still applies, and a misplaced module is named at run time
+        log.info("lightning-spot: could not run the step to place the modules beside the layers (%s)", err)
+        return split
+    first, last = list(split.first_modules), list(split.last_modules)
+    for fqn in movable:
+        side = ran.get(fqn)
+        if side == {"before"} and fqn in last:
+            last.remove(fqn)
+            first.append(fqn)
+            log.info("lightning-spot: `%s` runs before the layer sequence: first stage", fqn)
+        elif side == {"after"} and fqn in first:
+            first.remove(fqn)
+            last.append(fqn)
+            log.info("lightning-spot: `%s` runs after the layer sequence: last stage", fqn)
+    return replace(split, first_modules=tuple(first), last_modules=tuple(last))

@@ -1,0 +1,102 @@
+"""Losses that are means over a varying number of items: what counts as an item, and how micro-batches combine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import default_collate
+
+from lightning_spot import ModelContractError
+from lightning_spot.runtime.item_counts import ItemCounts, transformers_item_count
+from lightning_spot.runtime.loss_weights import LossWeights
+
+CASES = [("llama", "causal", "sft"), ("opt", "causal", "sft"), ("bert", "masked", "mlm"), ("bert", "classify", "classify")]
+
+
+@pytest.mark.parametrize(("family", "kind", "task"), CASES, ids=lambda v: v)
+def test_the_count_is_what_the_models_loss_averages_over(family: str, kind: str, task: str) -> None:
+    """The model's own loss, summed over its items, divided by the count, is its mean loss."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import fine_tune_model, padded_dataset
+
+    model = fine_tune_model(family, kind, tied=True)
+    batch = default_collate(padded_dataset(task, 4))
+    with torch.no_grad():
+        out = model(**batch)
+    count = transformers_item_count(model, batch)
+    assert count is not None
+    logits, labels = out.logits.flatten(0, -2), batch["labels"]
+    if kind == "causal":  # position t predicts token t + 1
+        logits, labels = out.logits[:, :-1].flatten(0, 1), labels[:, 1:]
+    total = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
+    assert (total / count).item() == pytest.approx(out.loss.item(), rel=1e-6)
+    assert int(count) < labels.numel() or kind == "classify", "the test data must mask some labels"
+
+
+def test_a_step_returning_the_models_loss_gets_its_count_and_a_declared_count_wins() -> None:
+    pytest.importorskip("transformers")
+    from tests.hf_models import fine_tune_model, padded_dataset
+
+    model = fine_tune_model("llama", "causal")
+    batch = default_collate(padded_dataset("sft", 2))
+    counts = ItemCounts(model)
+    with counts.micro_batch(watch=True):
+        loss = model(**batch).loss
+    assert int(counts.count_of(loss, loss)) == int((batch["labels"][:, 1:] != -100).sum())  # type: ignore[arg-type]
+    assert counts.count_of(loss * 2, loss * 2) is None, "another loss than the model's has no known count"
+    assert int(counts.count_of({"loss": loss, "num_items": 5}, loss)) == 5  # type: ignore[arg-type]
+    assert counts.ignored_targets, "the model's cross-entropy ran over -100 labels"
+    outside = model(**batch).loss  # not collecting: nothing recorded
+    assert counts.count_of(outside, outside) is None
+
+
+def _settle(parts: list[LossWeights], total: int) -> tuple[float, float, Any]:
+    """What the engine does with every replica's records: sum them, then settle (on each rank alike)."""
+    sums: dict[str, tuple[float, dict]] = {}
+    for weights in parts:
+        for record in weights.records():
+            value = sums.get(record.name, (0.0, {}))[0] + float(record.value)
+            sums[record.name] = (value, record.options)
+    return (*parts[0].settle(sums, total), sums)
+
+
+def test_weighted_micro_batches_give_the_gradient_of_the_global_mean() -> None:
+    """Two replicas x two micro-batches of per-token losses: back-propagated sums times the factor equal the
+    gradient of the mean over every token; an empty micro-batch (a NaN mean) adds nothing."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    tokens = [torch.randn(n, 3) for n in (5, 1, 0, 7)]  # the third micro-batch holds no labelled token
+    reference = torch.cat([t @ w for t in tokens]).mean()
+    (want,) = torch.autograd.grad(reference, w)
+
+    replicas = [LossWeights(), LossWeights()]
+    for weights in replicas:
+        weights.scale = 0.25  # any scale gives the same result
+        weights.start()
+    grad = torch.zeros(3)
+    for i, t in enumerate(tokens):
+        mean = (t @ w).mean()  # NaN for the empty one
+        backed = replicas[i // 2].add(mean, torch.tensor(len(t)), samples=1)
+        (g,) = torch.autograd.grad(backed, w)
+        grad += g / 2 / 2  # the schedule's mean over 2 micro-batches, DDP's over 2 replicas
+    value, factor, _ = _settle(replicas, total=4)
+    assert value == pytest.approx(reference.item(), rel=1e-6)
+    assert torch.allclose(grad * factor, want, atol=1e-6)
+    assert replicas[0].scale == pytest.approx(4 / 13)
+
+
+def test_unweighted_losses_count_alike_and_a_mix_is_refused() -> None:
+    weights = LossWeights()
+    weights.start()
+    for value in (1.0, 3.0):
+        weights.add(torch.tensor(value), None, samples=2)
+    value, factor, _ = _settle([weights], total=2)
+    assert (value, factor) == (2.0, 1.0)
+    weights.start()
+    weights.add(torch.tensor(1.0), torch.tensor(3), samples=2)
+    weights.add(torch.tensor(1.0), None, samples=2)
+    with pytest.raises(ModelContractError, match="1 of this step's 2 micro-batches gave an item count.*num_items"):
+        weights.records()

@@ -1,0 +1,71 @@
+"""Modules beside the layer sequence go to the stage where the step runs them, whatever order ``__init__``
+registered them in (OPT registers its decoder's ``final_layer_norm`` before ``layers``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from lightning_spot import ModelContractError, discover, plan_stages
+from lightning_spot.partition.placement import place_stages
+from lightning_spot.partition.run_order import place_by_run
+from lightning_spot.partition.stage_run import SkippedLayer
+from lightning_spot.runtime.logging_bridge import LogCapture
+from lightning_spot.runtime.step_runner import StepRunner
+from tests.models import HeadBeforeLayersModel, make_dataset
+
+OPT_NORM = "model.model.decoder.final_layer_norm"
+
+
+def _opt() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    pytest.importorskip("transformers")
+    from tests.hf_models import FineTune, padded_dataset
+
+    return FineTune("opt", "causal", tied=True), default_collate(padded_dataset("sft", 2))
+
+
+def test_opts_final_norm_goes_to_the_last_stage() -> None:
+    module, batch = _opt()
+    split = discover(module)
+    assert OPT_NORM in split.first_modules, "registered before `layers`: the registration rule gets it wrong"
+    placed = place_by_run(module, split, batch)
+    assert OPT_NORM in placed.last_modules and OPT_NORM not in placed.first_modules
+    assert "model.model.decoder.embed_tokens" in placed.first_modules  # (and the tied head still runs last)
+    assert "model.lm_head" in placed.last_modules
+    assert placed.layer_names == split.layer_names and placed.layers_path == split.layers_path
+    assert not any(isinstance(m, SkippedLayer) for m in module.modules()), "the layers are back"
+
+
+def test_a_head_registered_first_goes_last_and_overrides_stay() -> None:
+    module = HeadBeforeLayersModel()
+    batch = make_dataset(4)[:2]
+    split = discover(module)
+    assert split.first_modules == ("head", "embed")
+    placed = place_by_run(module, split, batch)
+    assert placed.first_modules == ("embed",) and placed.last_modules == ("head",)
+    pinned = discover(module, first_stage_modules=["head"])
+    assert place_by_run(module, pinned, batch, fixed=("head",)) == pinned, "first_stage_modules wins"
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    place_by_run(module, split, batch)
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items()), "the run changes nothing"
+
+
+def test_without_a_run_the_registration_rule_applies_and_a_misplaced_module_is_named() -> None:
+    """Modules on the meta device (built in configure_model) cannot run: registration order, and stage 1 names
+    the module that ran on its side of the sequence and the override that fixes it."""
+    with torch.device("meta"):
+        meta = HeadBeforeLayersModel()
+    split = discover(meta)
+    assert place_by_run(meta, split, make_dataset(2)[:2]) == split
+
+    module = HeadBeforeLayersModel()
+    split = discover(module)
+    place_stages(module, split, plan_stages(split.num_layers, 2), pp_rank=1, device=torch.device("cpu"))
+    runner = StepRunner(module, num_stages=2, capture=LogCapture(), device=torch.device("cpu"))
+    x, y = make_dataset(4)[:]
+    acts = torch.zeros(4, 16, requires_grad=True)
+    with runner.bind("training_step", "train", (x, y), (0,), {}), pytest.raises(ModelContractError) as err:
+        runner.loss_fn((acts, torch.arange(4)), torch.arange(4))
+    assert "Module `head` was placed on the first stage but runs on stage 1" in str(err.value)
+    assert "last_stage_modules" in str(err.value)
