@@ -13,7 +13,12 @@ from lightning_spot import ModelContractError
 from lightning_spot.runtime.item_counts import ItemCounts, transformers_item_count
 from lightning_spot.runtime.loss_weights import LossWeights
 
-CASES = [("llama", "causal", "sft"), ("opt", "causal", "sft"), ("bert", "masked", "mlm"), ("bert", "classify", "classify")]
+CASES = [
+    ("llama", "causal", "sft"),
+    ("opt", "causal", "sft"),
+    ("bert", "masked", "mlm"),
+    ("bert", "classify", "classify"),
+]
 
 
 @pytest.mark.parametrize(("family", "kind", "task"), CASES, ids=lambda v: v)
