@@ -63,13 +63,16 @@ def _settle(parts: list[LossWeights], total: int) -> tuple[float, float, Any]:
     sums: dict[str, tuple[float, dict]] = {}
     for weights in parts:
         for record in weights.records():
-            value = sums.get(record.name, (0.0, {}))[0] + float(record.value)
+            seen = sums.get(record.name, (0.0, {}))[0]
+            value = (
+                max(seen, float(record.value)) if record.options["reduce_fx"] == "max" else seen + float(record.value)
+            )
             sums[record.name] = (value, record.options)
     return (*parts[0].settle(sums, total), sums)
 
 
 def test_weighted_micro_batches_give_the_gradient_of_the_global_mean() -> None:
-    """Two replicas x two micro-batches of per-token losses: back-propagated sums times the factor equal the
+    """Two replicas x two micro-batches of per-token losses: what is back-propagated, times the factor, is the
     gradient of the mean over every token; an empty micro-batch (a NaN mean) adds nothing."""
     torch.manual_seed(0)
     w = torch.randn(3, requires_grad=True)
@@ -79,7 +82,7 @@ def test_weighted_micro_batches_give_the_gradient_of_the_global_mean() -> None:
 
     replicas = [LossWeights(), LossWeights()]
     for weights in replicas:
-        weights.scale = 0.25  # any scale gives the same result
+        weights.reference = 4.0  # any reference count gives the same result
         weights.start()
     grad = torch.zeros(3)
     for i, t in enumerate(tokens):
@@ -90,7 +93,18 @@ def test_weighted_micro_batches_give_the_gradient_of_the_global_mean() -> None:
     value, factor, _ = _settle(replicas, total=4)
     assert value == pytest.approx(reference.item(), rel=1e-6)
     assert torch.allclose(grad * factor, want, atol=1e-6)
-    assert replicas[0].scale == pytest.approx(4 / 13)
+    assert replicas[0].reference == pytest.approx(13 / 4)
+
+
+def test_equal_counts_multiply_by_exactly_one() -> None:
+    """Sequences without padding: what is back-propagated is the mean itself and the factor is 1, so the
+    arithmetic is that of unweighted losses (the first reference is the first count)."""
+    weights = LossWeights()
+    for _ in range(2):
+        weights.start()
+        backed = [weights.add(torch.tensor(v), torch.tensor(30), samples=2) for v in (0.3, 0.7)]
+        assert [b.item() for b in backed] == [torch.tensor(0.3).item(), torch.tensor(0.7).item()]
+        assert _settle([weights], total=2)[1] == 1.0
 
 
 def test_unweighted_losses_count_alike_and_a_mix_is_refused() -> None:

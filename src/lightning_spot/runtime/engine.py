@@ -119,6 +119,7 @@ class PipelineEngine:
         self.params: list[nn.Parameter] = []
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
+        self.runner.loss_weights.group = ctx.dp_group if self.holds_last else None
         self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
         self.share = LastStageShare(ctx.pp_group, self.last_stage_rank, ctx.device)
         self._programs: OrderedDict[tuple, Any] = OrderedDict()

@@ -10,30 +10,37 @@ Without item counts every micro-batch's loss counts the same (micro-batches hold
 samples): the schedule's mean over micro-batches and the data-parallel mean give the mean gradient.
 
 With counts (a loss ``l_i`` that is a mean over ``n_i`` items, e.g. the tokens whose label is not -100),
-micro-batch ``i`` back-propagates ``l_i * n_i * s`` and the step's gradients are multiplied by
-``M / (s * N)`` afterwards, ``N`` being the items of all ``M`` micro-batches of all replicas (and pipelines
+micro-batch ``i`` back-propagates ``l_i * n_i / r`` and the step's gradients are multiplied by
+``r / (N / M)`` afterwards, ``N`` being the items of all ``M`` micro-batches of all replicas (and pipelines
 of mixed depths). The result is ``Σ n_i ∇l_i / N``: the gradient of the mean over the global batch's items,
-which is what single-process training computes. ``s`` is the previous step's ``M / N`` (1 at first): any
-value gives the same math; this one keeps what is back-propagated near the size of a mean.
+which is what single-process training computes. Any reference count ``r`` gives the same math; the previous
+step's items per micro-batch keeps what is back-propagated near the size of a mean, and when every
+micro-batch holds as many items as the last step's did (sequences without padding), both multipliers are
+exactly 1 and the arithmetic is that of unweighted losses. In the first step, ``r`` is the largest count of
+the first micro-batches of all last stages (one all-reduce over ``group``, once).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.runtime.logging_bridge import LogRecord
 
 _SUM = {"reduce_fx": "sum"}
-LOSS, ITEMS, WEIGHTED = "__loss__", "__items__", "__weighted__"
+LOSS, ITEMS, WEIGHTED, REFERENCE = "__loss__", "__items__", "__weighted__", "__reference__"
 
 
 class LossWeights:
-    """One step's micro-batch losses with their weights, and the scale of the item-weighted path."""
+    """One step's micro-batch losses with their weights, and the reference count of the item-weighted path."""
 
-    def __init__(self) -> None:
-        self.scale = 1.0
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        #: the reference count ``r``: the previous step's items per micro-batch (the same on every rank)
+        self.reference: float | None = None
+        #: the last stages of all pipelines (where the first reference is agreed), on a rank holding one
+        self.group = group
         self._parts: list[tuple[Tensor, Tensor | None, int]] = []
 
     def start(self) -> None:
@@ -45,7 +52,16 @@ class LossWeights:
         self._parts.append((loss.detach().float(), count, samples))
         if count is None:
             return loss
-        return loss * (count.to(device=loss.device, dtype=torch.float32) * self.scale)
+        if self.reference is None:
+            self.reference = self._first_reference(count)
+        return loss * (count.to(device=loss.device, dtype=torch.float32) / self.reference)
+
+    def _first_reference(self, count: Tensor) -> float:
+        """The first count seen, the largest over the last stages of all pipelines (1 if it is 0)."""
+        value = count.detach().float().reshape(1).clone()
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return float(value) or 1.0
 
     def records(self) -> list[LogRecord]:
         """The sums this rank contributes: the weighted losses, their weights, the micro-batches with counts."""
@@ -58,7 +74,7 @@ class LossWeights:
             )
         if not parts:
             zero = torch.zeros(())
-            return [LogRecord(name, zero, 1.0, _SUM) for name in (LOSS, ITEMS, WEIGHTED)]
+            return [LogRecord(name, zero, 1.0, _SUM) for name in (LOSS, ITEMS, WEIGHTED, REFERENCE)]
         if with_counts:
             counts = [count.float().to(loss.device) for loss, count, _ in parts if count is not None]
             # a micro-batch without items has a NaN mean (0 / 0) and adds nothing
@@ -71,12 +87,13 @@ class LossWeights:
             LogRecord(LOSS, total, 1.0, _SUM),
             LogRecord(ITEMS, items, 1.0, _SUM),
             LogRecord(WEIGHTED, torch.tensor(float(with_counts), device=total.device), 1.0, _SUM),
+            LogRecord(REFERENCE, torch.tensor(self.reference or 0.0, device=total.device), 1.0, {"reduce_fx": "max"}),
         ]
 
     def settle(self, logged: dict[str, tuple[float, dict]], total: int) -> tuple[float, float]:
         """(the step's loss, the factor for its gradients) from the reduced sums, which are removed from
         ``logged``; the same on every rank. ``total``: the step's micro-batches over all replicas."""
-        loss_sum, items, weighted = (logged.pop(name)[0] for name in (LOSS, ITEMS, WEIGHTED))
+        loss_sum, items, weighted, reference = (logged.pop(name)[0] for name in (LOSS, ITEMS, WEIGHTED, REFERENCE))
         if weighted == 0:
             return loss_sum / items, 1.0
         if round(weighted) != total:
@@ -86,6 +103,6 @@ class LossWeights:
             )
         if items <= 0:  # nothing to learn from: no gradient (one process would get NaN)
             return float("nan"), 0.0
-        factor = total / (self.scale * items)
-        self.scale = total / items
+        per_microbatch = items / total
+        factor, self.reference = reference / per_microbatch, per_microbatch  # (what the last stages used)
         return loss_sum / items, factor
