@@ -136,9 +136,9 @@ def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     ):
         assert key in plan
     assert plan["pipeline_stages"] * plan["data_parallel"] == 4
-    # 3 MB cannot hold the whole model's training state: several stages, or one with its weights streamed (which
-    # the planner may prefer when the profile is timed on a busy machine)
-    assert plan["pipeline_stages"] > 1 or "parameters" in plan["offload"], plan
+    # 3 MB cannot hold the whole model's training state: several stages, or one with some of it in host memory
+    # (which the planner may prefer when the profile is timed on a busy machine)
+    assert plan["pipeline_stages"] > 1 or set(plan["offload"]) & {"optimizer", "parameters"}, plan
     assert max(plan["stage_bytes"]) <= 3e6 and len(plan["cuts"]) == plan["pipeline_stages"] - 1
     assert main(argv) == 0
     text = capsys.readouterr().out
