@@ -63,10 +63,11 @@ from lightning_spot.planning.choose import (
 )
 from lightning_spot.planning.memory import PlanPlace
 from lightning_spot.runtime.clock import StepClock
+from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import clip_grad_norm_global
 from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
-from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload
+from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload, offload_levels
 from lightning_spot.runtime.process import (
     ThreadSetup,
     destroy_process_group_at_exit,
@@ -81,44 +82,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 _SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
-
-
-OFFLOAD_LEVELS = ("optimizer", "parameters", "activations")
-
-
-def _offload_levels(offload: Union[str, Sequence[str], None]) -> Union[tuple[str, ...], str]:
-    """Check ``offload=`` early: one level or several (``["optimizer", "activations"]``), or ``"auto"`` (the
-    planner decides). ``"parameters"`` implies ``"optimizer"``: weights that rest in host memory are updated there."""
-    if offload is None:
-        return ()
-    if offload == "auto":
-        return "auto"
-    levels = [offload] if isinstance(offload, str) else list(offload)
-    for level in levels:
-        if level not in OFFLOAD_LEVELS:
-            raise LayoutError(
-                f"offload={level!r} is not an offload level. Use 'optimizer', 'parameters', 'activations', several "
-                f"as a list, 'auto' (the planner decides), or None (no offload)."
-            )
-    if "parameters" in levels:
-        levels.append("optimizer")
-    return tuple(sorted(set(levels), key=OFFLOAD_LEVELS.index))
-
-
-def _mixed_groups(grid: Layout, rank: int) -> tuple[Any, Any]:
-    """(this rank's pipeline group, the group of every pipeline's last stage if this rank holds one) for pipelines
-    of mixed depths. Collective: every rank makes every group, in the same order."""
-    pp_group = last_group = None
-    for pipeline in range(grid.data_parallel):
-        ranks = grid.pipeline_ranks(pipeline)
-        made = torch.distributed.new_group(ranks)
-        if rank in ranks:
-            pp_group = made
-    lasts = [grid.pipeline_ranks(p)[-1] for p in range(grid.data_parallel)]
-    made = torch.distributed.new_group(lasts)
-    if rank in lasts:
-        last_group = made
-    return pp_group, last_group
 
 
 class SpotPipelineStrategy(ParallelStrategy):
@@ -211,7 +174,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             raise LayoutError(f"microbatches must be a positive int, a list of them or 'auto', got {microbatches!r}")
         if not isinstance(pipeline_stages, (int, str)):
             pipeline_stages = [int(p) for p in pipeline_stages]
-        levels = _offload_levels(offload)
+        levels = offload_levels(offload)
         if schedule == "auto" and "parameters" in levels:
             schedule = "LoopedBFS"  # Harmony's order: a stage's weights come once for all micro-batches
         if schedule != "auto":
@@ -465,7 +428,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._layout = layout = choice.layout
         grid = layout.grid
         if is_initialized() and grid.is_mixed:
-            pp_group, dp_group = _mixed_groups(grid, self.global_rank)
+            pp_group, dp_group = mixed_groups(grid, self.global_rank)
         elif is_initialized():
             self._device_mesh = grid.device_mesh(self.root_device.type)
             pp_group, dp_group = self._device_mesh.get_group("pp"), self._device_mesh.get_group("dp")

@@ -278,3 +278,19 @@ def _chunks(items: list[Any], tensor_of: Any, limit: int) -> Iterator[list[Any]]
         size += t.numel() * t.element_size()
     if chunk:
         yield chunk
+
+
+def mixed_groups(grid: Layout, rank: int) -> tuple[Any, Any]:
+    """(this rank's pipeline group, the group of every pipeline's last stage if this rank holds one) for pipelines
+    of mixed depths. Collective: every rank makes every group, in the same order."""
+    pp_group = last_group = None
+    for pipeline in range(grid.data_parallel):
+        ranks = grid.pipeline_ranks(pipeline)
+        made = dist.new_group(ranks)
+        if rank in ranks:
+            pp_group = made
+    lasts = [grid.pipeline_ranks(p)[-1] for p in range(grid.data_parallel)]
+    made = dist.new_group(lasts)
+    if rank in lasts:
+        last_group = made
+    return pp_group, last_group

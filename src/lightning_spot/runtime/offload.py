@@ -16,14 +16,36 @@ the masters keep fp32 precision (the update is computed in fp32 and rounded once
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import Tensor
 
+from lightning_spot.layout import LayoutError
 from lightning_spot.runtime.last_order import LastOrder
+
+OFFLOAD_LEVELS = ("optimizer", "parameters", "activations")
+
+
+def offload_levels(offload: Union[str, Sequence[str], None]) -> Union[tuple[str, ...], str]:
+    """Check ``offload=`` early: one level or several (``["optimizer", "activations"]``), or ``"auto"`` (the
+    planner decides). ``"parameters"`` implies ``"optimizer"``: weights that rest in host memory are updated there."""
+    if offload is None:
+        return ()
+    if offload == "auto":
+        return "auto"
+    levels = [offload] if isinstance(offload, str) else list(offload)
+    for level in levels:
+        if level not in OFFLOAD_LEVELS:
+            raise LayoutError(
+                f"offload={level!r} is not an offload level. Use 'optimizer', 'parameters', 'activations', several "
+                f"as a list, 'auto' (the planner decides), or None (no offload)."
+            )
+    if "parameters" in levels:
+        levels.append("optimizer")
+    return tuple(sorted(set(levels), key=OFFLOAD_LEVELS.index))
 
 
 class OptimizerOffload:
