@@ -259,7 +259,7 @@ class PipelineEngine:
         self.last_global_batch = global_batch = self.global_batch_of(local)
         program = self._program("train", "training_step", m, batch)
         saved = take_grads(self.params)
-        losses: list[Tensor] = []  # (what was back-propagated: the runner keeps the losses to log)
+        losses: list[Tensor] = []  # what torch back-propagated; the losses to log are in runner.loss_weights
         idx = torch.arange(local, device=self.ctx.device)
         self.capture.clear()
         clock = self.clock
