@@ -267,3 +267,34 @@ class UnevenPipelineModel(TinyPipelineModel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(num_layers=6, **kwargs)
         self.layers[0] = Block(HIDDEN, repeats=120)
+
+
+class MetricModel(TinyPipelineModel):
+    """Logs torchmetrics objects as Lightning users do: R^2 (not a mean over samples, so a step's value is not the
+    mean of its micro-batches' values) on steps and epochs in training, MSE and R^2 per epoch in validation."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        import torchmetrics
+
+        super().__init__(**kwargs)
+        self.train_r2 = torchmetrics.R2Score()
+        self.val_mse = torchmetrics.MeanSquaredError()
+        self.val_r2 = torchmetrics.R2Score()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        loss = F.mse_loss(out, y)
+        self.train_r2(out, y)
+        self.log("train_r2", self.train_r2, on_step=True, on_epoch=True)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        out = self(x)
+        self.val_mse(out, y)
+        self.val_r2.update(out, y)  # update only: nothing to log on steps, compute() at the epoch's end
+        self.log("val_mse", self.val_mse, prog_bar=True)
+        self.log("val_r2", self.val_r2)
+        self.log("val_loss", F.mse_loss(out, y))

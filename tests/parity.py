@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -61,22 +62,32 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
     if initial is not None:
         model.load_state_dict(initial)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **{"limit_val_batches": 0, **scenario.get("trainer", {})},
-    )
-    val = _loader(scenario, "val_loader") if "val_loader" in scenario else None
-    trainer.fit(model, _loader(scenario), val)
+    with tempfile.TemporaryDirectory() as tmp:
+        best = None
+        options = scenario.get("checkpoint")
+        if isinstance(options, dict) and "monitor" in options:  # the run's ModelCheckpoint, to compare its choice
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            best = ModelCheckpoint(dirpath=tmp, save_top_k=-1, **options)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=best is not None,
+            callbacks=[best] if best is not None else None,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **{"limit_val_batches": 0, **scenario.get("trainer", {})},
+        )
+        val = _loader(scenario, "val_loader") if "val_loader" in scenario else None
+        trainer.fit(model, _loader(scenario), val)
     out: dict[str, Any] = {
         "state_dict": model.state_dict(),
         "initial": start,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
+    if best is not None:
+        out["best_checkpoint"] = (Path(best.best_model_path).name, float(best.best_model_score))
     for stage in scenario.get("after", []):
         eval_loader = make_loader(**scenario.get("eval_loader", {}))
         if stage == "validate":

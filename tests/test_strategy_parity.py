@@ -54,6 +54,16 @@ WORLD_4 = [
         after=["validate", "test", "predict"],
     ),
     scenario("P2D2-meta-init", strategy={"pipeline_stages": 2, "microbatches": 2}, model={"meta_init": True}),
+    # torchmetrics objects logged on steps and epochs, and a ModelCheckpoint monitoring one (3 epochs of 4 steps;
+    # keeping the lowest R^2, not the last epoch's, so that the choice rests on every epoch's value)
+    scenario(
+        "P2D2-torchmetrics",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "MetricModel"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": -1, "max_epochs": 3, "limit_val_batches": None},
+        checkpoint={"monitor": "val_r2", "mode": "min"},
+    ),
     # cost-balanced cuts: the expensive first layer gets a stage of its own
     scenario(
         "P2D2-balanced-cuts-uneven-layers",
@@ -439,3 +449,18 @@ def test_meta_init_is_layout_independent(jobs: dict, tmp_path_factory) -> None:
     assert sorted(single) == sorted(initial)
     for k in single:
         assert torch.equal(single[k], initial[k]), k
+
+
+def test_torchmetrics_objects_log_what_one_process_logs(jobs: dict, tmp_path_factory) -> None:
+    """R^2 of the last step (over its micro-batches of both replicas, not their mean) and of each epoch, MSE and R^2
+    of validation epochs: the values of one process on every rank; ModelCheckpoint keeps the same best epoch."""
+    case = next(s for s in WORLD_4 if s["name"] == "P2D2-torchmetrics")
+    ranks = _results(jobs, 4, tmp_path_factory)[case["name"]]
+    ref = reference_run(case)
+    names = ("train_r2_step", "train_r2_epoch", "val_mse", "val_r2")
+    assert set(names) <= set(ref["metrics"])
+    for r in ranks:
+        for name in names:
+            assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-6), name
+        assert r["best_checkpoint"][0] == ref["best_checkpoint"][0] != "epoch=2-step=12.ckpt"
+        assert r["best_checkpoint"][1] == pytest.approx(ref["best_checkpoint"][1], rel=1e-5)

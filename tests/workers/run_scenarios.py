@@ -202,6 +202,9 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         result["restored_step"] = strategy.restored_manifest["step"]
     if scenario.get("checkpoint"):
         result["checkpoint_files"] = sorted(str(p.relative_to(target / "ckpts")) for p in (target / "ckpts").rglob("*"))
+        best = trainer.checkpoint_callback
+        if best is not None and best.monitor is not None and best.best_model_path:
+            result["best_checkpoint"] = (Path(best.best_model_path).name, float(best.best_model_score))
     for stage in scenario.get("after", []):
         eval_loader = make_loader(**scenario.get("eval_loader", {}))
         if stage == "validate":

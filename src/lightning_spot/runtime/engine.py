@@ -16,12 +16,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torchmetrics import Metric
 
 from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError, PipelineLayout
@@ -30,7 +31,15 @@ from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages, placement_of
 from lightning_spot.runtime.cross_pipeline import CrossPipelineSync
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
-from lightning_spot.runtime.logging_bridge import LastStageShare, LogCapture, LogRecord, reduce_records, replay
+from lightning_spot.runtime.logging_bridge import (
+    METRIC,
+    LastStageShare,
+    LogCapture,
+    LogRecord,
+    reduce_records,
+    replay,
+)
+from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
 from lightning_spot.runtime.schedules import resolve_schedule
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
@@ -119,7 +128,11 @@ class PipelineEngine:
         self.params: list[nn.Parameter] = []
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
-        self.runner.loss_weights.group = ctx.dp_group if self.holds_last else None
+        last_stages = ctx.dp_group if self.holds_last else None  # of all pipelines (or None: one pipeline)
+        self.runner.loss_weights.group = last_stages
+        self.metric_calls = self.runner.metric_calls = MetricCalls(module, last_stages, self.holds_last)
+        #: what stands for each logged torchmetrics.Metric on this rank, by logged name
+        self.shared_metrics: dict[str, SharedMetric] = {}
         self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
         self.share = LastStageShare(ctx.pp_group, self.last_stage_rank, ctx.device)
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
@@ -282,10 +295,10 @@ class PipelineEngine:
         put_grads(self.params, saved)
         self.samples_seen += global_batch
         weights = self.runner.loss_weights
-        logged = self._share_logs(weights.records() if self.holds_last else [])
+        logged = self._share_logs(weights.records() if self.holds_last else [], training=True)
         # losses that are means over items (tokens) count by their items: the gradients get the step's factor
         loss, self._pending_factor = weights.settle(logged, self.layout.total_microbatches)
-        replay(self.module, logged, batch_size=global_batch, device=self.ctx.device)
+        replay(self.module, logged, batch_size=global_batch, device=self.ctx.device, shown=self._shown)
         return torch.tensor(loss, device=self.ctx.device)
 
     @contextlib.contextmanager
@@ -328,20 +341,42 @@ class PipelineEngine:
         extra = (
             [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []
         )
-        logged = self._share_logs(extra)
+        logged = self._share_logs(extra, training=False)
         total = int(logged.pop("__samples__")[0])
-        replay(self.module, logged, batch_size=total, device=self.ctx.device)
+        replay(self.module, logged, batch_size=total, device=self.ctx.device, shown=self._shown)
         if mode != "predict":
             return None
         merged = _merge_outputs([r[1] for r in results]) if self.holds_last else None
         return self.share(merged)
 
-    def _share_logs(self, extra: list[LogRecord]) -> dict[str, tuple[float, dict[str, Any]]]:
+    def _share_logs(self, extra: list[LogRecord], training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:
         payload = None
         if self.holds_last:
             payload = reduce_records(self.capture.records + extra, self.ctx.dp_group, self.ctx.device)
+            payload.update(self._metric_values(training))
         self.capture.clear()
+        self.metric_calls.clear()
         return self.share(payload)
+
+    def _metric_values(self, training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:
+        """The step's value of each logged ``torchmetrics.Metric`` (when logged on steps; collective over the last
+        stages), with the attribute that holds it."""
+        attributes = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+        values = {}
+        for name, (metric, options) in sorted(self.capture.metrics.items()):
+            on_step = options.get("on_step", training)  # Lightning's defaults: on steps in training only
+            value = self.metric_calls.step_value(metric) if on_step else None
+            values[name] = (value, {**options, METRIC: attributes[id(metric)]})
+        return values
+
+    def _shown(self, name: str, attribute: str, value: Any) -> SharedMetric:
+        """The object logged on this rank for the user's metric at ``attribute`` (the same one every step)."""
+        shown = self.shared_metrics.get(name)
+        if shown is None:
+            metric = cast(Metric, self.module.get_submodule(attribute))
+            shown = self.shared_metrics[name] = SharedMetric(metric, self.holds_last, self.share).to(self.ctx.device)
+        shown.show_step(value)
+        return shown
 
 
 def _merge_outputs(outputs: list[Any]) -> Any:

@@ -11,13 +11,14 @@ on each rank through the real ``LightningModule.log``, marked as synchronised al
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torchmetrics import Metric
 
 from lightning_spot._dist import broadcast_object
 
@@ -25,6 +26,8 @@ _SYNC_KEYS = ("sync_dist", "sync_dist_group")
 #: the ``sync_dist_group`` of values this bridge logs: reduced over micro-batches and replicas already, so the
 #: strategy's ``reduce`` hands them back unchanged (and Lightning does not ask for ``sync_dist=True``)
 ALREADY_REDUCED = "lightning_spot:already-reduced"
+#: in the options of a logged value: the ``LightningModule`` attribute of the ``torchmetrics.Metric`` it stands for
+METRIC = "lightning_spot:metric"
 _REDUCE = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -44,6 +47,8 @@ class LogCapture:
     """Collects ``self.log`` calls made while a pipeline step runs."""
 
     records: list[LogRecord] = field(default_factory=list)
+    #: ``torchmetrics.Metric`` objects logged in the step, by name, with their options
+    metrics: dict[str, tuple[Metric, dict[str, Any]]] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def capturing(self, module: torch.nn.Module, weight: float, keep: bool) -> Iterator[None]:
@@ -54,18 +59,13 @@ class LogCapture:
                 raise TypeError("spot_pipeline: pass self.log options as keyword arguments")
             if not keep:
                 return
-            from torchmetrics import Metric
-
-            if isinstance(value, Metric):
-                raise NotImplementedError(
-                    f"self.log({name!r}, <torchmetrics.Metric>) inside a pipelined step is not supported yet: the metric "
-                    f"lives on the last stage only. Log its value instead: `self.log({name!r}, metric(preds, target))`, "
-                    f"or compute it with torchmetrics.functional."
-                )
+            options = {k: v for k, v in kwargs.items() if k not in _SYNC_KEYS}
+            if isinstance(value, Metric):  # served on every rank by a SharedMetric (runtime/metric_bridge.py)
+                self.metrics[name] = (value, options)
+                return
             tensor = value.detach() if isinstance(value, Tensor) else torch.tensor(float(value))
             if tensor.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) needs a scalar, got shape {tuple(tensor.shape)}")
-            options = {k: v for k, v in kwargs.items() if k not in _SYNC_KEYS}
             self.records.append(LogRecord(name, tensor.reshape(()).float(), weight, options, source=id(value)))
 
         had = "log" in module.__dict__
@@ -89,6 +89,7 @@ class LogCapture:
 
     def clear(self) -> None:
         self.records.clear()
+        self.metrics.clear()
 
 
 def _reduce_fx(options: dict[str, Any]) -> str:
@@ -155,10 +156,21 @@ class LastStageShare:
         return broadcast_object(payload, self.group, group_src=self.src)
 
 
-def replay(module: Any, logged: dict[str, tuple[float, dict[str, Any]]], batch_size: int, device: torch.device) -> None:
-    """Log the combined values through the real ``LightningModule.log`` on this rank."""
+def replay(
+    module: Any,
+    logged: dict[str, tuple[Any, dict[str, Any]]],
+    batch_size: int,
+    device: torch.device,
+    shown: Callable[[str, str, Any], Metric] | None = None,
+) -> None:
+    """Log the combined values through the real ``LightningModule.log`` on this rank; a metric (its options name
+    it under :data:`METRIC`) as the object ``shown(name, attribute, step value)``."""
     for name, (value, options) in logged.items():
         opts = dict(options)
+        attribute = opts.pop(METRIC, None)
+        if attribute is not None and shown is not None:
+            module.log(name, shown(name, attribute, value), metric_attribute=attribute, **opts)
+            continue
         opts.setdefault("batch_size", batch_size)
         synced = not opts.get("rank_zero_only", False)  # Lightning refuses sync_dist with rank_zero_only
         module.log(name, torch.tensor(value, device=device), sync_dist=synced, sync_dist_group=ALREADY_REDUCED, **opts)

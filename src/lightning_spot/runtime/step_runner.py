@@ -30,6 +30,7 @@ from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.item_counts import ItemCounts
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.loss_weights import LossWeights
+from lightning_spot.runtime.metric_bridge import MetricCalls
 from lightning_spot.runtime.offload import ActivationOffload
 from lightning_spot.runtime.weight_streaming import WeightStreaming
 
@@ -103,6 +104,8 @@ class StepRunner:
         #: what each micro-batch's loss is a mean over, and how the step's losses combine
         self.items = ItemCounts(module)
         self.loss_weights = LossWeights()
+        #: the step's calls of the module's torchmetrics metrics (set up by the engine, which knows the groups)
+        self.metric_calls: MetricCalls | None = None
         self._train_steps = 0
         self._warned_unweighted = False
 
@@ -198,6 +201,7 @@ class StepRunner:
             self.capture.capturing(self.module, weight=float(idx.numel()), keep=True),
             self._saving(),
             self.items.micro_batch(watch),
+            self.metric_calls.collecting() if self.metric_calls is not None else contextlib.nullcontext(),
         ):
             result = self._call(micro_batch)
         if self.last_stage > 0 and not run.layers_started:

@@ -1,0 +1,144 @@
+"""``self.log(name, metric)`` with a ``torchmetrics.Metric`` object inside a pipelined step, as in plain Lightning.
+
+    calls = MetricCalls(module, last_group, holds_last)  # hooks on every Metric of the module
+    with calls.collecting():                             # the last stage's run of the user's step
+        module.training_step(micro_batch)                # self.acc(preds, y); self.log("acc", self.acc)
+    value = calls.step_value(metric)                     # the metric over the step's micro-batches, all replicas
+    shown = SharedMetric(metric, holds_last, share)      # logged on every rank instead of the metric itself
+
+The user's metric lives where its inputs are: on the last stage, updated by the step once per micro-batch,
+its state reduced over the last stages of all pipelines (its ``process_group`` is set to them). What plain
+Lightning reads from a logged metric is served on every rank by a :class:`SharedMetric`:
+
+* on a step (``on_step=True``): the metric of the step's whole global batch, from the micro-batches' own
+  ``metric(...)`` calls replayed into the metric with its epoch's states set aside (exact for any metric, not
+  a mean of means);
+* on an epoch (``on_epoch=True``): ``compute()`` of the user's metric on the last stages (synced over them),
+  sent to the other stages; ``reset()`` resets it. Lightning calls both on every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+from torchmetrics import Metric
+
+
+def _detached(value: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
+
+
+class MetricCalls:
+    """The ``metric(...)`` calls of the current step on this rank's last stage, per metric."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, holds_last: bool) -> None:
+        self.group = group
+        self.calls: dict[int, list[tuple[tuple, dict]]] = {}
+        self._collecting = False
+        for sub in module.modules():
+            if isinstance(sub, Metric):
+                if holds_last:
+                    sub.process_group = group  # epoch values: reduced over the last stages only
+                else:  # never updated here: a compute() of its own must not wait for the last stages
+                    sub.sync_on_compute = sub._to_sync = False
+                sub.register_forward_pre_hook(self._called, with_kwargs=True)
+
+    def _called(self, metric: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._collecting:
+            self.calls.setdefault(id(metric), []).append((_detached(args), _detached(kwargs)))
+
+    def clear(self) -> None:
+        self.calls = {}
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Record the metric calls of one run of the user's step (the last stage's, for one micro-batch)."""
+        self._collecting = True
+        try:
+            yield
+        finally:
+            self._collecting = False
+
+    def step_value(self, metric: Metric) -> float | None:
+        """The metric over every micro-batch of this step on the last stages of all pipelines (collective over
+        them), or ``None`` if the step did not call it (Lightning then logs nothing for the step either)."""
+        calls = self.calls.get(id(metric), [])
+        called = torch.tensor([float(len(calls))], device=metric.device)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(called, group=self.group)
+        if not called.item():
+            return None
+        # the metric itself, its epoch's states set aside: fed this step's calls, computed over the last stages
+        kept = _fresh_states(metric)
+        try:
+            for args, kwargs in calls:
+                metric.update(*args, **kwargs)
+            if not calls:  # a replica without this metric's inputs in this step still takes part in the sync
+                metric._update_count = 1
+            return float(metric.compute())
+        finally:
+            _restore_states(metric, kept)
+
+
+def _fresh_states(metric: Metric) -> dict[str, Any]:
+    """Give ``metric`` default states (new objects) and return what it held, untouched, with its counters."""
+    kept: dict[str, Any] = {attr: getattr(metric, attr) for attr in metric._defaults}
+    kept.update(_update_count=metric._update_count, _computed=metric._computed, _forward_cache=metric._forward_cache)
+    for attr, default in metric._defaults.items():
+        fresh: Any = default.detach().clone().to(metric.device) if isinstance(default, Tensor) else []
+        setattr(metric, attr, fresh)
+    metric._update_count, metric._computed = 0, None
+    return kept
+
+
+def _restore_states(metric: Metric, kept: dict[str, Any]) -> None:
+    for attr, value in kept.items():
+        setattr(metric, attr, value)
+
+
+class SharedMetric(Metric):
+    """Stands for a user's metric on every rank: what Lightning reads from a logged ``Metric``.
+
+    ``_forward_cache`` holds the step's value; ``compute()`` is the user's metric computed on the last stages and
+    sent to every rank of the pipeline (``share``: the last stage's object on every rank); ``reset()`` resets it.
+    """
+
+    full_state_update = False
+    metric: Metric
+    _forward_cache: Any
+
+    def __init__(self, metric: Metric, holds_last: bool, share: Callable[[Any], Any]) -> None:
+        super().__init__(sync_on_compute=False, compute_with_cache=True)
+        object.__setattr__(self, "metric", metric)  # not a submodule: no state of ours to save
+        self._holds_last = holds_last
+        self._share = share
+        self._update_count = 1  # Lightning may compute before any update of ours: there is none to make
+
+    def update(self) -> None:  # nothing to accumulate: the user's metric does
+        pass
+
+    def compute(self) -> Tensor:
+        metric: Metric = self.metric
+        value = None
+        if self._holds_last:
+            computed = metric.compute() if metric.update_called else torch.tensor(float("nan"))
+            value = computed.detach().cpu()
+        shared = self._share(value)
+        return torch.as_tensor(shared, device=self.device)
+
+    def reset(self) -> None:
+        super().reset()
+        self._update_count = 1
+        if self._holds_last:
+            self.metric.reset()
+
+    def show_step(self, value: float | None) -> None:
+        """The value Lightning logs for this step (``None``: the metric was not called in it)."""
+        self._forward_cache = None if value is None else torch.tensor(value, device=self.device)
+        self._computed = None
