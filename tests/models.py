@@ -298,3 +298,19 @@ class MetricModel(TinyPipelineModel):
         self.log("val_mse", self.val_mse, prog_bar=True)
         self.log("val_r2", self.val_r2)
         self.log("val_loss", F.mse_loss(out, y))
+
+
+class Overflow(L.Callback):
+    """Puts an inf into one gradient element of parameter ``param`` after the backward of step ``step``, on the
+    ranks holding it in data-parallel replica ``replica`` (a single process holds every parameter)."""
+
+    def __init__(self, param: str, step: int, replica: int = 0) -> None:
+        self.param, self.step, self.replica = param, step, replica
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        replica = engine.ctx.dp_rank if engine is not None else self.replica  # one process: every replica
+        param = dict(pl_module.named_parameters()).get(self.param)
+        if trainer.global_step == self.step and replica == self.replica and param is not None:
+            assert param.grad is not None
+            param.grad.view(-1)[0] = float("inf")

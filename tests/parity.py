@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.distributed import launch
-from tests.models import MetaInitPipelineModel, make_dataset, make_loader, make_model
+from tests.models import MetaInitPipelineModel, Overflow, make_dataset, make_loader, make_model
 
 WORKER = "tests/workers/run_scenarios.py"
 
@@ -69,12 +69,25 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
             from lightning.pytorch.callbacks import ModelCheckpoint
 
             best = ModelCheckpoint(dirpath=tmp, save_top_k=-1, **options)
+        callbacks: list[L.Callback] = [best] if best is not None else []
+        if "overflow" in scenario:
+            callbacks.append(Overflow(**scenario["overflow"]))
+        plugins = []
+        if scenario.get(
+            "fp16"
+        ):  # (the initial loss scale) Lightning runs 16-mixed as bf16 on CPUs unless given a scaler
+            from lightning.pytorch.plugins.precision import MixedPrecision
+
+            plugins.append(
+                MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scenario["fp16"]))
+            )
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
             logger=False,
             enable_checkpointing=best is not None,
-            callbacks=[best] if best is not None else None,
+            callbacks=callbacks or None,
+            plugins=plugins or None,
             enable_progress_bar=False,
             enable_model_summary=False,
             **{"limit_val_batches": 0, **scenario.get("trainer", {})},
@@ -86,6 +99,9 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
         "initial": start,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        out["loss_scale"] = float(scaler.get_scale())
     if best is not None:
         out["best_checkpoint"] = (Path(best.best_model_path).name, float(best.best_model_score))
     for stage in scenario.get("after", []):

@@ -115,14 +115,15 @@ def test_global_batch_not_divisible_lists_valid_sizes() -> None:
         next(iter(sampler))
 
 
-def test_fp16_mixed_precision_is_refused() -> None:
+def test_fp16_with_optimizer_offload_is_refused() -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     with pytest.warns(UserWarning):  # no CUDA here: the scaler warns but is created
         plugin = MixedPrecision("16-mixed", "cuda")
-    strategy = SpotPipelineStrategy(precision_plugin=plugin)
-    with pytest.raises(LayoutError, match="precision='16-mixed' is not supported.*bf16-mixed"):
+    strategy = SpotPipelineStrategy(precision_plugin=plugin, offload="optimizer")
+    with pytest.raises(LayoutError, match="precision='16-mixed' with offload=\\['optimizer'\\] is not supported.*bf16"):
         strategy._check_supported(None, make_model())  # type: ignore[arg-type]
+    SpotPipelineStrategy(precision_plugin=plugin)._check_supported(None, make_model())  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,27 @@ WORLD_4 = [
         after=["validate", "test", "predict"],
     ),
     scenario("P2D2-meta-init", strategy={"pipeline_stages": 2, "microbatches": 2}, model={"meta_init": True}),
+    # fp16 with one loss scale (from 256: no overflow of its own, in one process either): normal steps, then an
+    # inf in one gradient of one stage of one replica at step 2 (every rank skips that step and halves the scale),
+    # with clipping after the unscale
+    scenario("P2D2-fp16-mixed", strategy={"pipeline_stages": 2, "microbatches": 2}, fp16=256),
+    scenario(
+        "P2D2-fp16-mixed-overflow-clip",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        fp16=256,
+        overflow={"param": "layers.3.fc.weight", "step": 2, "replica": 1},
+        trainer={"max_steps": 5, "gradient_clip_val": 0.5},
+        checkpoint={"every_n_train_steps": 3},
+    ),
+    # ... resumed from its step 3 onto four stages: the loss scale (halved at step 2) comes back with the rest
+    scenario(
+        "P4D1-fp16-mixed-resumed-after-overflow",
+        strategy={"pipeline_stages": 4, "microbatches": 4},
+        fp16=256,
+        overflow={"param": "layers.3.fc.weight", "step": 2, "replica": 1},
+        trainer={"max_steps": 5, "gradient_clip_val": 0.5},
+        resume={"from": "P2D2-fp16-mixed-overflow-clip", "file": "epoch=0-step=3.ckpt"},
+    ),
     # torchmetrics objects logged on steps and epochs, and a ModelCheckpoint monitoring one (3 epochs of 4 steps;
     # keeping the lowest R^2, not the last epoch's, so that the choice rests on every epoch's value)
     scenario(
@@ -310,7 +331,7 @@ CASES = [(w, s) for w, group in ALL.items() for s in group]
 def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs: dict, tmp_path_factory) -> None:
     ranks = _results(jobs, world, tmp_path_factory)[case["name"]]
     initial = merged_state(ranks, "initial") if case.get("model", {}).get("meta_init") else None
-    bf16 = case["trainer"].get("precision") in ("bf16-mixed", "bf16-true")
+    bf16 = case["trainer"].get("precision") in ("bf16-mixed", "bf16-true") or case.get("fp16", False)
     if bf16 and (
         "optimizer" in str(case["strategy"].get("offload")) or "parameters" in str(case["strategy"].get("offload"))
     ):
@@ -464,3 +485,17 @@ def test_torchmetrics_objects_log_what_one_process_logs(jobs: dict, tmp_path_fac
             assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-6), name
         assert r["best_checkpoint"][0] == ref["best_checkpoint"][0] != "epoch=2-step=12.ckpt"
         assert r["best_checkpoint"][1] == pytest.approx(ref["best_checkpoint"][1], rel=1e-5)
+
+
+def test_fp16_agrees_on_one_loss_scale(jobs: dict, tmp_path_factory) -> None:
+    """Every rank ends with the scale of one process: the same on all, halved once by the injected overflow (which
+    only one stage of one replica saw), and the skipped step skipped everywhere (the parameters match)."""
+    results = _results(jobs, 4, tmp_path_factory)
+    plain, overflow = results["P2D2-fp16-mixed"], results["P2D2-fp16-mixed-overflow-clip"]
+    assert {r["scaler"] for r in plain + overflow} == {"ShardedGradScaler"}
+    assert {r["loss_scale"] for r in plain} == {256.0}
+    ref = reference_run(next(s for s in WORLD_4 if s["name"] == "P2D2-fp16-mixed-overflow-clip"))
+    assert ref["loss_scale"] == 128.0
+    assert {r["loss_scale"] for r in overflow} == {128.0}
+    resumed = results["P4D1-fp16-mixed-resumed-after-overflow"]  # (its parameters: test_matches_single_process...)
+    assert {r["loss_scale"] for r in resumed} == {128.0}, "the scaler's state is restored onto another layout"

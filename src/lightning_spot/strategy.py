@@ -67,6 +67,7 @@ from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import clip_grad_norm_global
 from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
+from lightning_spot.runtime.loss_scale import coordinated_scaler
 from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload, offload_levels
 from lightning_spot.runtime.process import (
     ThreadSetup,
@@ -81,7 +82,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
 
-_SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
+_SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 
 
 class SpotPipelineStrategy(ParallelStrategy):
@@ -365,6 +366,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             if "activations" in self._offloaded():
                 self.engine.runner.activation_offload = ActivationOffload(self.root_device)
             self.engine.runner.grads_final.append(self._stage_grads_final)
+        self.engine.runner.scaler = coordinated_scaler(self.precision_plugin)  # fp16: one loss scale everywhere
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
@@ -402,8 +404,13 @@ class SpotPipelineStrategy(ParallelStrategy):
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if precision not in _SUPPORTED_PRECISION:
             raise LayoutError(
-                f"precision={precision!r} is not supported by spot_pipeline (fp16 needs a loss scaler across "
-                f"stages). Use one of {list(_SUPPORTED_PRECISION)}, e.g. 'bf16-mixed'."
+                f"precision={precision!r} is not supported by spot_pipeline. Use one of {list(_SUPPORTED_PRECISION)}."
+            )
+        levels = self._requested.offload
+        if precision == "16-mixed" and levels != "auto" and {"optimizer", "parameters"} & set(levels):
+            raise LayoutError(
+                f"precision='16-mixed' with offload={list(levels)} is not supported yet (the gradient scaler would "
+                f"unscale gradients in host memory). Use precision='bf16-mixed' with offload, or fp16 without it."
             )
 
     def _build_engine(self, module: pl.LightningModule) -> PipelineEngine:

@@ -19,7 +19,7 @@ import torch
 import tests.fakefs  # noqa: F401  registers the slowfile:// and flakyfile:// test filesystems
 from lightning_spot import SpotPipelineStrategy
 from lightning_spot.partition.stage_run import active_run
-from tests.models import MetaInitPipelineModel, make_loader, make_model
+from tests.models import MetaInitPipelineModel, Overflow, make_loader, make_model
 
 
 class RecordInitial(L.Callback):
@@ -136,6 +136,15 @@ def run(scenario: dict[str, Any], out: Path) -> None:
 
         throughput = PipelineThroughput(**scenario["throughput"])
         callbacks.append(throughput)
+    plugins = []
+    if scenario.get("fp16"):  # (the initial loss scale) Lightning runs 16-mixed as bf16 on CPUs unless given a scaler
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugins.append(
+            MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scenario["fp16"]))
+        )
+    if "overflow" in scenario:
+        callbacks.append(Overflow(**scenario["overflow"]))
     ckpt_path = scenario.get("ckpt_path")
     if "resume" in scenario:
         ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])
@@ -148,6 +157,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        plugins=plugins or None,
         **{"limit_val_batches": 0, **scenario.get("trainer", {})},
     )
     loader = make_loader(**scenario.get("loader", {}))
@@ -168,6 +178,10 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "reduced_during_backward": strategy.engine.cross.launched_early if strategy.engine.cross else None,
         "parameters": strategy.count_parameters(),
     }
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:  # fp16: where the loss scale ended, and the scaler every rank agreed with
+        result["loss_scale"] = float(scaler.get_scale())
+        result["scaler"] = type(scaler).__name__
     if strategy.offload is not None:  # where the optimizer's state lives (offload="optimizer")
         states = [
             t for st in trainer.optimizers[0].state.values() for t in st.values() if torch.is_tensor(t) and t.dim()

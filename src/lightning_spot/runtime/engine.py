@@ -281,6 +281,9 @@ class PipelineEngine:
         tracing = traced_p2p(clock.timeline) if clock.timeline is not None else contextlib.nullcontext()
         if self.cross is not None:
             self.cross.start_step(m, self.layout.total_microbatches)
+        # fp16: a micro-batch's scaled loss is divided by the step's micro-batches, so that the backward's fp16
+        # values are as large as one process's on the whole batch (the same overflows); multiplied back below
+        divisor = self.runner.scale_divisor = self.layout.total_microbatches if self.runner.scaler is not None else 1
         with self.runner.bind("training_step", "train", batch, args, kwargs), tracing, self._streaming(("train", m)):
             program.step(idx, target=idx, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
@@ -297,7 +300,8 @@ class PipelineEngine:
         weights = self.runner.loss_weights
         logged = self._share_logs(weights.records() if self.holds_last else [], training=True)
         # losses that are means over items (tokens) count by their items: the gradients get the step's factor
-        loss, self._pending_factor = weights.settle(logged, self.layout.total_microbatches)
+        loss, factor = weights.settle(logged, self.layout.total_microbatches)
+        self._pending_factor = factor * divisor
         replay(self.module, logged, batch_size=global_batch, device=self.ctx.device, shown=self._shown)
         return torch.tensor(loss, device=self.ctx.device)
 

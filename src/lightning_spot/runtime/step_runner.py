@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.amp import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_spot.partition.discovery import ModelContractError
@@ -106,6 +107,10 @@ class StepRunner:
         self.loss_weights = LossWeights()
         #: the step's calls of the module's torchmetrics metrics (set up by the engine, which knows the groups)
         self.metric_calls: MetricCalls | None = None
+        #: fp16 (``precision="16-mixed"``): the gradient scaler every rank agrees with (runtime/loss_scale.py), and
+        #: the step's micro-batches over all replicas, which each scaled loss is divided by in the backward
+        self.scaler: GradScaler | None = None
+        self.scale_divisor = 1
         self._train_steps = 0
         self._warned_unweighted = False
 
@@ -261,7 +266,10 @@ class StepRunner:
                 self._warned_unweighted = True
                 warnings.warn(UNWEIGHTED_MEAN, UserWarning, stacklevel=1)
             self.capture.weigh(first_record, counts)
-            return self.loss_weights.add(loss, count, int(idx.numel()))
+            backed = self.loss_weights.add(loss, count, int(idx.numel()))
+            if self.scaler is not None:  # fp16: one scale everywhere; per-sample gradients as large as on one
+                backed = self.scaler.scale(backed) / self.scale_divisor  # process (the engine multiplies back)
+            return backed
         self.capture.weigh(first_record, counts)
         if self.mode == "predict":
             self.results.append((idx, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result)))
