@@ -222,7 +222,7 @@ def state_size(hp: dict[str, Any]) -> dict[str, float]:
 
 # ============================================================================= part (a)
 def part_a(args: argparse.Namespace, tmp: Path, log_dir: Path, s3: dict[str, Any] | None) -> list[dict[str, Any]]:
-    from lightning_spot.checkpoint.storage import MANIFEST, Storage
+    from lightning_spot.checkpoint.durable.storage import MANIFEST, Storage
 
     targets = ["none", "local"] + (["s3"] if s3 else [])
     rows: list[dict[str, Any]] = []
@@ -359,10 +359,10 @@ def part_b(
 
     from examples.gpt.model import TinyGPT
     from lightning_spot import load_full_state_dict
+    from lightning_spot.checkpoint.durable.read import load_checkpoint
+    from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
+    from lightning_spot.checkpoint.durable.write import write_checkpoint
     from lightning_spot.checkpoint.payload import optimizer_state, split_checkpoint
-    from lightning_spot.checkpoint.read import load_checkpoint
-    from lightning_spot.checkpoint.storage import Storage, step_dirname
-    from lightning_spot.checkpoint.write import write_checkpoint
 
     def model_and_optimizer(seed: int) -> tuple[Any, Any]:
         torch.manual_seed(seed)

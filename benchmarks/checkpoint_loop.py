@@ -64,7 +64,7 @@ def run(job: dict[str, Any]) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
-    from lightning_spot.checkpoint.snapshotter import Snapshotter
+    from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 
     background_cpu = {"snapshot": [], "save": []}  # thread CPU seconds of each background write (this rank)
     _count_thread_cpu(Snapshotter, "_write", background_cpu["snapshot"])

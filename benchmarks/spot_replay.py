@@ -87,8 +87,8 @@ def trace_events(trace: Trace, *, cap: int, compress: float, start: float, span:
 def training(run: Path, after: int = 0, world: int | None = None) -> bool:
     """Whether the group is training: its newest attempt (one of those after the first ``after``; on ``world``
     processes, if given) has taken a step (the run's history says so)."""
-    from lightning_spot.checkpoint.journal import read_events
-    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.checkpoint.durable.journal import read_events
+    from lightning_spot.checkpoint.durable.storage import Storage
 
     if not run.exists():
         return False
@@ -105,8 +105,8 @@ def training(run: Path, after: int = 0, world: int | None = None) -> bool:
 
 def attempts(run: Path) -> int:
     """How many attempts the run's history has started."""
-    from lightning_spot.checkpoint.journal import read_events
-    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.checkpoint.durable.journal import read_events
+    from lightning_spot.checkpoint.durable.storage import Storage
 
     return [e["kind"] for e in read_events(Storage(str(run)))].count("start") if run.exists() else 0
 
@@ -293,7 +293,7 @@ def render(result: dict[str, Any], report: dict[str, Any], title: str) -> bytes:
 def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.checkpoint.durable.storage import Storage
     from lightning_spot.observe.run_report import build_report
     from tests.parity import merged_state, reference_run
 
@@ -325,7 +325,7 @@ def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: 
     """Each restart of the run with the replay events behind it (those between the previous restart's new
     processes and its own) and the time from the first of them to the first step after: ``stop`` (a notice's
     coordinated stop), ``restart`` (exit, failure detection, rendezvous, new processes), ``setup``, ``restore``
-    and ``first_step`` as the run's history measured them (``lightning_spot.checkpoint.journal.recovery_phases``).
+    and ``first_step`` as the run's history measured them (``lightning_spot.checkpoint.durable.journal.recovery_phases``).
     Its kind: "leave (kill)" when the history saw a failure (a kill among the events), else "leave (notice)" when
     a node left, else "join". After a kill the history's ``restart`` also holds the steps taken since its last
     record, so ``after_kill`` gives the part after the (last) kill, from the replay's clock."""
@@ -373,7 +373,7 @@ def _label(event: dict[str, Any]) -> str:
 
 def mean_phases(phases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Mean seconds per phase and of event -> first step, by the kind of event that caused the restart."""
-    from lightning_spot.checkpoint.journal import RECOVERY_PHASES
+    from lightning_spot.checkpoint.durable.journal import RECOVERY_PHASES
 
     out: dict[str, dict[str, float]] = {}
     for kind in sorted({p["event"] for p in phases}):

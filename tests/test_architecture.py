@@ -29,7 +29,7 @@ ROWS = {
 
 
 def _room(module: str) -> str:
-    """``lightning_spot.checkpoint.read`` -> ``checkpoint``; ``lightning_spot`` -> ``__init__``."""
+    """``lightning_spot.checkpoint.durable.read`` -> ``checkpoint``; ``lightning_spot`` -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -170,7 +170,7 @@ def test_unusable_storage_fails_before_training(tmp_path: Path, s3_endpoint: str
 
 def test_checkpoint_metadata_cannot_run_code(tmp_path: Path) -> None:
     """Loading parses DCP metadata with an allow-list: a booby-trapped .metadata is refused, not executed."""
-    from lightning_spot.checkpoint.shards import SafeReader, save_shards
+    from lightning_spot.checkpoint.durable.shards import SafeReader, save_shards
 
     save_shards(str(tmp_path / "ck"), {"model": {"w": torch.ones(2)}})
     target = tmp_path / "pwned"

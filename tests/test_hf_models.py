@@ -288,7 +288,7 @@ def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factor
     import transformers
 
     from lightning_spot import load_full_state_dict
-    from lightning_spot.checkpoint.shards import SafeReader
+    from lightning_spot.checkpoint.durable.shards import SafeReader
 
     tmp = tmp_path_factory.mktemp("tied-morph")
     run = str(tmp / "run")

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.checkpoint.durable.storage import Storage
 from tests.distributed import free_port
 from tests.elastic import Agent, agents_cleanup, wait_for
 from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios

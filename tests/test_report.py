@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from lightning_spot.checkpoint.journal import EVENTS
-from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.checkpoint.durable.journal import EVENTS
+from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.observe.run_report import build_report, format_report
 
 P2D2 = {"pipeline_stages": 2, "data_parallel": 2, "schedule": "1F1B", "microbatches": 4, "cuts": [2], "stages": 2}

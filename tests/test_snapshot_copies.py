@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_spot.checkpoint import snapshotter as snapshotter_module
 from lightning_spot.checkpoint import tensorfile
-from lightning_spot.checkpoint.mapped import FileMaps
-from lightning_spot.checkpoint.snapshot import SnapshotStore
-from lightning_spot.checkpoint.snapshotter import Snapshotter
+from lightning_spot.checkpoint.memory import snapshotter as snapshotter_module
+from lightning_spot.checkpoint.memory.mapped import FileMaps
+from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
+from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 
 LAYOUT = {"pipeline_stages": 1, "data_parallel": 1}
 
@@ -142,7 +142,7 @@ def test_a_local_upload_writes_the_same_bytes_with_or_without_direct_io(
 ) -> None:
     import errno
 
-    from lightning_spot.checkpoint import shares
+    from lightning_spot.checkpoint.durable import shares
 
     if direct:
         try:
@@ -176,9 +176,9 @@ def test_a_local_upload_writes_the_same_bytes_with_or_without_direct_io(
 
 
 def test_a_checkpoint_whose_copy_changed_is_written_by_no_rank(tmp_path: Path) -> None:
+    from lightning_spot.checkpoint.durable.storage import Storage
+    from lightning_spot.checkpoint.durable.write import write_checkpoint
     from lightning_spot.checkpoint.payload import Payload
-    from lightning_spot.checkpoint.storage import Storage
-    from lightning_spot.checkpoint.write import write_checkpoint
 
     storage = Storage(str(tmp_path / "run"))
     payload = Payload(tensors={"model": {"w": torch.ones(3)}}, optimizer_values=[], rng=None, lightning={})

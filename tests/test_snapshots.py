@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from lightning_spot.checkpoint import tensorfile
-from lightning_spot.checkpoint.recall import Recall, Source
-from lightning_spot.checkpoint.snapshot import SnapshotError, SnapshotStore
-from lightning_spot.checkpoint.snapshotter import needs_peer_copy
+from lightning_spot.checkpoint.memory.recall import Recall, Source
+from lightning_spot.checkpoint.memory.snapshot import SnapshotError, SnapshotStore
+from lightning_spot.checkpoint.memory.snapshotter import needs_peer_copy
 from tests.distributed import free_port
 from tests.elastic import Agent, agents_cleanup, assert_restart_phases, port_open, wait_for
 from tests.parity import assert_same_params, merged_state, reference_run
@@ -273,7 +273,7 @@ def test_too_little_memory_turns_snapshots_off_with_a_warning(
     """A tmpfs too small for the node's snapshots: a warning with the figures, no snapshot, training goes on."""
     import shutil
 
-    from lightning_spot.checkpoint import snapshotter
+    from lightning_spot.checkpoint.memory import snapshotter
 
     store = SnapshotStore(tmp_path / "shm")
     store.check()
@@ -340,9 +340,9 @@ def test_a_durable_checkpoint_from_a_snapshot_is_its_files_checked_when_read(tmp
     """write_checkpoint(snapshot=...) uploads the share's files as they are; a damaged one is refused by
     its CRC32C and the previous checkpoint is used."""
     from lightning_spot import load_full_state_dict
+    from lightning_spot.checkpoint.durable.storage import Storage
+    from lightning_spot.checkpoint.durable.write import write_checkpoint
     from lightning_spot.checkpoint.payload import Payload
-    from lightning_spot.checkpoint.storage import Storage
-    from lightning_spot.checkpoint.write import write_checkpoint
 
     store = SnapshotStore(tmp_path / "shm")
     storage = Storage(str(tmp_path / "run"))
@@ -379,8 +379,8 @@ def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_a
     """Local directories get the share copied inside the kernel (sendfile), other storage in chunks: the same
     files, and the records are those of the bytes (the tensor file's as its snapshot recorded it)."""
     from lightning_spot.checkpoint import checksum
-    from lightning_spot.checkpoint.shares import upload_share
-    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.checkpoint.durable.shares import upload_share
+    from lightning_spot.checkpoint.durable.storage import Storage
 
     store = SnapshotStore(tmp_path / "shm")
     _write(store, 2, 0, ["a", "b"])
@@ -398,10 +398,10 @@ def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_a
 
 def test_a_local_checkpoint_that_retention_deletes_lends_its_tensor_files_to_the_next_uploads(tmp_path: Path) -> None:
     from lightning_spot import load_full_state_dict
+    from lightning_spot.checkpoint.durable.shares import SPARES, clear_spares, recycle
+    from lightning_spot.checkpoint.durable.storage import Storage
+    from lightning_spot.checkpoint.durable.write import write_checkpoint
     from lightning_spot.checkpoint.payload import Payload
-    from lightning_spot.checkpoint.shares import SPARES, clear_spares, recycle
-    from lightning_spot.checkpoint.storage import Storage
-    from lightning_spot.checkpoint.write import write_checkpoint
 
     store, storage = SnapshotStore(tmp_path / "shm"), Storage(str(tmp_path / "run"))
     inodes = {}

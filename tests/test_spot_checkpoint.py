@@ -97,7 +97,7 @@ def test_resume_on_another_layout_has_the_same_math(name: str, morphs: dict, uni
 
 @pytest.mark.parametrize("name", list(MORPHS))
 def test_storage_holds_the_last_committed_checkpoints(name: str, morphs: dict) -> None:
-    from lightning_spot.checkpoint.storage import Storage
+    from lightning_spot.checkpoint.durable.storage import Storage
 
     run = morphs["runs"][name]
     storage = Storage(run["dirpath"], run.get("storage_options"))

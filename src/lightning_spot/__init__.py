@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_spot._version import __version__ as __version__
 from lightning_spot._warnings import hide_inapplicable_warnings
 from lightning_spot.checkpoint import CheckpointError, SpotCheckpoint, StorageError
-from lightning_spot.checkpoint.consolidate import load_full_state_dict
+from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
 from lightning_spot.data import EpochShuffleSampler
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout
 from lightning_spot.observe.throughput import PipelineThroughput

@@ -42,11 +42,11 @@ from typing_extensions import override
 from lightning_spot._dist import broadcast_object, is_initialized
 from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import payload
-from lightning_spot.checkpoint.read import CheckpointError, load_checkpoint, load_snapshot, snapshot_needs
-from lightning_spot.checkpoint.recall import Recall
-from lightning_spot.checkpoint.snapshot import SNAPSHOT_SCHEME, SnapshotStore
-from lightning_spot.checkpoint.storage import Storage
-from lightning_spot.checkpoint.write import write_checkpoint
+from lightning_spot.checkpoint.durable.read import CheckpointError, load_checkpoint, load_snapshot, snapshot_needs
+from lightning_spot.checkpoint.durable.storage import Storage
+from lightning_spot.checkpoint.durable.write import write_checkpoint
+from lightning_spot.checkpoint.memory.recall import Recall
+from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotStore
 from lightning_spot.data import shard_dataloader
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover

@@ -116,7 +116,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     if scenario.get("slow_snapshot_copies"):  # the background copies start late: the next step must wait for them
         import time
 
-        from lightning_spot.checkpoint import snapshotter
+        from lightning_spot.checkpoint.memory import snapshotter
 
         finish, delay = snapshotter._finish_copies, scenario["slow_snapshot_copies"]
         snapshotter._finish_copies = lambda pending: (time.sleep(delay) if pending else None) or finish(pending)  # type: ignore[assignment]

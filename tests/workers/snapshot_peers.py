@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_spot.checkpoint import snapshotter as snapshotter_module
-from lightning_spot.checkpoint.snapshot import SnapshotStore
-from lightning_spot.checkpoint.snapshotter import Snapshotter
+from lightning_spot.checkpoint.memory import snapshotter as snapshotter_module
+from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
+from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 
 
 def main(out: Path) -> None:

@@ -24,15 +24,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized, rank
 from lightning_spot.checkpoint.background import start_background
+from lightning_spot.checkpoint.durable.journal import Journal, read_events, summarize
+from lightning_spot.checkpoint.durable.read import CheckpointError
+from lightning_spot.checkpoint.durable.shares import clear_spares, recycle
+from lightning_spot.checkpoint.durable.storage import Storage, StorageError, step_dirname, step_of
+from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
-from lightning_spot.checkpoint.journal import Journal, read_events, summarize
+from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotStore
+from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import Staging, split_checkpoint
-from lightning_spot.checkpoint.read import CheckpointError
-from lightning_spot.checkpoint.shares import clear_spares, recycle
-from lightning_spot.checkpoint.snapshot import SNAPSHOT_SCHEME, SnapshotStore
-from lightning_spot.checkpoint.snapshotter import Snapshotter
-from lightning_spot.checkpoint.storage import Storage, StorageError, step_dirname, step_of
-from lightning_spot.checkpoint.write import write_checkpoint
 from lightning_spot.preemption.coordinate import agree
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher

@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeGuard
 
 import torch
 
-from lightning_spot.checkpoint.snapshot import SnapshotStore
+from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.layout import PipelineLayout
 from lightning_spot.runtime.clock import StepClock
 

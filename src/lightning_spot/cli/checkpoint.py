@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from lightning_spot.checkpoint.consolidate import latest_intact, load_full_state_dict
-from lightning_spot.checkpoint.read import CheckpointError, read_manifest
-from lightning_spot.checkpoint.storage import Storage, StorageError
+from lightning_spot.checkpoint.durable.read import CheckpointError, read_manifest
+from lightning_spot.checkpoint.durable.storage import Storage, StorageError
+from lightning_spot.checkpoint.tools.consolidate import latest_intact, load_full_state_dict
 from lightning_spot.layout import LayoutError, PipelineLayout, layout_label
 
 

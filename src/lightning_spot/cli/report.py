@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_spot.checkpoint.storage import Storage, StorageError
+from lightning_spot.checkpoint.durable.storage import Storage, StorageError
 from lightning_spot.observe.cost import Prices, format_cost, run_cost
 from lightning_spot.observe.run_report import build_report, format_report, render_run_timeline
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_spot.checkpoint.journal import RECOVERY_PHASES, read_events, split_attempts, summarize
-from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.checkpoint.durable.journal import RECOVERY_PHASES, read_events, split_attempts, summarize
+from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.layout import layout_label
 from lightning_spot.observe.cost import useful_seconds
 

@@ -26,9 +26,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_spot._dist import broadcast_object, rank
-from lightning_spot.checkpoint import shares
 from lightning_spot.checkpoint.checksum import ChecksumError
+from lightning_spot.checkpoint.durable import shares
+from lightning_spot.checkpoint.durable.shards import load_shards
+from lightning_spot.checkpoint.durable.storage import MANIFEST, Storage, join
+from lightning_spot.checkpoint.durable.write import FORMAT, rng_filename
 from lightning_spot.checkpoint.jsonstate import decode
+from lightning_spot.checkpoint.memory.recall import Recall
 from lightning_spot.checkpoint.payload import (
     FLAT_OPTIMIZER_STATE,
     optimizer_state,
@@ -36,10 +40,6 @@ from lightning_spot.checkpoint.payload import (
     stored_name,
     stored_names,
 )
-from lightning_spot.checkpoint.recall import Recall
-from lightning_spot.checkpoint.shards import load_shards
-from lightning_spot.checkpoint.storage import MANIFEST, Storage, join
-from lightning_spot.checkpoint.write import FORMAT, rng_filename
 from lightning_spot.layout import LayoutError, PipelineLayout
 
 log = logging.getLogger(__name__)

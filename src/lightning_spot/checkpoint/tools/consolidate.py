@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_spot.checkpoint import shares
-from lightning_spot.checkpoint.read import newest_intact
-from lightning_spot.checkpoint.shards import SafeReader
-from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.checkpoint.durable import shares
+from lightning_spot.checkpoint.durable.read import newest_intact
+from lightning_spot.checkpoint.durable.shards import SafeReader
+from lightning_spot.checkpoint.durable.storage import Storage
 
 
 def latest_intact(storage: Storage) -> tuple[str, dict[str, Any]]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spot._dist import all_gather_object, exchange_bytes, rank
-from lightning_spot.checkpoint.snapshot import SnapshotStore, cover, encode_tensors
+from lightning_spot.checkpoint.memory.snapshot import SnapshotStore, cover, encode_tensors
 
 Needs = dict[str, list[str]]  # group ("model", "optimizer_0", ...) -> stored names
 Tensors = dict[str, dict[str, torch.Tensor]]

@@ -19,11 +19,11 @@ to a temporary name and renamed; the JSON is renamed last, so a share exists onc
 worker killed mid-write leaves nothing that counts. A share whose bytes fail their checksum when read is
 dropped. A node may also hold shares of ranks on another node (copies that survive
 that node's loss). Whether the shares of a step, across the surviving nodes, make a complete state is
-decided by ``checkpoint.recall``.
+decided by ``checkpoint.memory.recall``.
 
 Retired tensor files are kept in a pool per rank (``spare/rankNNNNN/``) and overwritten by that rank's next
 shares: writing into memory the tmpfs already holds costs a copy, a new file also costs the kernel
-allocating and zeroing its pages. A rank's spares are mapped into its process (``checkpoint.mapped``), so
+allocating and zeroing its pages. A rank's spares are mapped into its process (``checkpoint.memory.mapped``), so
 that the training thread copies its state straight into the next share's file; ``prepare`` keeps one
 spare mapped and ready, off the training thread.
 """
@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
-from lightning_spot.checkpoint import spares, tensorfile
+from lightning_spot.checkpoint import tensorfile
 from lightning_spot.checkpoint.checksum import ChecksumError
-from lightning_spot.checkpoint.mapped import FileMaps, MappedFile
+from lightning_spot.checkpoint.memory import spares
+from lightning_spot.checkpoint.memory.mapped import FileMaps, MappedFile
 
 #: ``ckpt_path`` of a resume from the in-memory snapshots of a step: ``snapshot://120``
 SNAPSHOT_SCHEME = "snapshot://"

@@ -7,7 +7,7 @@
     snapshotter.wait(); snapshotter.close()
 
 The copy goes straight into the share's file in host memory (a spare tensor file of this rank, mapped
-into the process: see ``checkpoint.mapped``). Parameters and optimizer state change only when the
+into the process: see ``checkpoint.memory.mapped``). Parameters and optimizer state change only when the
 optimizer steps, so, as in CheckFreq (FAST'21), the background thread copies them while the next step's
 forward and backward run, and the training thread waits for that copy only before the next update
 (``wait_copied``); the tensors named ``now`` (buffers, which a forward may change) are copied on the
@@ -38,8 +38,8 @@ from torch import Tensor
 from lightning_spot._dist import all_gather_object, exchange_bytes
 from lightning_spot.checkpoint import tensorfile
 from lightning_spot.checkpoint.background import start_background
+from lightning_spot.checkpoint.memory.snapshot import TENSORS, SnapshotStore, Staged
 from lightning_spot.checkpoint.payload import Payload, Staging, split_checkpoint
-from lightning_spot.checkpoint.snapshot import TENSORS, SnapshotStore, Staged
 
 log = logging.getLogger(__name__)
 

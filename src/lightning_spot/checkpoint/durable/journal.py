@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from lightning_spot.checkpoint.storage import Storage
+from lightning_spot.checkpoint.durable.storage import Storage
 
 log = logging.getLogger(__name__)
 EVENTS = "events"

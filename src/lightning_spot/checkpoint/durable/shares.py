@@ -13,7 +13,7 @@ holds. A reader picks, for the names it needs, the shares that hold them (its ow
 those files, checking each against its size and CRC32C.
 
 In a local directory, the tensor files of checkpoints that retention deletes are kept in ``.spares/``
-and written over by the next uploads (see ``checkpoint.spares``); the pool holds at most one
+and written over by the next uploads (see ``checkpoint.memory.spares``); the pool holds at most one
 checkpoint's worth and goes when training ends.
 """
 
@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from lightning_spot.checkpoint import checksum, spares, tensorfile
+from lightning_spot.checkpoint import checksum, tensorfile
 from lightning_spot.checkpoint.checksum import ChecksumError
-from lightning_spot.checkpoint.snapshot import TENSORS, SnapshotStore, cover, share_name
-from lightning_spot.checkpoint.storage import Storage, join
+from lightning_spot.checkpoint.durable.storage import Storage, join
+from lightning_spot.checkpoint.memory import spares
+from lightning_spot.checkpoint.memory.snapshot import TENSORS, SnapshotStore, cover, share_name
 
 KIND = "shares"
 CHUNK = 8 * 2**20

@@ -1,0 +1,1 @@
+"""Reading checkpoints outside training: consolidated weights, exports to other formats."""
