@@ -8,6 +8,7 @@ checked directly, and a value that depends on an earlier stage's numbers is refu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,26 @@ WORLD_2 = [  # the layer sequence found by layers="auto"
     # V-shaped: the first and the last stage (embedding and head) on one rank, a copy each
     hf_scenario("qwen2", "P2D1", "ZBVZeroBubble", tied=True),
 ]
+#: where the jobs' scenarios keep their checkpoints (replaced by a folder of the job's)
+RUNS = "{runs}"
+LLAMA_P4 = hf_scenario("llama", "P4D1", "1F1B")
+LLAMA_P4["spot_checkpoint"] = {"dirpath": f"{RUNS}/llama", "every_n_train_steps": 2}  # (exported below)
+#: a model of the contract whose last checkpoint is made of snapshot files (kind "shares"), exported below
+TINY_SHARES = {
+    "name": "tiny-P2D2-snapshot-shares",
+    "loader": {"batch_size": 16, "n": 64},
+    "trainer": {"max_steps": 4},
+    "strategy": {"pipeline_stages": 2, "microbatches": 2},
+    "spot_checkpoint": {
+        "dirpath": f"{RUNS}/tiny",
+        "every_n_train_steps": 2,
+        "snapshot_every_n_train_steps": 1,
+        "snapshot_dir": f"{RUNS}/shm",
+    },
+}
 WORLD_4 = [
     hf_scenario("gpt2", "P2D2", "1F1B"),
-    hf_scenario("llama", "P4D1", "1F1B"),
+    LLAMA_P4,
     hf_scenario("qwen2", "P2D2", "Interleaved1F1B", microbatches=2),
     hf_scenario("llama", "P2D2", "1F1B", tied=True),
     hf_scenario("gpt2", "P4D1", "1F1B", tied=True, trainer={"gradient_clip_val": 0.5}),  # norms count a tie once
@@ -110,7 +128,7 @@ WORLD_4 = [
 ]
 TIED_NAMES = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
 TIED_NAMES["llama"] = TIED_NAMES["qwen2"] = ("model.model.embed_tokens.weight", "model.lm_head.weight")
-ALL = {2: WORLD_2 + FINE_TUNE_2, 4: WORLD_4 + FINE_TUNE_4}
+ALL = {2: WORLD_2 + FINE_TUNE_2, 4: [*WORLD_4, *FINE_TUNE_4, TINY_SHARES]}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +138,10 @@ def jobs() -> dict[int, dict[str, list[dict]]]:
 
 def _job(world: int, jobs: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     if world not in jobs:
-        jobs[world] = run_scenarios(world, ALL[world], tmp_path_factory.mktemp(f"hf-world{world}"), timeout=600)
+        tmp = tmp_path_factory.mktemp(f"hf-world{world}")
+        scenarios = json.loads(json.dumps(ALL[world]).replace(RUNS, str(tmp / "runs")))
+        jobs[world] = run_scenarios(world, scenarios, tmp, timeout=600)
+        jobs[f"runs{world}"] = tmp / "runs"
     return jobs[world]
 
 
@@ -320,6 +341,17 @@ def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factor
     assert original.lm_head.weight is original.transformer.wte.weight  # the tie holds
     assert torch.equal(original.transformer.wte.weight, merged_state(results["P2D1"])[embed])
 
+    # exported: a Hugging Face directory (the tied head written once, tied again by from_pretrained) and a .ckpt
+    from lightning_spot.checkpoint.tools.export import export_huggingface, export_lightning
+
+    export_huggingface(run, tmp / "hf", config=original.config, architecture="GPT2LMHeadModel")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf")
+    assert exported.lm_head.weight is exported.transformer.wte.weight
+    assert torch.equal(_logits(exported), _logits(original))
+    export_lightning(run, tmp / "gpt2.ckpt")
+    module = CausalLM.load_from_checkpoint(tmp / "gpt2.ckpt")
+    assert module.hparams.tied and all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())
+
 
 @pytest.mark.parametrize(
     ("family", "tied", "shard"), [("llama", False, None), ("gpt2", True, "20KB")], ids=["llama", "gpt2-tied-sharded"]
@@ -356,3 +388,43 @@ def test_pretrained_weights_are_read_per_stage(family: str, tied: bool, shard: s
         assert rank["parameters"] < total, "no rank holds the whole model"
     if not tied:
         assert set(ranks[0]["reads"]).isdisjoint(ranks[1]["reads"]), "the stages read disjoint tensors"
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=token_dataset(4).tensors[0]).logits
+
+
+def test_export_to_hugging_face_and_lightning_formats(jobs: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A Llama trained on P4xD1 -> a Hugging Face directory (sharded) that from_pretrained loads with the trained
+    pipeline's logits; a contract model whose checkpoint is made of snapshot files -> one .ckpt that
+    load_from_checkpoint reads with the trained weights; each read one stored file at a time."""
+    import transformers
+
+    from lightning_spot.checkpoint.tools.export import export_huggingface, export_lightning
+    from lightning_spot.cli import main
+    from tests.models import TinyPipelineModel
+
+    results = _job(4, jobs, tmp_path_factory)
+    runs, out = jobs["runs4"], tmp_path_factory.mktemp("exports")
+    trained = CausalLM("llama")
+    trained.load_state_dict(merged_state(results[LLAMA_P4["name"]]))
+    info = export_huggingface(
+        str(runs / "llama"), out / "llama", config=trained.model.config, architecture="LlamaForCausalLM",
+        max_shard_size="20KB",
+    )  # fmt: skip
+    assert info["step"] == 4 and len(info["files"]) > 1 and (out / "llama" / "model.safetensors.index.json").is_file()
+    largest = max(p.stat().st_size for p in (runs / "llama" / "step-000000004").glob("*.distcp"))
+    assert info["peak_bytes"] <= largest + 20_000, "one stored file's tensors and one output shard at a time"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "llama")
+    assert torch.equal(_logits(loaded), _logits(trained.model))
+
+    assert main(["checkpoint", "export", str(runs / "tiny"), str(out / "tiny.ckpt")]) == 0
+    module = TinyPipelineModel.load_from_checkpoint(out / "tiny.ckpt")  # no strategy, no lightning-spot needed
+    weights = merged_state(results["tiny-P2D2-snapshot-shares"])
+    assert sorted(module.state_dict()) == sorted(weights)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())
+    assert json.loads((runs / "tiny" / "step-000000004" / "manifest.json").read_text())["kind"] == "shares"
+    assert export_lightning(str(runs / "tiny"), out / "again.ckpt")["peak_bytes"] < sum(
+        t.numel() * t.element_size() for t in weights.values()
+    ), "no process holds the whole model"

@@ -27,16 +27,10 @@ FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 log = logging.getLogger(__name__)
 
-#: Lightning checkpoint keys that are not training state (the module is rebuilt by user code)
-_NOT_STATE = {
-    "state_dict",
-    "optimizer_states",
-    "hyper_parameters",
-    "hparams_name",
-    "hparams_type",
-    "datamodule_hyper_parameters",
-    "datamodule_hparams_name",
-}
+#: Lightning checkpoint keys that are not training state, or live in the shards
+_NOT_STATE = {"state_dict", "optimizer_states", "hparams_type"}
+#: kept when JSON can hold them (an export to a ``.ckpt`` needs them; resuming does not: user code rebuilds the module)
+_BEST_EFFORT = {"hyper_parameters", "hparams_name", "datamodule_hyper_parameters", "datamodule_hparams_name"}
 
 
 @dataclass
@@ -104,7 +98,7 @@ def _encode_lightning(checkpoint: dict[str, Any]) -> dict[str, Any]:
         try:
             out[key] = encode(value, key)
         except TypeError as err:
-            log.warning("lightning-spot: not checkpointing %r: %s", key, err)
+            (log.debug if key in _BEST_EFFORT else log.warning)("lightning-spot: not checkpointing %r: %s", key, err)
     return out
 
 

@@ -1,8 +1,10 @@
-"""``lightning-spot checkpoint list|inspect|convert``: look at and export checkpoints of a run.
+"""``lightning-spot checkpoint list|inspect|convert|export``: look at and export checkpoints of a run.
 
 lightning-spot checkpoint list s3://bucket/runs/gpt --storage-options '{"endpoint_url": "..."}'
 lightning-spot checkpoint inspect s3://bucket/runs/gpt [--verify] [--json]
 lightning-spot checkpoint convert s3://bucket/runs/gpt model.pt     # torch.load-able, no lightning-spot needed
+lightning-spot checkpoint export s3://bucket/runs/gpt model.ckpt    # MyModule.load_from_checkpoint("model.ckpt")
+lightning-spot checkpoint export s3://bucket/runs/llama out/ --hf-config checkpoints/llama-1b  # from_pretrained("out")
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from lightning_spot.checkpoint.durable.read import CheckpointError, read_manifest
 from lightning_spot.checkpoint.durable.storage import Storage, StorageError
 from lightning_spot.checkpoint.tools.consolidate import latest_intact, load_full_state_dict
+from lightning_spot.checkpoint.tools.export import export_huggingface, export_lightning
 from lightning_spot.layout import LayoutError, PipelineLayout, layout_label
 
 
@@ -95,6 +98,28 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    options = json.loads(args.storage_options) if args.storage_options else {}
+    if args.hf_config:
+        info = export_huggingface(
+            args.url,
+            args.out,
+            config=args.hf_config,
+            architecture=args.architecture,
+            prefix=args.prefix,
+            storage_options=options,
+            max_shard_size=args.max_shard_size,
+        )
+        print(
+            f"wrote step {info['step']}: {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) in "
+            f"{len(info['files'])} safetensors file(s) and config.json to {args.out} (transformers' from_pretrained)"
+        )
+        return 0
+    info = export_lightning(args.url, args.out, storage_options=options)
+    print(f"wrote step {info['step']}: {info['tensors']} tensors to {args.out} (Lightning's load_from_checkpoint)")
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-spot checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -104,18 +129,34 @@ def main(argv: Sequence[str]) -> int:
         ("list", "list the checkpoints of a run directory"),
         ("inspect", "summarise the latest intact checkpoint (or the one URL names)"),
         ("convert", "write the consolidated model weights as one torch.save file"),
+        (
+            "export",
+            "write a Lightning .ckpt (load_from_checkpoint), or with --hf-config a Hugging Face model directory",
+        ),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("url", help="run directory or checkpoint directory (any fsspec URL)")
         if name == "convert":
             p.add_argument("out", help="output file, e.g. model.pt")
+        if name == "export":
+            p.add_argument("out", help="a .ckpt file, or (with --hf-config) a directory")
+            p.add_argument(
+                "--hf-config", help="the model's save_pretrained directory (or config.json): export for transformers"
+            )
+            p.add_argument(
+                "--architecture", help="the transformers class, e.g. LlamaForCausalLM (default: the config's)"
+            )
+            p.add_argument(
+                "--prefix", default="model.", help="where the LightningModule keeps the model (default: model.)"
+            )
+            p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
         if name == "inspect":
             p.add_argument("--verify", action="store_true", help="also read the model weights and check their CRC32C")
             p.add_argument("--json", action="store_true", help="print the manifest as JSON")
         p.add_argument("--storage-options", default=None, help="fsspec storage options as JSON")
     args = parser.parse_args(list(argv))
     try:
-        return {"list": _list, "inspect": _inspect, "convert": _convert}[args.command](args)
+        return {"list": _list, "inspect": _inspect, "convert": _convert, "export": _export}[args.command](args)
     except (CheckpointError, StorageError, FileNotFoundError) as err:
         print(f"lightning-spot checkpoint: {err}", file=sys.stderr)
         return 1

@@ -33,11 +33,9 @@ def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None
     storage = Storage(url, storage_options)
 
     def read(rel: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-        if manifest.get("kind") == shares.KIND:  # snapshot shares: every stage's model tensors, once
-            names = {n for share in manifest["shares"].values() for n in share["names"].get("model", ())}
-            weights = shares.read_shares(storage, rel, manifest, {"model": names})["model"]
-        else:
-            weights = _read_model(storage.url_of(rel), storage.options, manifest["files"])
+        weights: dict[str, torch.Tensor] = {}
+        for _, names in model_groups(storage, rel, manifest):
+            weights.update(read_model(storage, rel, manifest, names))
         for alias, name in manifest.get("tied", {}).items():  # a tied parameter is stored once
             if name in weights:
                 weights[alias] = weights[name]
@@ -46,13 +44,39 @@ def load_full_state_dict(url: str, storage_options: dict[str, Any] | None = None
     return newest_intact(storage, read)
 
 
-def _read_model(url: str, options: dict[str, Any], expected: dict[str, Any]) -> dict[str, torch.Tensor]:
-    reader = SafeReader(url, options, expected)
+def model_groups(storage: Storage, rel: str, manifest: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The model tensors of checkpoint ``rel`` (each stored name once), grouped by the file that holds them:
+    (file, names) in file order. Reading one group at a time holds one file's model tensors."""
+    groups: dict[str, list[str]] = {}
+    if manifest.get("kind") == shares.KIND:  # snapshot shares: one per rank; replicas hold the same names
+        seen: set[str] = set()
+        for r in sorted(manifest["shares"], key=int):
+            names = [n for n in manifest["shares"][r]["names"].get("model", ()) if n not in seen]
+            seen.update(names)
+            if names:
+                groups[shares.share_name(int(r), shares.TENSORS)] = names
+        return list(groups.items())
+    metadata = SafeReader(storage.url_of(rel), storage.options).read_metadata()
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("model."):
+            names = groups.setdefault(info.relative_path, [])
+            if index.fqn[len("model.") :] not in names:
+                names.append(index.fqn[len("model.") :])
+    return sorted(groups.items())
+
+
+def read_model(storage: Storage, rel: str, manifest: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """The model tensors ``names`` of checkpoint ``rel``, read into fresh CPU memory and checked."""
+    if manifest.get("kind") == shares.KIND:
+        return shares.read_shares(storage, rel, manifest, {"model": set(names)})["model"]
+    reader = SafeReader(storage.url_of(rel), storage.options, manifest["files"])
     metadata = reader.read_metadata()
+    wanted = set(names)
     state: dict[str, Any] = {"model": {}}
     for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
-            state["model"][key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        name = key[len("model.") :]
+        if key.startswith("model.") and name in wanted and isinstance(meta, TensorStorageMetadata):
+            state["model"][name] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=reader, no_dist=True)
