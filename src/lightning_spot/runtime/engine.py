@@ -360,7 +360,7 @@ class PipelineEngine:
             payload.update(self._metric_values(training))
         self.capture.clear()
         self.metric_calls.clear()
-        return self.share(payload)
+        return self.share.logged(payload)
 
     def _metric_values(self, training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:
         """The step's value of each logged ``torchmetrics.Metric`` (when logged on steps; collective over the last

@@ -138,7 +138,8 @@ class LastStageShare:
     """Sends small Python objects from the rank holding the last stage to the other ranks of its pipeline.
 
         share = LastStageShare(pp_group, last_stage_rank, device)
-        logged = share(payload if holds_last_stage else None)     # the last stage's payload on every rank
+        obj = share(payload if holds_last_stage else None)        # the last stage's object on every rank
+        logged = share.logged(values if holds_last_stage else None)   # a step's logged values (cheaper)
 
     A broadcast over the pipeline group. (Point-to-point sends straight from the last stage were tried to
     spare the first stage waiting on the middle ones; one suite run hung with a receive that never matched
@@ -149,11 +150,42 @@ class LastStageShare:
         self.group = pp_group
         self.src = src_group_rank
         self.device = device
+        #: the names of the last logged values shared in full, and (whether the value was None, options) of each
+        self._known: tuple[tuple[str, ...], tuple[tuple[bool, dict[str, Any]], ...]] | None = None
 
     def __call__(self, payload: Any) -> Any:
         if self.group is None:
             return payload
         return broadcast_object(payload, self.group, group_src=self.src)
+
+    def logged(self, payload: dict[str, tuple[Any, dict[str, Any]]] | None) -> dict[str, tuple[Any, dict[str, Any]]]:
+        """A step's logged values (name -> (value, options)) from the last stage, on every rank of the pipeline.
+
+        Steps log the same names with the same options step after step: once every rank knows them, only the
+        values travel, as one tensor (no pickling, one collective); a change of names or options travels whole.
+        """
+        if self.group is None:
+            assert payload is not None
+            return payload
+        if self._known is not None:
+            keys, shape = self._known
+            flat = torch.zeros(len(keys) + 1, dtype=torch.float64)
+            if payload is not None and tuple(payload) == keys and _shape_of(payload) == shape:
+                flat[0] = 1.0
+                flat[1:] = torch.tensor([0.0 if v is None else float(v) for v, _ in payload.values()])
+            flat = flat.to(self.device)
+            dist.broadcast(flat, group=self.group, group_src=self.src)
+            received = flat.tolist()
+            if received[0] == 1.0:  # the values of the names and options every rank knows
+                return {k: (None if none else v, o) for k, v, (none, o) in zip(keys, received[1:], shape)}
+        payload = broadcast_object(payload, self.group, group_src=self.src)
+        self._known = (tuple(payload), _shape_of(payload))
+        return payload
+
+
+def _shape_of(payload: dict[str, tuple[Any, dict[str, Any]]]) -> tuple[tuple[bool, dict[str, Any]], ...]:
+    """What a payload shares besides its values: for each name, whether its value is ``None``, and its options."""
+    return tuple((value is None, options) for value, options in payload.values())
 
 
 def replay(
