@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +45,45 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             pass
 
 
+def _start_ranks(
+    world_size: int,
+    argv: Sequence[str],
+    log_dir: Path,
+    env: dict[str, str] | None,
+    procs: list[subprocess.Popen],
+    files: list,
+) -> None:
+    """Start ``python *argv`` as ``world_size`` ranks, each leading its own session, output to rank<N>.log."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(world_size):
+        rank_env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "NODE_RANK": "0",
+            "LOCAL_RANK": str(rank),
+            "RANK": str(rank),
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        out = open(log_dir / f"rank{rank}.log", "w")
+        files.append(out)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                env=rank_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        )
+
+
 def launch(
     world_size: int,
     argv: Sequence[str],
@@ -63,39 +103,12 @@ def launch(
     logs are returned. ``expect_exit`` is the exit code that counts as success for every rank;
     ``pids``, if given, receives the ranks' process ids as soon as they start.
     """
-    port = free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
-    files = []
+    files: list = []
     try:
-        for rank in range(world_size):
-            rank_env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size),
-                "NODE_RANK": "0",
-                "LOCAL_RANK": str(rank),
-                "RANK": str(rank),
-                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                "PYTHONUNBUFFERED": "1",
-                **(env or {}),
-            }
-            out = open(log_dir / f"rank{rank}.log", "w")
-            files.append(out)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, *argv],
-                    env=rank_env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    start_new_session=True,
-                )
-            )
-            if pids is not None:
-                pids.append(procs[-1].pid)
+        _start_ranks(world_size, argv, log_dir, env, procs, files)
+        if pids is not None:
+            pids.extend(p.pid for p in procs)
         deadline = time.monotonic() + timeout
         failed = None
         killed = False
@@ -125,6 +138,49 @@ def launch(
         _kill(procs)
         for f in files:
             f.close()
+
+
+@dataclass
+class Exits:
+    """How every rank of a job ended: exit codes (``None``: still running at the deadline, then killed), the
+    wall-clock time each exit was seen, and each rank's output."""
+
+    codes: list[int | None]
+    times: list[float | None]
+    logs: list[str]
+
+
+def run_until_exit(
+    world_size: int,
+    argv: Sequence[str],
+    *,
+    log_dir: Path,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    after_first_exit: float = 30.0,
+) -> Exits:
+    """Run ``python *argv`` as ``world_size`` ranks and let every rank end by itself (nothing is killed when one
+    fails): wait until all have exited, ``timeout`` has passed, or ``after_first_exit`` seconds have passed since
+    the first exit; then kill what is left (by process group) and report."""
+    procs: list[subprocess.Popen] = []
+    files: list = []
+    codes: list[int | None] = [None] * world_size
+    times: list[float | None] = [None] * world_size
+    try:
+        _start_ranks(world_size, argv, log_dir, env, procs, files)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and None in codes:
+            for r, p in enumerate(procs):
+                if codes[r] is None and p.poll() is not None:
+                    codes[r], times[r] = p.returncode, time.time()
+                    deadline = min(deadline, time.monotonic() + after_first_exit)
+            time.sleep(0.05)
+    finally:
+        _kill(procs)
+        for f in files:
+            f.close()
+    logs = [(log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)]
+    return Exits(codes, times, logs)
 
 
 def run_command(argv: Sequence[str], timeout: float = 240, env: dict[str, str] | None = None) -> str:

@@ -72,3 +72,26 @@ class GatedFileSystem(LocalFileSystem):
 fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
 fsspec.register_implementation("flakyfile", FlakyFileSystem, clobber=True)
 fsspec.register_implementation("gatedfile", GatedFileSystem, clobber=True)
+
+
+class DeniedFileSystem(LocalFileSystem):
+    """``deniedfile://``: like ``file://``, but the rank named by ``SPOT_TEST_DENIED_RANK`` may not write
+    checkpoint data (a bucket policy that refuses one node's role)."""
+
+    protocol = ("deniedfile",)
+
+    def _check(self, path: str) -> None:
+        if os.environ.get("RANK") == os.environ.get("SPOT_TEST_DENIED_RANK") and "step-" in str(path):
+            raise PermissionError(f"access denied writing {path} (rank {os.environ.get('RANK')})")
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "w" in mode:
+            self._check(path)
+        return super()._open(path, mode, **kwargs)
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:  # type: ignore[override]
+        self._check(path)
+        super().pipe_file(path, value, **kwargs)
+
+
+fsspec.register_implementation("deniedfile", DeniedFileSystem, clobber=True)

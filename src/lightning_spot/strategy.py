@@ -13,14 +13,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -48,6 +47,7 @@ from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.memory.recall import Recall
 from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotStore
 from lightning_spot.data import shard_dataloader
+from lightning_spot.fault import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, JobWatch
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
 from lightning_spot.partition.placement import placement_of
@@ -126,7 +126,12 @@ class SpotPipelineStrategy(ParallelStrategy):
             is split, each rank reads only its stages' tensors (build the model on the meta device in
             ``configure_model`` so that no rank ever holds all of it). A checkpoint being resumed wins.
         process_group_backend: ``"nccl"`` / ``"gloo"``; default by device.
-        timeout: collective timeout; a crashed peer makes the others fail after this long.
+        timeout: collective timeout: the longest any rank waits for the others at setup, in saves and at epoch
+            boundaries (default 10 minutes: above per-rank pretrained reads and blocking saves of large stages).
+        step_timeout: seconds a pipeline step may run before a rank gives up on its peers (a frozen or vanished
+            node: gloo's point-to-point receives never time out); five times the median of the recent steps when
+            that is longer, ``timeout`` for the first step of each kind; ``None``: off. One rank's error stops
+            every rank within seconds regardless (``lightning_spot.fault``).
     """
 
     strategy_name = "spot_pipeline"
@@ -153,7 +158,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        step_timeout: Optional[float] = DEFAULT_STEP_TIMEOUT,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -207,6 +213,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         self.pretrained_reads: list[str] = []
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._step_timeout = step_timeout
+        self._watch: Optional[JobWatch] = None
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._layout: Optional[PipelineLayout] = None
@@ -332,6 +340,21 @@ class SpotPipelineStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         destroy_process_group_at_exit()
+        first_step = (self._timeout or DEFAULT_TIMEOUT).total_seconds()
+        self._watch = JobWatch(self.global_rank, self._step_timeout, first_step_timeout=first_step)
+        self._watch.start()
+
+    def _watched(self, kind: str) -> AbstractContextManager[None]:
+        """A pipeline step, watched for progress (a frozen peer stops the job after ``step_timeout``)."""
+        if self._watch is None:
+            return nullcontext()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self._watch.step(kind, f"{kind} at global step {trainer.global_step}" if trainer else kind)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._watch is not None:
+            self._watch.on_exception(exception)
 
     @contextmanager
     @override
@@ -533,7 +556,7 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), self._watched("training_step"):
             return self._engine().train_step(args[0], args[1:], kwargs)
 
     @override
@@ -618,17 +641,17 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
+        with self.precision_plugin.val_step_context(), self._watched("validation_step"):
             return self._engine().eval_step("validation_step", "eval", args[0], args[1:], kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
+        with self.precision_plugin.test_step_context(), self._watched("test_step"):
             return self._engine().eval_step("test_step", "eval", args[0], args[1:], kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
+        with self.precision_plugin.predict_step_context(), self._watched("predict_step"):
             return self._engine().eval_step("predict_step", "predict", args[0], args[1:], kwargs)
 
     # --------------------------------------------------------------------- data
@@ -827,6 +850,9 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -1,0 +1,255 @@
+"""Every rank stops within seconds when one rank fails or a peer freezes, and the error is shown once.
+
+    watch = JobWatch(rank, step_timeout=60.0, first_step_timeout=600.0)
+    watch.start()                        # after the process group exists: polls the failure board
+    with watch.step("train"): ...        # a pipeline step: no progress for too long = a peer is frozen or gone
+    watch.on_exception(err)              # from the strategy's on_exception: publish, or recognise a consequence
+    watch.stop()
+
+Three ways a rank leaves:
+
+* **It raised.** ``on_exception`` publishes the error on the :class:`FailureBoard` before Lightning tears down
+  (the first failure wins) and the rank exits with the traceback, as Python does (exit code 1).
+* **Another rank failed.** The watch thread sees the board, prints one line naming that rank and its error, gives
+  the main thread :attr:`JobWatch.GRACE` seconds to end by itself (an error of its own: a closed connection),
+  then exits the process with :data:`FAILED_EXIT_CODE`, whatever it was waiting for (a collective on a peer
+  that is gone, an NCCL kernel). An error this rank raised that is a consequence (a collective that lost its
+  peer) prints that one line instead of its traceback.
+* **Its step made no progress.** A pipeline step running longer than its limit (``step_timeout``, or five times
+  the median of the recent steps if that is longer; the first step of each kind: ``first_step_timeout``)
+  means a peer is frozen (a VM that vanished without closing its sockets) or gone; gloo's point-to-point
+  receives have no timeout at all. The rank publishes that and exits.
+
+A preemption stop (exit code 75) is not a failure: every rank exits alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from types import TracebackType
+
+from lightning_spot.fault.board import Failure, FailureBoard
+from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE
+
+log = logging.getLogger(__name__)
+
+#: the collective timeout's default: setup, saves and epoch boundaries wait at most this long for a peer (above
+#: per-rank pretrained reads and blocking saves of large stages; torch's default is 30 minutes for gloo)
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+#: a pipeline step's limit in seconds (or five times the median of the recent steps, if longer)
+DEFAULT_STEP_TIMEOUT = 60.0
+#: the exit code of a rank that stops because the job failed (a failure for torchrun, unlike 75)
+FAILED_EXIT_CODE = 1
+#: words in the message of an error that a collective raises when its peer is gone
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout")
+
+
+class JobWatch:
+    """This rank's side of failure handling (see the module docstring)."""
+
+    #: seconds between two reads of the failure board
+    POLL = 0.2
+    #: seconds a rank gets to end by itself once another rank's failure is known
+    GRACE = 2.0
+    #: the limit of a step: this many times the median of the recent steps of its kind (when above ``step_timeout``)
+    STEP_FACTOR = 5.0
+
+    #: seconds the rank that hosts the store stays after deciding to leave, so that the others can read the board
+    LINGER = 1.0
+
+    def __init__(self, rank: int, step_timeout: float | None, first_step_timeout: float) -> None:
+        self.rank = rank
+        #: rank 0 hosts the job's store unless torchrun's agent does: when it leaves, the board goes with it
+        self.linger = self.LINGER if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" else 0.0
+        self.step_timeout = step_timeout
+        self.first_step_timeout = first_step_timeout
+        self.board: FailureBoard | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: the main thread is handling an error (Lightning's on_exception ran): it ends the fit by itself
+        self._handling = False
+        #: the one line naming the first failure was printed
+        self._said = False
+        #: another rank's failure, once this rank has seen it
+        self._known: Failure | None = None
+        #: where the step that raised was (for the published failure)
+        self._failed_in = ""
+        #: the step being watched: (kind, description, start, limit)
+        self._armed: tuple[str, str, float, float] | None = None
+        self._recent: dict[str, deque[float]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start watching (a daemon thread); without a process group there is nothing to watch."""
+        self.board = FailureBoard.for_job()
+        if self.board is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="lightning-spot-job-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.POLL)
+            self._thread = None
+
+    # ---------------------------------------------------------------------- steps
+    @contextlib.contextmanager
+    def step(self, kind: str, where: str = "") -> Iterator[None]:
+        """Watch one pipeline step of ``kind`` ("training_step", ...; ``where``: its description) for progress."""
+        if self.step_timeout is None or self._thread is None:
+            yield
+            return
+        recent = self._recent.setdefault(kind, deque(maxlen=16))
+        limit = (
+            max(self.step_timeout, self.STEP_FACTOR * statistics.median(recent)) if recent else self.first_step_timeout
+        )
+        start = time.monotonic()
+        where = where or kind
+        self._armed = (kind, where, start, limit)
+        try:
+            yield
+        except BaseException:
+            self._failed_in = where
+            raise
+        finally:
+            self._armed = None
+        recent.append(time.monotonic() - start)
+
+    # ------------------------------------------------------------------ failures
+    def on_exception(self, error: BaseException) -> None:
+        """The main thread is handling ``error`` (Lightning's ``on_exception``): publish it, or, when another rank
+        failed first and this error is its consequence, show one line instead of the traceback."""
+        if isinstance(error, SystemExit) and error.code == PREEMPTED_EXIT_CODE:
+            return  # a coordinated preemption stop: every rank exits alike
+        if type(error).__name__ == "SIGTERMException":
+            return  # Lightning's own SIGTERM stop, agreed by every rank
+        self._handling = True
+        if self.board is None:
+            return
+        first = self._known or self.board.publish(Failure(self.rank, _one_line(error), self._failed_in))
+        if first is not None and first.rank != self.rank and (_is_lost_peer(error) or _one_line(error) == first.error):
+            _end_uncaught(error, lambda: self.say(self._line(first)), self.linger)  # a consequence: one line
+        elif first is None and _is_lost_peer(error):  # the store's host is gone too: some rank left first
+            line = (
+                f"lightning-spot: rank {self.rank} stops: a peer left the job ({_one_line(error)[:200]}); the rank that "
+                f"failed first shows its error (none does: it was killed, e.g. out of memory, or its node was lost)"
+            )
+            _end_uncaught(error, lambda: self.say(line), self.linger)
+        else:
+            if first is not None and _is_lost_peer(error):
+                log.error(
+                    "lightning-spot: rank %d: a collective lost its peer and no other rank reported a failure: a peer "
+                    "was killed, froze or lost its network (the collective timeout is SpotPipelineStrategy(timeout=...))",
+                    self.rank,
+                )
+            _end_uncaught(error, None, self.linger)  # an error of its own: its traceback
+
+    def _line(self, first: Failure) -> str:
+        return f"lightning-spot: rank {self.rank} stops because {first.describe()} (its traceback is in rank {first.rank}'s output)"
+
+    # --------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        assert self.board is not None
+        store_up = True
+        while not self._stop.wait(self.POLL):
+            armed = self._armed
+            if armed is not None and time.monotonic() - armed[2] > armed[3]:
+                self._stalled(*armed)
+                return
+            if not store_up:
+                continue
+            try:
+                first = self.board.read()
+            except Exception:  # the store's host left (the job is ending); stalls are still watched
+                store_up = False
+                continue
+            if first is not None and first.rank != self.rank:
+                self._known = first  # the store may be gone by the time this rank's own error comes
+                if not self._handling:
+                    self._leave(first)
+                return
+
+    def _leave(self, first: Failure) -> None:
+        """Another rank failed: say so, and leave unless the main thread gets to handle an error by itself."""
+        self.say(self._line(first))
+        deadline = time.monotonic() + self.GRACE
+        while time.monotonic() < deadline:
+            if self._stop.wait(self.POLL) or self._handling:
+                return  # the fit is ending by itself (an error of its own, or a closed connection)
+        _exit(FAILED_EXIT_CODE, self.linger)
+
+    def say(self, line: str) -> None:
+        """Print the line naming the first failure (once)."""
+        if not self._said:
+            self._said = True
+            print(line, file=sys.stderr, flush=True)
+
+    def _stalled(self, kind: str, where: str, start: float, limit: float) -> None:
+        waited = time.monotonic() - start
+        failure = Failure(
+            self.rank,
+            f"no progress for {waited:.1f}s (limit {limit:.0f}s): a peer is frozen or gone "
+            f"(SpotPipelineStrategy(step_timeout=...) sets the limit)",
+            where,
+        )
+        board = self.board
+        assert board is not None
+        publisher = threading.Thread(target=board.publish, args=(failure,), daemon=True)
+        publisher.start()
+        publisher.join(timeout=3.0)  # a frozen store host must not hold this rank
+        self.say(f"lightning-spot: {failure.describe()}; stopping the job")
+        _exit(FAILED_EXIT_CODE, self.linger)
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's type and first line; for an error that wraps another (``raise ... from``), the innermost one."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _is_lost_peer(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _LOST_PEER)
+
+
+def _end_uncaught(error: BaseException, say: Callable[[], None] | None, linger: float) -> None:
+    """If ``error`` ends the process uncaught: ``say()`` instead of its traceback (``None``: the traceback), then
+    exit with :data:`FAILED_EXIT_CODE` at once: the interpreter's shutdown can abort (SIGABRT) on a process group
+    whose peers are gone."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if value is not error:
+            previous(kind, value, tb)
+            return
+        if say is None:
+            previous(kind, value, tb)
+        else:
+            say()
+        _exit(FAILED_EXIT_CODE, linger)
+
+    sys.excepthook = hook
+
+
+def _exit(code: int, linger: float = 0.0) -> None:
+    """Leave now, with ``code``, ``linger`` seconds from now (the store's host: the others read the board)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    time.sleep(linger)
+    os._exit(code)
