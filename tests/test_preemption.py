@@ -284,3 +284,27 @@ def test_a_cloud_notice_makes_the_node_leave_a_torchrun_job(monkeypatch: pytest.
     assert sent == []
     assert stop.leave_if_reclaimed(aws)
     assert sent == [(4242, signal.SIGTERM)]
+
+
+def test_the_watcher_takes_over_lightnings_per_step_sigterm_broadcast() -> None:
+    """While the watcher handles SIGTERM, Lightning's broadcast before every batch is skipped (its flag cannot turn
+    True); a SIGTERM Lightning caught before becomes the watcher's notice; undo restores Lightning's method."""
+    import lightning as L
+
+    from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
+    from lightning_spot.preemption.watcher import PreemptionWatcher
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    loop = trainer.fit_loop.epoch_loop
+    watcher = PreemptionWatcher(cloud=None)
+    undo = take_over_sigterm(trainer, watcher)
+    assert loop._broadcast_sigterm_tensor() is None and "_broadcast_sigterm_tensor" in vars(loop)
+    assert watcher.notice is None
+    undo()
+    assert "_broadcast_sigterm_tensor" not in vars(loop)
+
+    trainer._signal_connector.received_sigterm = True
+    take_over_sigterm(trainer, watcher)()
+    assert watcher.notice is not None and watcher.notice.source == "SIGTERM"
+    assert take_over_sigterm(trainer, PreemptionWatcher(signals=("SIGUSR1",), cloud=None)) is not None
+    assert "_broadcast_sigterm_tensor" not in vars(loop)  # not watching SIGTERM: Lightning keeps its own

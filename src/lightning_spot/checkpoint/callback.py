@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import lightning as L
@@ -34,6 +35,7 @@ from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotS
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import Staging, split_checkpoint
 from lightning_spot.preemption.coordinate import agree
+from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
 from lightning_spot.runtime.clock import Timeline
@@ -133,6 +135,7 @@ class SpotCheckpoint(L.Callback):
         self._train_seconds = 0.0
         self._trainer: Optional[L.Trainer] = None
         self._original_resume_start: Any = None
+        self._undo_sigterm: Callable[[], None] = lambda: None
         self._first_step_seen = False
         self._last_heartbeat = 0.0
         self._final_wait = 0.0
@@ -237,6 +240,7 @@ class SpotCheckpoint(L.Callback):
         finally:
             if self.watcher is not None:
                 self.watcher.stop()
+                self._undo_sigterm()
             if self.journal is not None:
                 self.journal.close()
                 self.journal = None
@@ -255,6 +259,7 @@ class SpotCheckpoint(L.Callback):
         self._last_step = self._checked_step = trainer.global_step
         if self.watcher is not None:
             self.watcher.start()
+            self._undo_sigterm = take_over_sigterm(trainer, self.watcher)  # its notices are agreed per step below
         host = _host(trainer)
         restored = host.restored_manifest
         if self.snapshots is not None and trainer.local_rank == 0:
