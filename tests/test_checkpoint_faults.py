@@ -30,7 +30,7 @@ def _scenario(name: str, dirpath: str, max_steps: int, **spot: Any) -> dict[str,
         "name": name,
         "strategy": P2D1,
         "trainer": {"max_steps": max_steps},
-        "spot_checkpoint": {"dirpath": dirpath, "every_n_train_steps": 2, "keep_last": 5, **spot},
+        "spot_checkpoint": {"dirpath": dirpath, "every_n_train_steps": 2, "keep_last": 5, "snapshots": False, **spot},
     }
 
 

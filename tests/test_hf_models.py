@@ -103,7 +103,7 @@ WORLD_2 = [  # the layer sequence found by layers="auto"
 #: where the jobs' scenarios keep their checkpoints (replaced by a folder of the job's)
 RUNS = "{runs}"
 LLAMA_P4 = hf_scenario("llama", "P4D1", "1F1B")
-LLAMA_P4["spot_checkpoint"] = {"dirpath": f"{RUNS}/llama", "every_n_train_steps": 2}  # (exported below)
+LLAMA_P4["spot_checkpoint"] = {"dirpath": f"{RUNS}/llama", "every_n_train_steps": 2, "snapshots": False}  # DCP shards
 #: a model of the contract whose last checkpoint is made of snapshot files (kind "shares"), exported below
 TINY_SHARES = {
     "name": "tiny-P2D2-snapshot-shares",
@@ -292,7 +292,7 @@ def test_auto_refuses_two_large_sequences_and_an_explicit_path_wins() -> None:
 def _tied_phase(name: str, layout: str, steps: int, run: str, snapshots: str | None = None) -> dict[str, Any]:
     case = hf_scenario("gpt2", layout, "1F1B", tied=True, trainer={"max_steps": steps})
     case["name"] = name
-    case["spot_checkpoint"] = {"dirpath": run, "every_n_train_steps": 2}
+    case["spot_checkpoint"] = {"dirpath": run, "every_n_train_steps": 2, "snapshots": snapshots is not None}
     if snapshots is not None:  # a snapshot every step; the durable checkpoint of step 2 is made of step 2's
         case["spot_checkpoint"].update(snapshot_every_n_train_steps=1, snapshot_dir=snapshots)
     return case

@@ -46,6 +46,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results, manifests = [], []
     for i, (world, strategy, steps, snapshots) in enumerate(CHAIN):
         spot: dict[str, Any] = {"dirpath": run, "every_n_train_steps": 2, "keep_last": 2, "resume": True}
+        spot["snapshots"] = bool(snapshots)
         if snapshots:
             spot.update(snapshot_every_n_train_steps=1, snapshot_dir=str(tmp / "shm" / str(i)))
         phase = {

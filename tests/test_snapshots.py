@@ -7,6 +7,7 @@ workers, which resume from the snapshot in host memory and end equal to an unint
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from lightning_spot.checkpoint import tensorfile
+from lightning_spot.checkpoint.durable.journal import read_events
+from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.memory.recall import Recall, Source
 from lightning_spot.checkpoint.memory.snapshot import SnapshotError, SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import needs_peer_copy
@@ -181,35 +184,53 @@ def _config(tmp_path: Path, **overrides: Any) -> Path:
 
 
 @pytest.mark.slow
-def test_killed_worker_resumes_from_host_memory(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
-    """No durable checkpoint since the start; one worker is SIGKILLed; the restarted workers read memory."""
+def test_killed_worker_resumes_from_host_memory_with_the_defaults(
+    tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    """``SpotCheckpoint(dirpath=...)`` with nothing else: snapshots at a chosen interval; one worker is SIGKILLed
+    under torchrun; the restarted workers read memory, at most one snapshot interval back, and the run's durable
+    checkpoints are made of snapshot files."""
     snapshots = tmp_path / "shm"
-    snapshots = tmp_path / "shm"
-    config = _config(tmp_path, snapshot_dir=str(snapshots))
+    step_seconds = 0.4
+    config = _config(
+        tmp_path,
+        snapshot_dir=str(snapshots),
+        every=None,
+        snapshot_every=None,
+        snapshots=True,
+        step_seconds=step_seconds,
+    )
+    run = Storage(str(tmp_path / "run"))
 
     def committed() -> list[int]:
         return sorted({int(p.parent.name.split("-")[1]) for p in snapshots.glob("*/step-*/rank*.json")})
+
+    def cadence() -> list[dict[str, Any]]:
+        return [e for e in read_events(run) if e["kind"] == "cadence"]
 
     port = free_port()
     with agents_cleanup([]) as agents:
         agents.append(
             Agent("node", port, 2, ["tests/workers/elastic_train.py", str(config)], tmp_path / "a.log", nnodes="1")
         )
-        wait_for(lambda: any(s >= 8 for s in committed()), 240, "a snapshot at step 8", agents)
-        assert not list((tmp_path / "run").glob("step-*/manifest.json")), "nothing durable yet"
-
+        wait_for(lambda: any(s >= 6 for s in committed()) and cadence(), 240, "a snapshot at step 6", agents)
+        chosen = cadence()[-1]
         victim = int((tmp_path / "out" / "pids" / "rank1-attempt0.pid").read_text())
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: agents[0].proc.poll() is not None, 300, "the restarted job to finish", agents)
         assert agents[0].proc.returncode == 0, agents[0].output()[-5000:]
+    assert "SpotCheckpoint: snapshots every" in agents[0].output(), "the chosen intervals are said"
+    assert chosen["snapshot_seconds"] >= 1.0 and chosen["durable_seconds"] > chosen["snapshot_seconds"], chosen
     finals = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt") for r in range(2)]
-    assert all(f["restored_step"] >= 6 for f in finals), [f["restored_step"] for f in finals]
     assert all(f["restored_tier"] == "memory" for f in finals)
     assert_same_params(merged_state(finals), uninterrupted)
     assert not committed(), "snapshots are deleted when training ends"
     restart = finals[0]["report"]["restarts"][0]
-    assert restart["resumed_from_step"] >= 6 and restart["resumed_from"] == "memory"
-    assert restart["steps_recomputed"] <= 2, "at most the snapshot interval is lost"
+    assert restart["resumed_from"] == "memory"
+    interval_steps = math.ceil(max(e["snapshot_seconds"] for e in cadence()) / step_seconds)
+    assert restart["steps_recomputed"] <= interval_steps + 1, (restart, interval_steps)
+    last = run.committed()[-1]
+    assert run.read_json(f"{last}/manifest.json")["kind"] == "shares", "durable checkpoints made from snapshots"
 
 
 def _two_nodes_lose_one(tmp_path: Path, *, run: str, gate: Path | None = None) -> list[dict[str, Any]]:

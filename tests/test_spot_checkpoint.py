@@ -62,6 +62,8 @@ def morphs(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> dict[s
     spot = {n: {**r, "every_n_train_steps": 2, "keep_last": 2} for n, r in runs.items()}
     for name in SNAPSHOTS:  # each phase its own memory: phase 2 reads storage
         spot[name]["snapshot_every_n_train_steps"] = 1
+    for name in set(spot) - SNAPSHOTS:  # the durable tier alone: DCP shards
+        spot[name]["snapshots"] = False
 
     jobs: dict[int, list[dict]] = {}
     for name, ((w1, s1), _, _, _) in MORPHS.items():

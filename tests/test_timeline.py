@@ -41,7 +41,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ddp = _scenario(
         "1F1B",
         name="P2D2-1F1B-checkpointed",
-        spot_checkpoint={"dirpath": str(tmp / "w4" / "run"), "every_n_train_steps": 1},
+        spot_checkpoint={"dirpath": str(tmp / "w4" / "run"), "every_n_train_steps": 1, "snapshots": False},
     )
     four = run_scenarios(4, [ddp], tmp / "w4", timeout=300)
     return {

@@ -49,7 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--root", default="runs/gpt", help="logs and checkpoints")
     p.add_argument("--checkpoint-dir", default=None, help="any fsspec URL; default: ROOT/spot_checkpoints")
-    p.add_argument("--checkpoint-every", type=int, default=40, help="steps between checkpoints")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="steps between durable checkpoints (default: chosen from their measured cost and the run's interruptions)",
+    )
     p.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(

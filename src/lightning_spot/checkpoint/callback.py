@@ -25,16 +25,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized, rank
 from lightning_spot.checkpoint.background import start_background
-from lightning_spot.checkpoint.durable.journal import Journal, read_events, summarize
+from lightning_spot.checkpoint.cadence import Cadence
+from lightning_spot.checkpoint.durable.journal import Journal, interruption_history, read_events, summarize
 from lightning_spot.checkpoint.durable.read import CheckpointError
 from lightning_spot.checkpoint.durable.shares import clear_spares, recycle
 from lightning_spot.checkpoint.durable.storage import Storage, StorageError, step_dirname, step_of
 from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
-from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotStore
+from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotError, SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import Staging, split_checkpoint
-from lightning_spot.preemption.coordinate import agree
+from lightning_spot.preemption.coordinate import max_over_ranks
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
@@ -52,6 +53,8 @@ class SpotCheckpoint(L.Callback):
             path). Default: ``<trainer.default_root_dir>/spot_checkpoints``.
         every_n_train_steps: save every N optimizer steps.
         every_n_minutes: save when this much wall time has passed since the last save (agreed by all ranks).
+            Without either: durable saves at the Young-Daly interval from their measured cost and this run's
+            interruption rate in its history (``checkpoint/cadence.py``), re-evaluated as the run goes.
         save_on_train_end: save when training ends (also after ``max_steps``).
         keep_last: number of committed checkpoints to keep.
         resume: when ``fit`` is called without ``ckpt_path``, resume from the latest intact checkpoint.
@@ -64,7 +67,10 @@ class SpotCheckpoint(L.Callback):
             which makes torchrun restart the group.
         heartbeat_seconds: how often rank 0 records progress in the run history (for the report of
             time lost after a crash).
-        snapshot_every_n_train_steps: also keep every rank's state in host memory every N steps (a tmpfs that
+        snapshots: keep every rank's state in host memory too (default); durable checkpoints are then made from
+            the snapshot files. Without a snapshot interval, snapshots are taken as often as 1% of the loop's time
+            allows (their cost is measured). A host without a usable tmpfs runs without them (with a warning).
+        snapshot_every_n_train_steps: keep every rank's state in host memory every N steps (a tmpfs that
             outlives the worker processes): a restart of the workers (torchrun restarts every worker of a node
             when one fails) resumes from there, when it is newer than the newest checkpoint in storage.
         snapshot_every_n_seconds: also (or instead) snapshot when this many seconds have passed since the
@@ -87,6 +93,7 @@ class SpotCheckpoint(L.Callback):
         io_threads: int = 2,
         preemption: Union[bool, PreemptionWatcher] = True,
         heartbeat_seconds: float = 30.0,
+        snapshots: bool = True,
         snapshot_every_n_train_steps: Optional[int] = None,
         snapshot_every_n_seconds: Optional[float] = None,
         snapshot_dir: Optional[str] = None,
@@ -114,6 +121,17 @@ class SpotCheckpoint(L.Callback):
             raise ValueError(f"snapshot_every_n_seconds must be > 0, got {snapshot_every_n_seconds}")
         self.snapshot_every_n_train_steps = snapshot_every_n_train_steps
         self.snapshot_every_n_seconds = snapshot_every_n_seconds
+        #: snapshots asked for by an interval (their absence is an error) or by default (a warning)
+        self._snapshots_explicit = bool(snapshot_every_n_train_steps or snapshot_every_n_seconds)
+        self.cadence = Cadence(
+            snapshot_steps=snapshot_every_n_train_steps,
+            snapshot_seconds=snapshot_every_n_seconds,
+            durable_steps=every_n_train_steps,
+            durable_minutes=every_n_minutes,
+            snapshots=snapshots or self._snapshots_explicit,
+        )
+        self._observed: set[tuple[str, int]] = set()
+        self._said_intervals: tuple[Optional[float], ...] = (None, None)
         self._last_snapshot_time = time.monotonic()
         self.snapshot_dir = snapshot_dir
         self.snapshots: Optional[SnapshotStore] = None
@@ -156,11 +174,9 @@ class SpotCheckpoint(L.Callback):
             return
         host = _host(trainer)
         url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
-        if self.snapshot_every_n_train_steps or self.snapshot_every_n_seconds:
-            self.snapshots = SnapshotStore.for_run(url, self.snapshot_dir)
-            self.snapshots.check()  # a missing or read-only tmpfs fails here, before training
-            if is_initialized() and self.snapshots.group is None:
-                self.snapshots.group = dist.new_group(backend="gloo")  # snapshot traffic, off the training group
+        self.snapshots = self._snapshot_store(url) if self.cadence.snapshots else None
+        if self.snapshots is not None and is_initialized() and self.snapshots.group is None:
+            self.snapshots.group = dist.new_group(backend="gloo")  # snapshot traffic, off the training group
         host.use_checkpoint_storage(self.storage_options, url, self.snapshots)
         self.storage = Storage(url, self.storage_options)
         problem = None
@@ -182,6 +198,24 @@ class SpotCheckpoint(L.Callback):
             self.watcher = self.preemption if isinstance(self.preemption, PreemptionWatcher) else PreemptionWatcher()
         if self.journal is None:
             self.journal = Journal(self.storage, enabled=trainer.is_global_zero)
+
+    def _snapshot_store(self, url: str) -> Optional[SnapshotStore]:
+        """The node's snapshot store; a missing or read-only tmpfs fails here, before training, when snapshots were
+        asked for by an interval, and turns them off (every rank alike) when they are on by default."""
+        store = SnapshotStore.for_run(url, self.snapshot_dir)
+        problem = None
+        try:
+            store.check()
+        except SnapshotError as err:
+            if self._snapshots_explicit:
+                raise
+            problem = str(err)
+        first = next((p for p in all_gather_object(problem) if p), None)
+        if first is None:
+            return store
+        log.warning("lightning-spot: running without snapshots in host memory: %s", first)
+        self.cadence.snapshots = False
+        return None
 
     def _install_resume(self, trainer: L.Trainer) -> None:
         """When fit is called without ckpt_path, make Lightning restore the run's latest checkpoint.
@@ -253,7 +287,7 @@ class SpotCheckpoint(L.Callback):
 
     # ------------------------------------------------------------------- hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._train_start = self._last_snapshot_time = time.monotonic()
+        self._train_start = self._last_snapshot_time = self._last_time = time.monotonic()
         # a forward may change buffers: snapshots copy them at once, the rest before the next optimizer step
         self._buffer_names = frozenset(name for name, _ in pl_module.named_buffers())
         self._last_step = self._checked_step = trainer.global_step
@@ -264,6 +298,8 @@ class SpotCheckpoint(L.Callback):
         restored = host.restored_manifest
         if self.snapshots is not None and trainer.local_rank == 0:
             self.snapshots.drop_after(trainer.global_step)  # newer ones belong to the attempt that failed
+        if self.cadence.auto_durable:
+            self.cadence.set_history(*broadcast_object(self._history() if trainer.is_global_zero else None))
         assert self.journal is not None
         self.journal.record(
             "start",
@@ -278,6 +314,17 @@ class SpotCheckpoint(L.Callback):
             process_started=round(process_started(), 3),
         )
 
+    def _history(self) -> tuple[float, int]:
+        """This run's running time and interruptions so far (rank 0; unreadable history: none)."""
+        assert self.storage is not None
+        try:
+            return interruption_history(self.storage)
+        except Exception as err:
+            log.warning(
+                "lightning-spot: cannot read the run history of %s (%s); assuming no interruption", self.url, err
+            )
+            return 0.0, 0
+
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.snapshotter is not None:  # the last snapshot's parameters and optimizer state are copied
             self.snapshotter.wait_copied()
@@ -289,18 +336,26 @@ class SpotCheckpoint(L.Callback):
         self._checked_step = step
         self._record_progress(trainer)
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
-        late = self.every_n_minutes is not None and time.monotonic() - self._last_time >= 60 * self.every_n_minutes
-        snap_late = (
-            self.snapshots is not None
-            and self.snapshot_every_n_seconds is not None
-            and time.monotonic() - self._last_snapshot_time >= self.snapshot_every_n_seconds
-        )
-        if self.every_n_minutes is not None or self.watcher is not None or self.snapshot_every_n_seconds is not None:
+        late = snap_late = False
+        self._observe_costs(trainer)
+        if self.cadence.timed or self.watcher is not None:
             notice = self.watcher.notice if self.watcher is not None else None
-            late, preempted, snap_late = agree(  # clocks differ between ranks: all decide alike
-                [late, notice is not None, snap_late], trainer.strategy.root_device
+            now = time.monotonic()
+            snap_every, durable_every = self.cadence.snapshot_every(), self.cadence.durable_every()
+            # clocks and measured costs differ between ranks: all decide alike on the largest values
+            seen, snap_elapsed, snap_every, elapsed, durable_every = max_over_ranks(
+                [
+                    float(notice is not None),
+                    now - self._last_snapshot_time,
+                    snap_every or 0.0,
+                    now - self._last_time,
+                    durable_every or 0.0,
+                ],
+                trainer.strategy.root_device,
             )
-            if preempted:
+            late = durable_every > 0 and elapsed >= durable_every
+            snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every
+            if seen:
                 stop_for_preemption(
                     notice,
                     step=trainer.global_step,
@@ -443,10 +498,13 @@ class SpotCheckpoint(L.Callback):
         timeline: Optional[Timeline],
         snapshot: Optional[threading.Thread],
     ) -> None:
+        cpu = time.thread_time()
         try:
             self._write(rel, share, info, timeline, snapshot)
         except BaseException as err:  # surfaced by wait()
             self._error = err
+        if self.saves and "write_seconds" in self.saves[-1]:
+            self.saves[-1]["cpu_seconds"] = time.thread_time() - cpu
 
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error."""
@@ -469,6 +527,30 @@ class SpotCheckpoint(L.Callback):
                 self.storage.delete(name)
 
     # -------------------------------------------------------------- snapshots
+    def _observe_costs(self, trainer: L.Trainer) -> None:
+        """Feed finished snapshots and committed saves to the cadence; say the intervals when they change."""
+        if self.snapshotter is not None:
+            for record in self.snapshotter.taken:
+                key = ("snapshot", record["step"])
+                if "cpu_seconds" in record and key not in self._observed:
+                    self._observed.add(key)
+                    cost = record.get("stall_seconds", 0.0) + record["cpu_seconds"]
+                    self.cadence.observe_snapshot(cost, record["write_seconds"])
+        for record in self.saves:
+            key = ("durable", record["step"])
+            if "cpu_seconds" in record and key not in self._observed:
+                self._observed.add(key)
+                self.cadence.observe_durable(record["stall_seconds"] + record["cpu_seconds"], record["write_seconds"])
+        if not self.cadence.measured:
+            return
+        chosen = self.cadence.chosen()
+        intervals = (chosen["snapshot_seconds"], chosen["durable_seconds"])
+        if _changed_much(intervals, self._said_intervals):
+            self._said_intervals = intervals
+            rank_zero_info(f"SpotCheckpoint: {self.cadence.describe()}")
+            if self.journal is not None:
+                self.journal.record("cadence", step=trainer.global_step, **chosen)
+
     def snapshot(self, trainer: L.Trainer) -> None:
         """Keep this rank's state of this step in host memory (written in the background; not collective)."""
         self._last_snapshot_time = time.monotonic()
@@ -583,3 +665,13 @@ def _timeline(trainer: L.Trainer) -> Optional[Timeline]:
     """The pipeline timeline being recorded, if any (``PipelineTimeline``)."""
     clock = _host(trainer).step_clock
     return clock.timeline if clock is not None else None
+
+
+def _changed_much(intervals: tuple[Optional[float], ...], before: tuple[Optional[float], ...]) -> bool:
+    """Whether any chosen interval is new or moved by more than a factor of 2 (the log and history get a line)."""
+    for now, then in zip(intervals, before):
+        if (now is None) != (then is None):
+            return True
+        if now is not None and then is not None and not 0.5 <= now / then <= 2.0:
+            return True
+    return False

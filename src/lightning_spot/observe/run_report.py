@@ -94,6 +94,8 @@ def build_report(storage: Storage) -> dict[str, Any]:
         "checkpoint_stall_fraction": totals["checkpoint_stall_seconds"] / trained if trained > 0 else 0.0,
         "samples_per_second_by_layout": {k: sum(v) / len(v) for k, v in per_layout.items()},
         "committed_checkpoints": storage.committed(),
+        #: the intervals SpotCheckpoint chose (the newest choice; none when they were all given)
+        "intervals": next((e for e in reversed(events) if e["kind"] == "cadence"), None),
     }
 
 
@@ -110,6 +112,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"checkpoints  {report['checkpoints']} saved, training stalled {report['checkpoint_stall_seconds']:.2f}s "
         f"({100 * report['checkpoint_stall_fraction']:.2f}% of training time); committed now: "
         f"{', '.join(report['committed_checkpoints']) or 'none'}",
+        *_intervals(report.get("intervals")),
         "",
         "  #  at (s)  layout                      from step  to step  samples/s   steps/s  ended",
     ]
@@ -134,6 +137,22 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", "throughput per layout"]
         lines += [f"  {k:<28}{v:10.1f} samples/s" for k, v in report["samples_per_second_by_layout"].items()]
     return "\n".join(lines)
+
+
+def _intervals(chosen: dict[str, Any] | None) -> list[str]:
+    """The line of the chosen checkpoint intervals (none if every interval was given)."""
+    if not chosen:
+        return []
+    parts = []
+    if chosen.get("snapshot_seconds"):
+        parts.append(f"snapshots every {chosen['snapshot_seconds']:.1f}s")
+    if chosen.get("durable_seconds"):
+        parts.append(
+            f"durable every {chosen['durable_seconds']:.0f}s (Young-Daly: cost {chosen['durable_cost_seconds']:.3f}s, "
+            f"mean time between interruptions {chosen['mtbf_seconds'] / 3600:.2f} h from "
+            f"{chosen['interruptions']} interruption(s) and the prior)"
+        )
+    return [f"intervals    chosen at step {chosen.get('step')}: {'; '.join(parts)}"] if parts else []
 
 
 def phase_totals(restarts: list[dict[str, Any]]) -> dict[str, float | None]:

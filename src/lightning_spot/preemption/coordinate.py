@@ -17,11 +17,16 @@ from lightning_spot.preemption.notice import Notice
 
 def agree(flags: Sequence[bool], device: torch.device) -> list[bool]:
     """Each flag is True on every rank if it is True on any rank (one small all-reduce on ``device``)."""
+    return [bool(v) for v in max_over_ranks([float(f) for f in flags], device)]
+
+
+def max_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
+    """Each value's largest over all ranks, on every rank (one small all-reduce on ``device``, in float64)."""
     if world_size() == 1:
-        return list(flags)
-    values = torch.tensor([float(f) for f in flags], device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in values.tolist()]
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 def gather(notice: Notice | None) -> list[Notice | None]:

@@ -145,3 +145,30 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "checkpoints": len(saves),
         "checkpoint_stall_seconds": round(sum(e.get("stall_seconds", 0.0) for e in saves), 4),
     }
+
+
+#: a gap between two events longer than this is not counted as running time (the job was down)
+RUNNING_GAP_SECONDS = 300.0
+
+
+def interruption_history(storage: Storage) -> tuple[float, int]:
+    """(running seconds, interruptions) of the run so far, from the names of its events alone (one listing): an
+    interruption is an attempt that ended without an ``end`` event and was followed by another."""
+    try:
+        names = sorted(n for n in storage.sizes(EVENTS) if n.endswith(".json"))
+    except FileNotFoundError:
+        return 0.0, 0
+    events: list[tuple[float, str]] = []
+    for name in names:
+        stamp, _, kind = name[: -len(".json")].partition("-")
+        if stamp.isdigit():
+            events.append((int(stamp) / 1e9, kind))
+    exposure = sum(min(b[0] - a[0], RUNNING_GAP_SECONDS) for a, b in zip(events, events[1:]))
+    kinds = [kind for _, kind in events]
+    attempts: list[list[str]] = []
+    for kind in kinds:
+        if kind == "start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(kind)
+    interruptions = sum(1 for attempt in attempts[:-1] if "end" not in attempt)
+    return exposure, interruptions

@@ -189,7 +189,7 @@ class Snapshotter:
         pending: list[Copy],
         copied: threading.Event | None,
     ) -> None:
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         try:
             changed = ""
             if name := _finish_copies(pending):
@@ -223,6 +223,7 @@ class Snapshotter:
         if written:  # the next copy goes straight into a mapped file of this size
             self.store.prepare(self.rank, self.store.share_path(step, self.rank, TENSORS).stat().st_size)
         record["write_seconds"] = time.monotonic() - started
+        record["cpu_seconds"] = time.thread_time() - cpu
 
     def _drop_changed(self, step: int, staged: Any, why: str, record: dict[str, Any]) -> None:
         """The background copy of ``step`` is not that step's state (``why``): its share is not written, and from

@@ -1,0 +1,155 @@
+"""How often to snapshot and to save durably when the user did not say: chosen from measured costs and the run's
+own interruption rate, re-evaluated as the run goes.
+
+    cadence = Cadence(snapshot_steps=None, snapshot_seconds=None, durable_steps=None, durable_minutes=None,
+                      snapshots=True)
+    cadence.set_history(exposure_seconds=5400.0, interruptions=2)    # from the run history (rank 0)
+    cadence.observe_snapshot(cost=0.012, wall=0.05)                   # each finished snapshot
+    cadence.observe_durable(cost=0.03, wall=0.4)                      # each committed durable save
+    cadence.snapshot_every()   # seconds between snapshots (None: by steps, or no snapshots)
+    cadence.durable_every()    # seconds between durable saves (None: by steps only)
+
+* **Snapshots** cost the training loop their copy (the training thread's stall) and their background work
+  (CPU); they are taken as often as :data:`SNAPSHOT_BUDGET` of the loop time allows: every ``cost / budget``
+  seconds, and never more often than twice their background write takes.
+* **Durable saves** are taken at the Young-Daly interval ``sqrt(2 x cost x MTBF)`` (Young 1974, Daly 2006: the
+  interval that minimises checkpoint cost plus expected lost work), where MTBF is the run's mean time between
+  interruptions: its exposure (running time in the history) plus a prior of :data:`MTBF_PRIOR_SECONDS`, over its
+  interruptions plus one. Never more often than twice an upload takes.
+
+Explicit intervals win: a kind with an interval given by the user is not chosen.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+#: the share of the training loop's time that automatic snapshots may cost
+SNAPSHOT_BUDGET = 0.01
+#: the mean time between interruptions assumed before a run has any history (one hour: a multi-node spot job;
+#: a single spot VM is interrupted far less often, so the prior errs on the side of saving)
+MTBF_PRIOR_SECONDS = 3600.0
+#: the cost of a durable save assumed before one has been measured (or a snapshot, which it includes)
+DURABLE_COST_PRIOR = 1.0
+#: automatic intervals stay within these bounds (seconds)
+MIN_SECONDS, MAX_DURABLE_SECONDS = 1.0, 3600.0
+
+
+@dataclass
+class Cadence:
+    """The snapshot and durable-save intervals of a run: the user's, or chosen (see the module docstring)."""
+
+    snapshot_steps: int | None
+    snapshot_seconds: float | None
+    durable_steps: int | None
+    durable_minutes: float | None
+    snapshots: bool
+    exposure_seconds: float = 0.0
+    interruptions: int = 0
+    _snapshot_costs: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=5))
+    _durable_costs: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=5))
+
+    @property
+    def auto_snapshots(self) -> bool:
+        return self.snapshots and self.snapshot_steps is None and self.snapshot_seconds is None
+
+    @property
+    def auto_durable(self) -> bool:
+        return self.durable_steps is None and self.durable_minutes is None
+
+    @property
+    def timed(self) -> bool:
+        """Whether any interval is in seconds (then the ranks agree on elapsed time every step)."""
+        return self.snapshot_every() is not None or self.durable_every() is not None
+
+    def set_history(self, exposure_seconds: float, interruptions: int) -> None:
+        self.exposure_seconds, self.interruptions = exposure_seconds, interruptions
+
+    def observe_snapshot(self, cost: float, wall: float) -> None:
+        """A finished snapshot: what it cost the loop (stall + background CPU) and how long its writing took."""
+        self._snapshot_costs.append((cost, wall))
+
+    def observe_durable(self, cost: float, wall: float) -> None:
+        """A committed durable save: its cost to the loop and how long the upload took."""
+        self._durable_costs.append((cost, wall))
+
+    @property
+    def measured(self) -> bool:
+        """Whether an automatic interval rests on a measurement (a snapshot or durable save has finished)."""
+        return bool(
+            (self.auto_snapshots and self._snapshot_costs)
+            or (self.auto_durable and (self._durable_costs or self._snapshot_costs))
+        )
+
+    @property
+    def mtbf_seconds(self) -> float:
+        """The run's mean time between interruptions (the prior counts as one more interval)."""
+        return (self.exposure_seconds + MTBF_PRIOR_SECONDS) / (self.interruptions + 1)
+
+    def snapshot_every(self) -> float | None:
+        if self.snapshot_seconds is not None:
+            return self.snapshot_seconds
+        if not self.auto_snapshots:
+            return None
+        if not self._snapshot_costs:
+            return MIN_SECONDS  # the first one is taken soon, to measure
+        cost, wall = _median(self._snapshot_costs)
+        return max(MIN_SECONDS, cost / SNAPSHOT_BUDGET, 2 * wall)
+
+    def durable_cost(self) -> float:
+        if self._durable_costs:
+            return _median(self._durable_costs)[0]
+        if self._snapshot_costs:  # a durable save from snapshots costs at least a snapshot
+            return _median(self._snapshot_costs)[0]
+        return DURABLE_COST_PRIOR
+
+    def durable_every(self) -> float | None:
+        if self.durable_minutes is not None:
+            return 60.0 * self.durable_minutes
+        if not self.auto_durable:
+            return None
+        young_daly = math.sqrt(2 * self.durable_cost() * self.mtbf_seconds)
+        wall = _median(self._durable_costs)[1] if self._durable_costs else 0.0
+        return min(MAX_DURABLE_SECONDS, max(MIN_SECONDS, young_daly, 2 * wall))
+
+    def describe(self) -> str:
+        """One line: the intervals and why."""
+        parts = []
+        snap = self.snapshot_every()
+        if self.auto_snapshots and snap is not None:
+            cost = _median(self._snapshot_costs)[0] if self._snapshot_costs else None
+            why = (
+                f"a snapshot costs the loop {1000 * cost:.1f} ms, budget {100 * SNAPSHOT_BUDGET:g}% of its time"
+                if cost is not None
+                else "the first one, to measure its cost"
+            )
+            parts.append(f"snapshots every {snap:.1f}s ({why})")
+        durable = self.durable_every()
+        if self.auto_durable and durable is not None:
+            seen = (
+                f"{self.interruptions} interruption(s) in {self.exposure_seconds / 3600:.2f} h of this run"
+                if self.interruptions
+                else f"no interruption of this run yet: the prior, {MTBF_PRIOR_SECONDS / 3600:g} h"
+            )
+            parts.append(
+                f"durable checkpoints every {durable:.0f}s (Young-Daly: a save costs {self.durable_cost():.3f}s, "
+                f"mean time between interruptions {self.mtbf_seconds / 3600:.2f} h, {seen})"
+            )
+        return "; ".join(parts)
+
+    def chosen(self) -> dict[str, float | None]:
+        """The automatic intervals and their inputs (for the run history)."""
+        return {
+            "snapshot_seconds": self.snapshot_every() if self.auto_snapshots else None,
+            "durable_seconds": self.durable_every() if self.auto_durable else None,
+            "durable_cost_seconds": round(self.durable_cost(), 4),
+            "mtbf_seconds": round(self.mtbf_seconds, 1),
+            "interruptions": self.interruptions,
+        }
+
+
+def _median(pairs: deque[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)

@@ -1,0 +1,90 @@
+"""Intervals chosen for the user: snapshots within an overhead budget, durable saves at the Young-Daly interval
+from the measured cost and the run's interruption rate (read from its history), explicit arguments winning."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from lightning_spot.checkpoint.cadence import (
+    MIN_SECONDS,
+    MTBF_PRIOR_SECONDS,
+    SNAPSHOT_BUDGET,
+    Cadence,
+)
+from lightning_spot.checkpoint.durable.journal import RUNNING_GAP_SECONDS, interruption_history
+from lightning_spot.checkpoint.durable.storage import Storage
+
+
+def chosen(**kwargs: object) -> Cadence:
+    args = {"snapshot_steps": None, "snapshot_seconds": None, "durable_steps": None, "durable_minutes": None}
+    return Cadence(**{**args, "snapshots": True, **kwargs})  # type: ignore[arg-type]
+
+
+def test_snapshots_are_as_frequent_as_the_budget_allows() -> None:
+    cadence = chosen()
+    assert cadence.snapshot_every() == MIN_SECONDS  # the first one soon, to measure
+    cadence.observe_snapshot(cost=0.05, wall=0.2)
+    assert cadence.snapshot_every() == pytest.approx(0.05 / SNAPSHOT_BUDGET)  # 5 s: 1% of the loop
+    for cost in (0.02, 0.02, 0.02, 0.02):  # the median of the recent ones counts
+        cadence.observe_snapshot(cost=cost, wall=0.2)
+    assert cadence.snapshot_every() == pytest.approx(2.0)
+    cadence.observe_snapshot(cost=0.02, wall=3.0)
+    cadence.observe_snapshot(cost=0.02, wall=3.0)
+    cadence.observe_snapshot(cost=0.02, wall=3.0)
+    assert cadence.snapshot_every() == pytest.approx(6.0), "never more often than twice the write takes"
+
+
+def test_durable_saves_follow_young_daly_with_the_runs_own_interruption_rate() -> None:
+    cadence = chosen()
+    cadence.observe_durable(cost=0.5, wall=1.0)
+    prior = math.sqrt(2 * 0.5 * MTBF_PRIOR_SECONDS)  # no history: one prior interval of an hour
+    assert cadence.durable_every() == pytest.approx(prior)
+    cadence.set_history(exposure_seconds=3 * 3600.0, interruptions=7)  # interrupted every ~32 minutes so far
+    mtbf = (3 * 3600.0 + MTBF_PRIOR_SECONDS) / 8
+    assert cadence.mtbf_seconds == pytest.approx(mtbf)
+    assert cadence.durable_every() == pytest.approx(math.sqrt(2 * 0.5 * mtbf))
+    assert math.sqrt(2 * 0.5 * mtbf) < prior
+    cadence.set_history(exposure_seconds=100 * 3600.0, interruptions=0)  # a quiet run saves less often
+    assert cadence.durable_every() > prior
+    assert "Young-Daly" in cadence.describe() and "0 interruption" not in cadence.describe()
+
+
+def test_a_durable_save_before_any_is_measured_costs_what_a_snapshot_costs() -> None:
+    cadence = chosen()
+    cadence.observe_snapshot(cost=0.08, wall=0.1)
+    assert cadence.durable_cost() == pytest.approx(0.08)
+    cadence.observe_durable(cost=0.2, wall=0.5)
+    assert cadence.durable_cost() == pytest.approx(0.2)
+
+
+def test_explicit_intervals_win() -> None:
+    cadence = chosen(snapshot_steps=5, durable_steps=20)
+    assert cadence.snapshot_every() is None and cadence.durable_every() is None and not cadence.timed
+    assert chosen(snapshot_seconds=7.0).snapshot_every() == 7.0
+    assert chosen(durable_minutes=2.0).durable_every() == 120.0
+    assert chosen(snapshots=False).snapshot_every() is None
+    assert chosen(snapshots=False).durable_every() is not None, "durable saves are still chosen"
+
+
+def test_the_interruption_history_comes_from_the_event_names(tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path))
+    t0 = 1_700_000_000.0
+
+    def event(seconds: float, kind: str) -> None:
+        storage.write_json(f"events/{int((t0 + seconds) * 1e9):020d}-{kind}.json", {"kind": kind})
+
+    assert interruption_history(storage) == (0.0, 0)
+    event(0, "start")
+    event(30, "progress")
+    event(60, "progress")  # killed after this
+    event(100, "start")  # restarted 40 s later
+    event(130, "preempted")
+    event(3600, "start")  # down for an hour: not running time
+    event(3630, "end")
+    event(90000, "start")  # the user started it again the next day: not an interruption
+    exposure, interruptions = interruption_history(storage)
+    assert interruptions == 2
+    assert exposure == pytest.approx(130 + RUNNING_GAP_SECONDS + 30 + RUNNING_GAP_SECONDS)
