@@ -19,6 +19,7 @@ ROWS = {
     "runtime": 3,
     "partition": 2,
     "data": 2,
+    "fault": 2,
     "layout": 1,
     "preemption": 1,
     "_dist": 0,
