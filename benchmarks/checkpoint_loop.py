@@ -44,12 +44,14 @@ background work ends inside it), and 2000 steps give 50 blocks each way: the lea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +107,8 @@ def run(job: dict[str, Any]) -> None:
             variant, int(variant.split("/")[1]) if variant.startswith("snapshot/") else 0
         )
         spot = SpotCheckpoint(
-            dirpath=job["root"] + "/ckpt",
+            dirpath=job.get("dirpath", job["root"] + "/ckpt"),
+            storage_options=job.get("storage_options"),
             every_n_train_steps=durable,
             snapshots=variant != "durable/20",
             snapshot_every_n_train_steps=snapshot or None,
@@ -256,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", choices=("mlp", "gpt2"), default="mlp", help="the MLP of issue 13, or HF GPT-2")
     parser.add_argument("--quick", action="store_true", help="40 steps, one repeat")
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="checkpoints to an S3 bucket on a moto server this script starts on 127.0.0.1 (instead of a local dir)",
+    )
     parser.add_argument("--json", help="write every run's figures here")
     parser.add_argument(
         "--block",
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="spot-ckpt-loop-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="spot-ckpt-loop-") as tmp, _storage(args.s3, Path(tmp)) as s3:
         for rep in range(args.repeats):
             for variant in variants if rep % 2 == 0 else list(reversed(variants)):
                 tag = f"{variant.replace('/', '-')}-{rep}"
@@ -293,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                     "result": f"{tmp}/{tag}.json",
                     "block": args.block,
                 }
+                if s3 is not None:
+                    job["dirpath"], job["storage_options"] = f"s3://{s3['bucket']}/{tag}", s3["options"]
                 run_ranks(2, {JOB_ENV: json.dumps(job)}, Path(tmp) / "logs" / tag, 600)
                 row = {"variant": variant, "repeat": rep, **json.loads(Path(job["result"]).read_text())}
                 rows.append(row)
@@ -324,6 +334,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def _storage(s3: bool, tmp: Path) -> Iterator[dict[str, Any] | None]:
+    """With ``s3``: a moto S3 server on 127.0.0.1 (stopped by process id afterwards) and a bucket on it."""
+    if not s3:
+        yield None
+        return
+    import s3fs
+
+    from benchmarks.checkpoint import S3_OPTIONS, start_moto
+    from tests.distributed import _kill
+
+    moto, endpoint = start_moto(tmp)
+    try:
+        options = {"endpoint_url": endpoint, **S3_OPTIONS}
+        s3fs.S3FileSystem(**options).mkdir("spot-ckpt-loop")
+        print(f"checkpoints to s3://spot-ckpt-loop on a moto server at {endpoint} (pid {moto.pid})", flush=True)
+        yield {"bucket": "spot-ckpt-loop", "options": options}
+    finally:
+        _kill([moto])
 
 
 if __name__ == "__main__":
