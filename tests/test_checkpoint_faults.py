@@ -78,6 +78,7 @@ def six_steps() -> dict[str, Any]:
         ("no-manifest", None),
     ],
 )
+@pytest.mark.slow
 def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
     damaged: dict, six_steps: dict, case: str, warning: str | None
 ) -> None:
@@ -90,6 +91,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(
         assert re.search(warning, damaged["logs"]), damaged["logs"][-3000:]
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_is_a_clear_error(damaged: dict) -> None:
     message = damaged["all_damaged"]
     assert "No usable checkpoint under" in message

@@ -47,6 +47,7 @@ def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> 
     assert (tmp_path / "spot_checkpoints" / "step-000000012" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_example_lightning_cli_config(tmp_path: Path) -> None:
     exe = str(Path(sys.executable).parent / "lightning-spot")
     out = run_with_lightning_launcher(
@@ -74,6 +75,7 @@ def test_example_lightning_cli_config(tmp_path: Path) -> None:
     assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_hf_llama_example_trains_through_script_and_cli(tmp_path: Path) -> None:
     """The Hugging Face Llama example learns (loss below ln 256) as a script and through LightningCLI."""
     pytest.importorskip("transformers")

@@ -298,6 +298,7 @@ def _tied_phase(name: str, layout: str, steps: int, run: str, snapshots: str | N
     return case
 
 
+@pytest.mark.slow
 def test_tied_weights_are_stored_once_and_resume_onto_any_layout(tmp_path_factory: pytest.TempPathFactory) -> None:
     """P2xD2 for 2 steps -> P1xD1 to step 4 (one tensor again) -> P2xD1 to step 6 = 6 uninterrupted steps.
 

@@ -61,6 +61,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"results": results, "manifests": manifests}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_uniform_to_mixed_to_mixed_to_uniform_has_the_same_math(chain: dict[str, Any]) -> None:
     ref = reference_run({**COMMON, "trainer": {"max_steps": TOTAL_STEPS}})
@@ -73,6 +74,7 @@ def test_uniform_to_mixed_to_mixed_to_uniform_has_the_same_math(chain: dict[str,
         assert r["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_every_rank_of_a_mixed_layout_trains_its_share(chain: dict[str, Any]) -> None:
     """[1, 2] and [2, 3]: every process holds parameters and runs micro-batches; layouts recorded in manifests."""
     for i in (1, 2):
@@ -89,6 +91,7 @@ def test_every_rank_of_a_mixed_layout_trains_its_share(chain: dict[str, Any]) ->
     assert [p["microbatches"] for p in chain["manifests"][2]["layout"]["pipelines"]] == [3, 5]
 
 
+@pytest.mark.slow
 def test_a_streamed_job_snapshots_its_host_masters_and_another_layout_resumes_from_them(chain: dict[str, Any]) -> None:
     """P2xD2 with offload="parameters": between steps its weights rested in host memory; its snapshots, uploaded as
     the checkpoint the [1, 2] job resumed from (restored_step and the end state: the test above), read them there."""

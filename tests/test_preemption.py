@@ -112,7 +112,9 @@ def _run_until_preempted(tmp: Path, config: Path, trigger: Callable[[], None], *
     )
 
 
-@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+@pytest.mark.parametrize(
+    "cloud", ["aws", pytest.param("gcp", marks=pytest.mark.slow), pytest.param("azure", marks=pytest.mark.slow)]
+)
 def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: Path, cloud: str) -> None:
     port = free_port()
     flag = tmp_path / "preempt-now"

@@ -81,12 +81,14 @@ def test_lightning_cli(tmp_path: Path, timeline: bool) -> None:
     assert (tmp_path / "timeline" / "trace.json").is_file() == timeline
 
 
+@pytest.mark.slow
 def test_torchrun_through_lightning_spot_run(tmp_path: Path) -> None:
     """torchrun sets OMP_NUM_THREADS=1 for its workers by default; that is torchrun's choice, not the user's."""
     run_command([EXE, "run", "--nproc-per-node", "2", WORKER, str(tmp_path)], timeout=180)
     _assert_rule(_reports(tmp_path))
 
 
+@pytest.mark.slow
 def test_users_environment_wins(tmp_path: Path) -> None:
     run_command(
         [EXE, "run", "--nproc-per-node", "2", WORKER, str(tmp_path), "--timeline"],
@@ -99,6 +101,7 @@ def test_users_environment_wins(tmp_path: Path) -> None:
     }, reports
 
 
+@pytest.mark.slow
 def test_users_set_num_threads_wins(tmp_path: Path) -> None:
     run_command([sys.executable, WORKER, str(tmp_path), "--set-threads", "3"], timeout=180)
     reports = _reports(tmp_path)  # also in the process Lightning's launcher runs in, which resets the pool

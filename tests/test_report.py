@@ -86,6 +86,7 @@ def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
         assert needle in text, text
 
 
+@pytest.mark.slow
 def test_report_cli_text_json_and_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _history(tmp_path / "run")
@@ -144,6 +145,7 @@ def test_report_counts_useful_time_and_cost(tmp_path: Path) -> None:
     assert "per 1M samples" in text and "spot saved" in text
 
 
+@pytest.mark.slow
 def test_report_cli_prints_the_cost_section(tmp_path: Path) -> None:
     _history(tmp_path)
     cli = [sys.executable, "-m", "lightning_spot.cli", "report", str(tmp_path)]

@@ -58,6 +58,7 @@ def _x(trace: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in trace["traceEvents"] if e["ph"] == "X"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_trace_has_every_microbatch_forward_and_backward_on_every_stage(traced: dict[str, Any], schedule: str) -> None:
     trace = _trace(traced, schedule)
@@ -101,6 +102,7 @@ def test_trace_has_every_microbatch_forward_and_backward_on_every_stage(traced: 
             ), e
 
 
+@pytest.mark.slow
 def test_ddp_allreduce_and_checkpoints_are_traced(traced: dict[str, Any]) -> None:
     events = _x(_trace(traced, "P2D2-1F1B-checkpointed"))
     assert {e["pid"] for e in events} == {0, 1, 2, 3}
@@ -114,6 +116,7 @@ def test_ddp_allreduce_and_checkpoints_are_traced(traced: dict[str, Any]) -> Non
     assert _trace(traced, "P2D2-1F1B-checkpointed")["metadata"]["layout"]["data_parallel"] == 2
 
 
+@pytest.mark.slow
 def test_gantt_png_is_drawn_and_not_trivial(traced: dict[str, Any]) -> None:
     mpl_image = pytest.importorskip("matplotlib.image")
     for name in ("1F1B", "ZBVZeroBubble"):
@@ -125,6 +128,7 @@ def test_gantt_png_is_drawn_and_not_trivial(traced: dict[str, Any]) -> None:
     assert not (traced["dirs"]["GPipe"] / "timeline" / "timeline.png").exists()  # gantt=False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
 def test_bubble_figures_are_logged(traced: dict[str, Any], schedule: str) -> None:
     rank0 = traced["results"][schedule][0]
