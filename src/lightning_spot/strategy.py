@@ -341,7 +341,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         destroy_process_group_at_exit()
         first_step = (self._timeout or DEFAULT_TIMEOUT).total_seconds()
-        self._watch = JobWatch(self.global_rank, self._step_timeout, first_step_timeout=first_step)
+        self._watch = JobWatch(
+            self.global_rank, self._step_timeout, first_step_timeout=first_step, world=self.world_size
+        )
         self._watch.start()
 
     def _watched(self, kind: str) -> AbstractContextManager[None]:
@@ -561,22 +563,10 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        offload = self.offload
-        if offload is not None:
-            from lightning.pytorch.core.optimizer import LightningOptimizer
-
-            inner, target = closure, optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-            def closure() -> Any:  # runs inside optimizer.step: the update (and clipping) then happen on the host
-                result = inner()
-                offload.to_host(target)
-                return result
-
-            try:
-                return self._step(optimizer, closure, model, **kwargs)
-            finally:
-                offload.to_device(target)
-        return self._step(optimizer, closure, model, **kwargs)
+        if self.offload is None:
+            return self._step(optimizer, closure, model, **kwargs)
+        with self.offload.updating(optimizer, closure) as on_host:  # the update (and clipping) run on the host
+            return self._step(optimizer, on_host, model, **kwargs)
 
     def _step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         clock = self.engine.clock if self.engine is not None else None

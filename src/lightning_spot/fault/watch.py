@@ -56,8 +56,10 @@ _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken p
 class JobWatch:
     """This rank's side of failure handling (see the module docstring)."""
 
-    #: seconds between two reads of the failure board
+    #: seconds between two reads of the failure board (more with many ranks: the store serves every rank's reads,
+    #: at most :attr:`STORE_READS` per second in all)
     POLL = 0.2
+    STORE_READS = 5000
     #: seconds a rank gets to end by itself once another rank's failure is known
     GRACE = 2.0
     #: the limit of a step: this many times the median of the recent steps of its kind (when above ``step_timeout``)
@@ -66,8 +68,9 @@ class JobWatch:
     #: seconds the rank that hosts the store stays after deciding to leave, so that the others can read the board
     LINGER = 1.0
 
-    def __init__(self, rank: int, step_timeout: float | None, first_step_timeout: float) -> None:
+    def __init__(self, rank: int, step_timeout: float | None, first_step_timeout: float, world: int = 1) -> None:
         self.rank = rank
+        self.poll = max(self.POLL, world / self.STORE_READS)
         #: rank 0 hosts the job's store unless torchrun's agent does: when it leaves, the board goes with it
         self.linger = self.LINGER if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" else 0.0
         self.step_timeout = step_timeout
@@ -99,7 +102,7 @@ class JobWatch:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2 * self.POLL)
+            self._thread.join(timeout=2 * self.poll)
             self._thread = None
 
     # ---------------------------------------------------------------------- steps
@@ -161,7 +164,7 @@ class JobWatch:
     def _run(self) -> None:
         assert self.board is not None
         store_up = True
-        while not self._stop.wait(self.POLL):
+        while not self._stop.wait(self.poll):
             armed = self._armed
             if armed is not None and time.monotonic() - armed[2] > armed[3]:
                 self._stalled(*armed)
@@ -184,7 +187,7 @@ class JobWatch:
         self.say(self._line(first))
         deadline = time.monotonic() + self.GRACE
         while time.monotonic() < deadline:
-            if self._stop.wait(self.POLL) or self._handling:
+            if self._stop.wait(self.poll) or self._handling:
                 return  # the fit is ending by itself (an error of its own, or a closed connection)
         _exit(FAILED_EXIT_CODE, self.linger)
 

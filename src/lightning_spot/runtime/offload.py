@@ -16,7 +16,7 @@ the masters keep fp32 precision (the update is computed in fp32 and rounded once
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Union
 
@@ -150,6 +150,23 @@ class OptimizerOffload:
         self._early.clear()
         if any(t.device.type == "cuda" for t in self._device.values()):
             torch.cuda.synchronize()  # the non-blocking copies of the gradients (either stream) are done
+
+    @contextmanager
+    def updating(self, optimizer: Any, closure: Callable[[], Any]) -> Iterator[Callable[[], Any]]:
+        """Around one ``optimizer.step(closure)``: the closure handed back runs the step's closure, then makes the
+        parameters their host masters (the update and clipping run there); afterwards they are device tensors
+        again, holding the updated values. ``optimizer`` may be Lightning's wrapper."""
+        target = getattr(optimizer, "_optimizer", optimizer)
+
+        def on_host() -> Any:
+            result = closure()
+            self.to_host(target)
+            return result
+
+        try:
+            yield on_host
+        finally:
+            self.to_device(target)
 
     @torch.no_grad()
     def to_device(self, optimizer: torch.optim.Optimizer) -> None:
