@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,43 +46,52 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             pass
 
 
-def _start_ranks(
-    world_size: int,
-    argv: Sequence[str],
-    log_dir: Path,
-    env: dict[str, str] | None,
-    procs: list[subprocess.Popen],
-    files: list,
-) -> None:
-    """Start ``python *argv`` as ``world_size`` ranks, each leading its own session, output to rank<N>.log."""
+@contextmanager
+def _running(
+    world_size: int, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None
+) -> Iterator[list[subprocess.Popen]]:
+    """``python *argv`` as ``world_size`` ranks, each leading its own session, output to rank<N>.log; whatever is
+    still running on the way out is killed by process group and the logs are closed."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    for rank in range(world_size):
-        rank_env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "NODE_RANK": "0",
-            "LOCAL_RANK": str(rank),
-            "RANK": str(rank),
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
-        out = open(log_dir / f"rank{rank}.log", "w")
-        files.append(out)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *argv],
-                env=rank_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
+    procs: list[subprocess.Popen] = []
+    files = []
+    try:
+        for rank in range(world_size):
+            rank_env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "NODE_RANK": "0",
+                "LOCAL_RANK": str(rank),
+                "RANK": str(rank),
+                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                "PYTHONUNBUFFERED": "1",
+                **(env or {}),
+            }
+            out = open(log_dir / f"rank{rank}.log", "w")
+            files.append(out)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    env=rank_env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    start_new_session=True,
+                )
             )
-        )
+        yield procs
+    finally:
+        _kill(procs)
+        for f in files:
+            f.close()
+
+
+def _logs(log_dir: Path, world_size: int) -> list[str]:
+    return [(log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)]
 
 
 def launch(
@@ -103,10 +113,7 @@ def launch(
     logs are returned. ``expect_exit`` is the exit code that counts as success for every rank;
     ``pids``, if given, receives the ranks' process ids as soon as they start.
     """
-    procs: list[subprocess.Popen] = []
-    files: list = []
-    try:
-        _start_ranks(world_size, argv, log_dir, env, procs, files)
+    with _running(world_size, argv, log_dir, env) as procs:
         if pids is not None:
             pids.extend(p.pid for p in procs)
         deadline = time.monotonic() + timeout
@@ -123,21 +130,14 @@ def launch(
                 break
             time.sleep(0.2)
         timed_out = any(p.poll() is None for p in procs) and failed is None and not killed
-        _kill(procs)
-        for f in files:
-            f.close()
-        logs = [(log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)]
-        if killed:
-            return logs
-        if failed is not None:
-            raise WorkerFailure(f"rank {failed} exited with code {procs[failed].returncode}", logs)
-        if timed_out:
-            raise WorkerFailure(f"job did not finish within {timeout:.0f}s (hang?)", logs)
+    logs = _logs(log_dir, world_size)
+    if killed:
         return logs
-    finally:
-        _kill(procs)
-        for f in files:
-            f.close()
+    if failed is not None:
+        raise WorkerFailure(f"rank {failed} exited with code {procs[failed].returncode}", logs)
+    if timed_out:
+        raise WorkerFailure(f"job did not finish within {timeout:.0f}s (hang?)", logs)
+    return logs
 
 
 @dataclass
@@ -162,12 +162,9 @@ def run_until_exit(
     """Run ``python *argv`` as ``world_size`` ranks and let every rank end by itself (nothing is killed when one
     fails): wait until all have exited, ``timeout`` has passed, or ``after_first_exit`` seconds have passed since
     the first exit; then kill what is left (by process group) and report."""
-    procs: list[subprocess.Popen] = []
-    files: list = []
     codes: list[int | None] = [None] * world_size
     times: list[float | None] = [None] * world_size
-    try:
-        _start_ranks(world_size, argv, log_dir, env, procs, files)
+    with _running(world_size, argv, log_dir, env) as procs:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and None in codes:
             for r, p in enumerate(procs):
@@ -175,12 +172,7 @@ def run_until_exit(
                     codes[r], times[r] = p.returncode, time.time()
                     deadline = min(deadline, time.monotonic() + after_first_exit)
             time.sleep(0.05)
-    finally:
-        _kill(procs)
-        for f in files:
-            f.close()
-    logs = [(log_dir / f"rank{r}.log").read_text(errors="replace") for r in range(world_size)]
-    return Exits(codes, times, logs)
+    return Exits(codes, times, _logs(log_dir, world_size))
 
 
 def run_command(argv: Sequence[str], timeout: float = 240, env: dict[str, str] | None = None) -> str:

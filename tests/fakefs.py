@@ -35,27 +35,34 @@ class SlowFileSystem(LocalFileSystem):
         return handle
 
 
-class FlakyFileSystem(LocalFileSystem):
+class _CheckedWrites(LocalFileSystem):
+    """``file://`` whose writes (opening for writing, ``pipe_file``) pass :meth:`before_write` first."""
+
+    def before_write(self, path: str) -> None:
+        raise NotImplementedError
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "w" in mode:
+            self.before_write(path)
+        return super()._open(path, mode, **kwargs)
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:  # type: ignore[override]
+        self.before_write(path)
+        super().pipe_file(path, value, **kwargs)
+
+
+class FlakyFileSystem(_CheckedWrites):
     protocol = ("flakyfile",)
     failed: ClassVar[set[str]] = set()
     lock = threading.Lock()
 
-    def _fail_first(self, path: str) -> None:
+    def before_write(self, path: str) -> None:
         name = os.path.basename(str(path)).split(".tmp")[0]  # temporary names count as their target
         with self.lock:
             if name in self.failed:
                 return
             self.failed.add(name)
         raise ConnectionResetError(f"flaky network while writing {name}")
-
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if "w" in mode:
-            self._fail_first(path)
-        return super()._open(path, mode, **kwargs)
-
-    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:  # type: ignore[override]
-        self._fail_first(path)
-        super().pipe_file(path, value, **kwargs)
 
 
 class GatedFileSystem(LocalFileSystem):
@@ -69,29 +76,18 @@ class GatedFileSystem(LocalFileSystem):
         return attr
 
 
-fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
-fsspec.register_implementation("flakyfile", FlakyFileSystem, clobber=True)
-fsspec.register_implementation("gatedfile", GatedFileSystem, clobber=True)
-
-
-class DeniedFileSystem(LocalFileSystem):
+class DeniedFileSystem(_CheckedWrites):
     """``deniedfile://``: like ``file://``, but the rank named by ``SPOT_TEST_DENIED_RANK`` may not write
     checkpoint data (a bucket policy that refuses one node's role)."""
 
     protocol = ("deniedfile",)
 
-    def _check(self, path: str) -> None:
+    def before_write(self, path: str) -> None:
         if os.environ.get("RANK") == os.environ.get("SPOT_TEST_DENIED_RANK") and "step-" in str(path):
             raise PermissionError(f"access denied writing {path} (rank {os.environ.get('RANK')})")
 
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if "w" in mode:
-            self._check(path)
-        return super()._open(path, mode, **kwargs)
 
-    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:  # type: ignore[override]
-        self._check(path)
-        super().pipe_file(path, value, **kwargs)
-
-
+fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
+fsspec.register_implementation("flakyfile", FlakyFileSystem, clobber=True)
+fsspec.register_implementation("gatedfile", GatedFileSystem, clobber=True)
 fsspec.register_implementation("deniedfile", DeniedFileSystem, clobber=True)

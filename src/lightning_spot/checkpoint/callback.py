@@ -130,7 +130,8 @@ class SpotCheckpoint(L.Callback):
             durable_minutes=every_n_minutes,
             snapshots=snapshots or self._snapshots_explicit,
         )
-        self._observed: set[tuple[str, int]] = set()
+        #: how many snapshot and save records the cadence has been given (each is timed once its writing is over)
+        self._snapshots_observed = self._saves_observed = 0
         self._said_intervals: tuple[Optional[float], ...] = (None, None)
         self._last_snapshot_time = time.monotonic()
         self.snapshot_dir = snapshot_dir
@@ -338,10 +339,10 @@ class SpotCheckpoint(L.Callback):
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
         late = snap_late = False
         self._observe_costs(trainer)
-        if self.cadence.timed or self.watcher is not None:
+        snap_every, durable_every = self.cadence.snapshot_every(), self.cadence.durable_every()
+        if snap_every is not None or durable_every is not None or self.watcher is not None:
             notice = self.watcher.notice if self.watcher is not None else None
             now = time.monotonic()
-            snap_every, durable_every = self.cadence.snapshot_every(), self.cadence.durable_every()
             # clocks and measured costs differ between ranks: all decide alike on the largest values
             seen, snap_elapsed, snap_every, elapsed, durable_every = max_over_ranks(
                 [
@@ -528,21 +529,17 @@ class SpotCheckpoint(L.Callback):
 
     # -------------------------------------------------------------- snapshots
     def _observe_costs(self, trainer: L.Trainer) -> None:
-        """Feed finished snapshots and committed saves to the cadence; say the intervals when they change."""
-        if self.snapshotter is not None:
-            for record in self.snapshotter.taken:
-                key = ("snapshot", record["step"])
-                if "cpu_seconds" in record and key not in self._observed:
-                    self._observed.add(key)
-                    cost = record.get("stall_seconds", 0.0) + record["cpu_seconds"]
-                    self.cadence.observe_snapshot(cost, record["write_seconds"])
-        for record in self.saves:
-            key = ("durable", record["step"])
-            if "cpu_seconds" in record and key not in self._observed:
-                self._observed.add(key)
-                self.cadence.observe_durable(record["stall_seconds"] + record["cpu_seconds"], record["write_seconds"])
-        if not self.cadence.measured:
-            return
+        """Feed newly finished snapshots and saves to the cadence; say the intervals when they change."""
+        snapshots, self._snapshots_observed = _finished(
+            self.snapshotter.taken if self.snapshotter is not None else [], self._snapshots_observed
+        )
+        saves, self._saves_observed = _finished(self.saves, self._saves_observed)
+        for record in snapshots:
+            self.cadence.observe_snapshot(record["stall_seconds"] + record["cpu_seconds"], record["write_seconds"])
+        for record in saves:
+            self.cadence.observe_durable(record["stall_seconds"] + record["cpu_seconds"], record["write_seconds"])
+        if not (snapshots or saves) or not self.cadence.measured:
+            return  # the intervals move only with new measurements
         chosen = self.cadence.chosen()
         intervals = (chosen["snapshot_seconds"], chosen["durable_seconds"])
         if _changed_much(intervals, self._said_intervals):
@@ -665,6 +662,14 @@ def _timeline(trainer: L.Trainer) -> Optional[Timeline]:
     """The pipeline timeline being recorded, if any (``PipelineTimeline``)."""
     clock = _host(trainer).step_clock
     return clock.timeline if clock is not None else None
+
+
+def _finished(records: list[dict[str, Any]], start: int) -> tuple[list[dict[str, Any]], int]:
+    """The records from ``start`` whose background writing is over and was timed, and where to start next time.
+    One write runs at a time and a new record waits for the previous write, so every record but the newest is
+    over; one without a time (a dropped snapshot, a failed save) is skipped."""
+    end = len(records) if records and "cpu_seconds" in records[-1] else max(start, len(records) - 1)
+    return [r for r in records[start:end] if "cpu_seconds" in r], end
 
 
 def _changed_much(intervals: tuple[Optional[float], ...], before: tuple[Optional[float], ...]) -> bool:

@@ -1,7 +1,7 @@
 """The job's failure board: the first rank to fail writes what failed into the process group's key-value
 store; every rank can read it.
 
-    board = FailureBoard.for_job(rank)            # None without a process group
+    board = FailureBoard.for_job()                # None without a process group
     first = board.publish(Failure(rank, "ValueError: boom", "training step 57"))   # the first one wins
     board.read()                                  # the first failure, or None
 """

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import TracebackType
 
+import torch.distributed as dist
+
 from lightning_spot.fault.board import Failure, FailureBoard
 from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE
 
@@ -86,8 +88,8 @@ class JobWatch:
         self._known: Failure | None = None
         #: where the step that raised was (for the published failure)
         self._failed_in = ""
-        #: the step being watched: (kind, description, start, limit)
-        self._armed: tuple[str, str, float, float] | None = None
+        #: the step being watched: (description, start, limit)
+        self._armed: tuple[str, float, float] | None = None
         self._recent: dict[str, deque[float]] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -118,7 +120,7 @@ class JobWatch:
         )
         start = time.monotonic()
         where = where or kind
-        self._armed = (kind, where, start, limit)
+        self._armed = (where, start, limit)
         try:
             yield
         except BaseException:
@@ -166,7 +168,7 @@ class JobWatch:
         store_up = True
         while not self._stop.wait(self.poll):
             armed = self._armed
-            if armed is not None and time.monotonic() - armed[2] > armed[3]:
+            if armed is not None and time.monotonic() - armed[1] > armed[2]:
                 self._stalled(*armed)
                 return
             if not store_up:
@@ -197,7 +199,7 @@ class JobWatch:
             self._said = True
             print(line, file=sys.stderr, flush=True)
 
-    def _stalled(self, kind: str, where: str, start: float, limit: float) -> None:
+    def _stalled(self, where: str, start: float, limit: float) -> None:
         waited = time.monotonic() - start
         failure = Failure(
             self.rank,
@@ -223,8 +225,6 @@ def _one_line(error: BaseException) -> str:
 
 
 def _is_lost_peer(error: BaseException) -> bool:
-    import torch.distributed as dist
-
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _LOST_PEER)

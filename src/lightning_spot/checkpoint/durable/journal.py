@@ -65,7 +65,7 @@ def read_events(storage: Storage) -> list[dict[str, Any]]:
         names = sorted(storage.sizes(EVENTS))
     except FileNotFoundError:
         return []
-    events = []
+    events: list[dict[str, Any]] = []
     for name in names:
         if name.endswith(".json"):
             try:
@@ -158,17 +158,12 @@ def interruption_history(storage: Storage) -> tuple[float, int]:
         names = sorted(n for n in storage.sizes(EVENTS) if n.endswith(".json"))
     except FileNotFoundError:
         return 0.0, 0
-    events: list[tuple[float, str]] = []
+    events: list[dict[str, Any]] = []
     for name in names:
         stamp, _, kind = name[: -len(".json")].partition("-")
         if stamp.isdigit():
-            events.append((int(stamp) / 1e9, kind))
-    exposure = sum(min(b[0] - a[0], RUNNING_GAP_SECONDS) for a, b in zip(events, events[1:]))
-    kinds = [kind for _, kind in events]
-    attempts: list[list[str]] = []
-    for kind in kinds:
-        if kind == "start" or not attempts:
-            attempts.append([])
-        attempts[-1].append(kind)
-    interruptions = sum(1 for attempt in attempts[:-1] if "end" not in attempt)
+            events.append({"time": int(stamp) / 1e9, "kind": kind})
+    exposure = sum(min(b["time"] - a["time"], RUNNING_GAP_SECONDS) for a, b in zip(events, events[1:]))
+    attempts = split_attempts(events)
+    interruptions = sum(1 for attempt in attempts[:-1] if all(e["kind"] != "end" for e in attempt))
     return exposure, interruptions
