@@ -10,10 +10,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lightning_spot"
 
 #: room -> row, as in docs/architecture.md ("Layers")
 ROWS = {
-    "cli": 7,
-    "__init__": 6,
-    "strategy": 5,
+    "cli": 8,
+    "__init__": 7,
+    "strategy": 6,
     "observe": 5,
+    "fault_tolerance": 5,
     "planning": 4,
     "checkpoint": 4,
     "runtime": 3,

@@ -48,6 +48,8 @@ from lightning_spot.checkpoint.memory.recall import Recall
 from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotStore
 from lightning_spot.data import shard_dataloader
 from lightning_spot.fault import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, JobWatch
+from lightning_spot.fault_tolerance import TorchFT, resolve_fault_tolerance
+from lightning_spot.fault_tolerance.attach import HEAL_URL, ReplicaGroup, attach, healed_checkpoint
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
 from lightning_spot.partition.placement import placement_of
@@ -132,6 +134,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             node: gloo's point-to-point receives never time out); five times the median of the recent steps when
             that is longer, ``timeout`` for the first step of each kind; ``None``: off. One rank's error stops
             every rank within seconds regardless (``lightning_spot.fault``).
+        fault_tolerance: ``"torchft"`` (or :class:`~lightning_spot.fault_tolerance.TorchFT`): this process group is
+            one pipeline of a job of several, joined by a torchft lighthouse; when one is lost the others go on
+            training without a restart, and a returning one takes a live peer's state (docs/launch-and-preemption.md).
     """
 
     strategy_name = "spot_pipeline"
@@ -160,6 +165,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         step_timeout: Optional[float] = DEFAULT_STEP_TIMEOUT,
+        fault_tolerance: Union[str, TorchFT, None] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -215,6 +221,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._timeout = timeout
         self._step_timeout = step_timeout
         self._watch: Optional[JobWatch] = None
+        self._fault_tolerance = resolve_fault_tolerance(fault_tolerance)
+        #: this pipeline's torchft replica group (``fault_tolerance="torchft"``, once fitting starts)
+        self.replicas: Optional[ReplicaGroup] = None
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._layout: Optional[PipelineLayout] = None
@@ -410,6 +419,14 @@ class SpotPipelineStrategy(ParallelStrategy):
                         f"spot_pipeline: the update in host memory runs torch's fused CPU kernel "
                         f"({', '.join(self.offload.fused)}); pass fused=False or foreach=... to the optimizer to keep yours"
                     )
+            if self._fault_tolerance is not None and self.replicas is None:
+                self.replicas = attach(
+                    trainer,
+                    self.engine,
+                    self._fault_tolerance,
+                    group_size=self.world_size,
+                    offloaded=bool(self.offload),
+                )
 
     def _stage_grads_final(self, stage: int) -> None:
         """A stage's backward of the step is over: with the optimizer offloaded, its gradients start for the host."""
@@ -559,7 +576,11 @@ class SpotPipelineStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         with self.precision_plugin.train_step_context(), self._watched("training_step"):
-            return self._engine().train_step(args[0], args[1:], kwargs)
+            engine, batch, size = self._engine(), args[0], None
+            if self.replicas is not None:  # this pipeline's rows of the global batch, among those in the quorum
+                step = self.lightning_module.global_step if self.lightning_module is not None else 0
+                batch, size = self.replicas.begin_step(batch, engine.microbatches, step)
+            return engine.train_step(batch, args[1:], kwargs, global_batch=size)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -569,6 +590,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             return self._step(optimizer, on_host, model, **kwargs)
 
     def _step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.replicas is not None:  # gradients averaged over the quorum; the update only when the step commits
+            weights = self._engine().runner.loss_weights
+            closure = self.replicas.committed(closure, self._engine().params, lambda: weights.items)
         clock = self.engine.clock if self.engine is not None else None
         if clock is None or clock.timeline is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -772,6 +796,11 @@ class SpotPipelineStrategy(ParallelStrategy):
         """Load a checkpoint (or the latest intact one of a run directory) written on any layout onto this one."""
         assert self.lightning_module is not None
         url = self.broadcast(str(checkpoint_path))
+        if url == HEAL_URL and self.replicas is not None:
+            checkpoint, self.restored_manifest = healed_checkpoint(
+                self.replicas, self.lightning_module, list(self.optimizers), self._engine()
+            )
+            return checkpoint
         started = time.monotonic()
         # with offload, weights and optimizer state are read straight into the host masters
         with self.offload.on_host(list(self.optimizers)) if self.offload is not None else nullcontext():
@@ -843,6 +872,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
+        if self.replicas is not None:
+            self.replicas.shutdown()
+            self.replicas = None
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -265,11 +265,13 @@ class PipelineEngine:
         return [d for d in reversed(divisors(local_size)) if d <= self.microbatches] or [1]
 
     # ----------------------------------------------------------------------- steps
-    def train_step(self, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Tensor:
+    def train_step(self, batch: Any, args: tuple, kwargs: dict[str, Any], global_batch: int | None = None) -> Tensor:
+        """Forward and backward of this replica's ``batch`` (of a global batch of ``global_batch`` samples, by
+        default what the layout makes of it); the gradients wait for :meth:`restore_grads`."""
         local = batch_size_of(batch)
         m = self.train_microbatches(local)
         self.last_microbatches = m
-        self.last_global_batch = global_batch = self.global_batch_of(local)
+        self.last_global_batch = global_batch = global_batch or self.global_batch_of(local)
         program = self._program("train", "training_step", m, batch)
         saved = take_grads(self.params)
         losses: list[Tensor] = []  # what torch back-propagated; the losses to log are in runner.loss_weights

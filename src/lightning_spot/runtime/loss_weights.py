@@ -42,6 +42,8 @@ class LossWeights:
         #: the last stages of all pipelines (where the first reference is agreed), on a rank holding one
         self.group = group
         self._parts: list[tuple[Tensor, Tensor | None, int]] = []
+        #: what the last step's gradient is a mean over: its samples, or its items when losses came with counts
+        self.items = 0.0
 
     def start(self) -> None:
         self._parts = []
@@ -94,6 +96,7 @@ class LossWeights:
         """(the step's loss, the factor for its gradients) from the reduced sums, which are removed from
         ``logged``; the same on every rank. ``total``: the step's micro-batches over all replicas."""
         loss_sum, items, weighted, reference = (logged.pop(name)[0] for name in (LOSS, ITEMS, WEIGHTED, REFERENCE))
+        self.items = float(items)
         if weighted == 0:
             return loss_sum / items, 1.0
         if round(weighted) != total:

@@ -1,0 +1,87 @@
+"""Put a pipeline into its replica group at setup, and restore a peer's state through Lightning's resume path.
+
+group = attach(strategy, trainer, settings)   # end of strategy.setup when fitting
+checkpoint = healed_checkpoint(strategy, group)   # strategy.load_checkpoint(HEAL_URL)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_spot.fault_tolerance.config import TorchFT
+from lightning_spot.fault_tolerance.heal import HEAL_URL, apply_stage_state, stage_state
+from lightning_spot.fault_tolerance.replica_group import ReplicaGroup
+from lightning_spot.layout import Layout, LayoutError
+from lightning_spot.runtime.engine import PipelineEngine
+
+__all__ = ["HEAL_URL", "ReplicaGroup", "attach", "check_fits", "healed_checkpoint"]
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def check_fits(grid: Layout, trainer: pl.Trainer, offloaded: bool) -> None:
+    """What the torchft mode does not run (yet), named with the alternative."""
+    if grid.data_parallel != 1:
+        raise LayoutError(
+            f"fault_tolerance='torchft' makes each pipeline a replica group of its own: start one torchrun per "
+            f"pipeline (WORLD_SIZE = its depth) and let the lighthouse join them; this process group of "
+            f"{grid.world_size} ranks holds {grid} (`lightning-spot run --replica-groups N` starts them for you)"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise LayoutError(
+            "fault_tolerance='torchft' agrees on the pipelines once per optimizer step and splits the global batch "
+            "between them; accumulate_grad_batches > 1 is not supported with it: use a larger batch_size instead."
+        )
+    if offloaded:
+        raise LayoutError("fault_tolerance='torchft' with offload='optimizer' is not supported yet")
+
+
+def attach(
+    trainer: pl.Trainer, engine: PipelineEngine, settings: TorchFT, *, group_size: int, offloaded: bool = False
+) -> ReplicaGroup:
+    """The pipeline's replica group after its first quorum; a joiner's state is restored as a checkpoint."""
+    check_fits(engine.layout.grid, trainer, offloaded)
+
+    def state() -> dict[str, Any]:
+        return {"stage": stage_state(trainer), "samples_seen": engine.samples_seen}
+
+    group = ReplicaGroup(settings, group_rank=engine.ctx.pp_rank, group_size=group_size, state_dict=state)
+    group.join()
+    if group.healed_state is not None:
+        _resume_from_peer(trainer)
+    return group
+
+
+def _resume_from_peer(trainer: pl.Trainer) -> None:
+    """Make Lightning's resume (right after setup) load the healed state, whatever ``ckpt_path`` says."""
+    connector = trainer._checkpoint_connector
+    inner = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
+        connector.resume_start = inner  # type: ignore[method-assign]
+        inner(HEAL_URL, weights_only)
+
+    connector.resume_start = resume_start  # type: ignore[method-assign]
+
+
+def healed_checkpoint(
+    group: ReplicaGroup, module: nn.Module, optimizers: list[torch.optim.Optimizer], engine: PipelineEngine
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(Lightning checkpoint, manifest-like record) of the state a peer sent at :func:`attach`."""
+    started = time.monotonic()
+    state, group.healed_state = group.healed_state, None
+    if state is None:
+        raise RuntimeError(f"{HEAL_URL} is restored once, after a pipeline joined and took a peer's state")
+    checkpoint = apply_stage_state(module, optimizers, engine.ties.aliases, state["stage"])
+    engine.samples_seen = int(state["samples_seen"])
+    record = {
+        "step": int(checkpoint.get("global_step", 0)),
+        "tier": "peer",
+        "restore_seconds": time.monotonic() - started,
+    }
+    return checkpoint, record

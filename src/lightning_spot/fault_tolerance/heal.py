@@ -1,0 +1,54 @@
+"""A joining pipeline takes the state of the same stage of a live one: a Lightning checkpoint, in memory.
+
+    state = stage_state(trainer)                 # on a live peer, at the start of a step (torchft sends it)
+    checkpoint = apply_stage_state(module, optimizers, aliases, state)  # on the joiner; loops left to Lightning
+
+The state is what a durable checkpoint of the stage holds (:func:`~lightning_spot.checkpoint.payload.split_checkpoint`:
+parameters and optimizer state under stored names, random state, Lightning's loops and callbacks), copied, so
+that the peer may go on training while it is sent. Stage ``k`` heals from stage ``k`` of a pipeline with the same
+cuts: names match one to one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_spot.checkpoint.durable.read import apply_training_state
+from lightning_spot.checkpoint.jsonstate import decode
+from lightning_spot.checkpoint.payload import Payload, restore_rng, split_checkpoint
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+#: the checkpoint path that makes Lightning restore the healed state (see ``ReplicaGroup.resume_hook``)
+HEAL_URL = "torchft://peer"
+
+
+def stage_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """This rank's training state as of now (copied to host memory), for a joining peer."""
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    payload = split_checkpoint(checkpoint, copy=True, with_lightning=True)
+    return {
+        "tensors": payload.tensors,
+        "optimizer_values": payload.optimizer_values,
+        "rng": payload.rng,
+        "lightning": payload.lightning,
+    }
+
+
+def apply_stage_state(
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], aliases: dict[str, str], state: dict[str, Any]
+) -> dict[str, Any]:
+    """Set this rank's weights, optimizer state and random state from a peer's (``aliases``: tied copies -> the
+    stored name); return the Lightning checkpoint (loops, callbacks, schedulers) for Lightning to restore."""
+    got = Payload(**state)
+    values = [decode(v) for v in got.optimizer_values]
+    apply_training_state(module, optimizers, got.tensors, values, aliases)
+    restore_rng(got.rng)
+    checkpoint = decode(got.lightning)
+    checkpoint.setdefault("state_dict", {})
+    checkpoint.setdefault("optimizer_states", [])
+    return checkpoint

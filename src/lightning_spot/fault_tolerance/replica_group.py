@@ -1,0 +1,173 @@
+"""This pipeline as one torchft replica group: a quorum per step, weighted gradient averaging, commit or run again.
+
+    group = ReplicaGroup(settings, group_rank=pp_rank, group_size=P, state_dict=...)
+    group.join()                                   # at setup: the first quorum; may take a peer's state
+    share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
+    closure = group.committed(closure, params, weight)  # optimizer_step: the optimizer steps only on a commit
+    group.shutdown()
+
+Every rank of the pipeline has a torchft ``Manager`` (stage ``k`` of every pipeline share one reconfigurable gloo
+group); rank 0's manager talks to the lighthouse. Quorums are synchronous: a joiner heals before the step
+starts and trains its share of it like any other replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_spot.fault_tolerance.config import TorchFT, check_reachable, require_torchft
+from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
+from lightning_spot.runtime.step_runner import batch_size_of
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaGroup:
+    """This rank's torchft manager and the bookkeeping of quorums, commits and discarded steps."""
+
+    def __init__(
+        self,
+        settings: TorchFT,
+        *,
+        group_rank: int,
+        group_size: int,
+        state_dict: Callable[[], Any],
+    ) -> None:
+        require_torchft()
+        from torchft import Manager, ProcessGroupGloo
+
+        settings = settings.resolved()
+        assert settings.lighthouse is not None
+        if group_rank == 0:
+            check_reachable(settings.lighthouse, settings.connect_timeout)
+        self.settings = settings
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout)),
+            load_state_dict=self._keep_state,
+            state_dict=state_dict,
+            min_replica_size=settings.min_replicas,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=settings.timeout),
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+            connect_timeout=timedelta(seconds=settings.connect_timeout),
+            rank=group_rank,
+            world_size=group_size,
+            lighthouse_addr=settings.lighthouse,
+            replica_id=f"pipeline_{settings.replica_group}",
+            init_sync=False,  # every pipeline starts from the same seed: nothing to copy at step 0
+        )
+        self._unused_quorum = False
+        self._first_step = True
+        #: a peer's state taken at :meth:`join`, until Lightning restores it
+        self.healed_state: Any = None
+        #: pipelines in the current quorum (this one included) and this one's place among them
+        self.participants = 0
+        self.participant_rank = 0
+        #: steps run again because they did not commit; quorum changes seen
+        self.discarded = 0
+        self.quorum_changes = 0
+        self.last_quorum_seconds = 0.0
+
+    def _keep_state(self, state: Any) -> None:
+        self.healed_state = state
+
+    # ------------------------------------------------------------------ quorum
+    def join(self) -> None:
+        """The first quorum (at setup, before Lightning restores anything): a pipeline that is behind the others
+        takes a peer's state here (``load_state_dict`` is called)."""
+        self._quorum()
+        self._unused_quorum = True
+
+    def _quorum(self) -> None:
+        started = time.monotonic()
+        before = self.participants
+        self.manager.start_quorum()
+        rank = self.manager.participating_rank()
+        self.participants = self.manager.num_participants()
+        self.participant_rank = rank if rank is not None else 0
+        self.last_quorum_seconds = time.monotonic() - started
+        if before and self.participants != before:
+            self.quorum_changes += 1
+            log.warning(
+                "lightning-spot: %d pipelines train from step %d on (were %d)",
+                self.participants,
+                self.manager.current_step(),
+                before,
+            )
+
+    def begin_step(self, batch: Any, microbatches: int, global_step: int) -> tuple[Any, int]:
+        """Agree on this step's pipelines (a new quorum, unless the one of :meth:`join` is still unused) and
+        return this replica's rows of the global ``batch`` with the global batch's size."""
+        if self._first_step and self.step != global_step:  # resumed from a checkpoint: count from its step
+            self.set_step(global_step)
+        self._first_step = False
+        if self._unused_quorum:
+            self._unused_quorum = False
+        else:
+            self._quorum()
+        size = batch_size_of(batch)
+        rows = participant_rows(size, microbatches, self.participant_rank, self.participants)
+        return take_rows(batch, rows, size), size
+
+    # ------------------------------------------------------------------ commit
+    def reduce_and_commit(self, params: Sequence[Tensor], weight: float) -> bool:
+        """Set every gradient to the weighted mean over the quorum's replicas (``weight``: what this replica's
+        gradient is a mean over: samples, or items of a loss averaged over items); the vote of every rank of every
+        pipeline decides whether the step counts."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if grads:
+            device = grads[0].device
+            flat = _flatten_dense_tensors([g.float() * weight for g in grads])
+            bucket = torch.cat([flat, torch.tensor([weight], dtype=flat.dtype, device=device)])
+        else:
+            bucket = torch.tensor([weight], dtype=torch.float32)
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(bucket, reduce_op=ReduceOp.SUM).wait()
+        total = float(bucket[-1])
+        if grads and total > 0:
+            for p, g, mean in zip(params, grads, _unflatten_dense_tensors(bucket[:-1] / total, grads)):
+                p.grad = mean.to(g.dtype)
+        return bool(self.manager.should_commit())
+
+    def committed(
+        self, closure: Callable[[], Any], params: Sequence[Tensor], weight: Callable[[], float]
+    ) -> Callable[[], Any]:
+        """``closure`` (the step's forward and backward) run until its gradients commit; a step that does not
+        commit leaves nothing behind and is run again with the quorum that follows."""
+
+        def run() -> Any:
+            while True:
+                result = closure()
+                if self.reduce_and_commit(params, weight()):
+                    return result
+                self.discarded += 1
+                for p in params:
+                    p.grad = None
+                log.warning(
+                    "lightning-spot: step %d did not commit on every pipeline (a peer left); running it again",
+                    self.manager.current_step(),
+                )
+
+        return run
+
+    @property
+    def step(self) -> int:
+        """Steps committed (torchft's count)."""
+        return int(self.manager.current_step())
+
+    def set_step(self, step: int) -> None:
+        """After a resume from a checkpoint: count commits from its step on."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
+    def shutdown(self) -> None:
+        """Stop heartbeating at once (a pipeline that leaves must not hold up the others' quorum)."""
+        self.manager.shutdown(wait=False)

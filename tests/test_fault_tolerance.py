@@ -1,0 +1,115 @@
+"""Survivors keep training (torchft): pipelines are replica groups joined by a lighthouse in this process.
+
+Every job here trains the same model and data as a plain single-process Lightning run; whatever pipelines come and
+go, the final parameters must equal that run's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_spot.fault_tolerance import TorchFT
+from lightning_spot.fault_tolerance.config import check_reachable
+from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
+from lightning_spot.layout import LayoutError
+from tests.distributed import WorkerFailure, _logs, _running, free_port
+from tests.parity import assert_same_params, reference_run
+
+pytest.importorskip("torchft")
+
+WORKER = "tests/workers/ft_train.py"
+BATCH, SAMPLES = 12, 96  # as in the worker
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    from lightning_spot.fault_tolerance.lighthouse import start_lighthouse
+
+    server = start_lighthouse()
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def _reference(steps: int) -> dict[str, Any]:
+    return reference_run({"model": {}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}})
+
+
+def test_shares_are_whole_microbatches_and_cover_the_batch() -> None:
+    for count in (1, 2, 3):
+        rows = [participant_rows(12, 2, r, count) for r in range(count)]
+        assert rows[0].start == 0 and rows[-1].stop == 12
+        assert all(a.stop == b.start for a, b in zip(rows, rows[1:]))
+        assert all((s.stop - s.start) % 2 == 0 for s in rows)
+    assert [participant_rows(10, 2, r, 3) for r in range(3)] == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    with pytest.raises(LayoutError, match="batch_size of at least 8"):
+        participant_rows(6, 2, 0, 4)
+    batch = {"x": torch.arange(12), "meta": "kept", "pair": (torch.zeros(12, 3), torch.ones(()))}
+    part = take_rows(batch, slice(4, 8), 12)
+    assert part["x"].tolist() == [4, 5, 6, 7] and part["meta"] == "kept" and part["pair"][0].shape == (4, 3)
+
+
+def test_missing_settings_and_an_unreachable_lighthouse_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(LayoutError, match="TORCHFT_LIGHTHOUSE=http://HOST:PORT"):
+        TorchFT().resolved()
+    with pytest.raises(LayoutError, match="REPLICA_GROUP_ID=0"):
+        TorchFT(lighthouse="http://127.0.0.1:1").resolved()
+    port = free_port()  # nothing listens there
+    with pytest.raises(
+        LayoutError, match=f"cannot reach the torchft lighthouse at http://127.0.0.1:{port}.*torchft_lighthouse"
+    ):
+        check_reachable(f"http://127.0.0.1:{port}", timeout=2)
+
+
+def _results(out: Path) -> dict[str, dict[str, Any]]:
+    return {f.stem: torch.load(f) for f in sorted(out.glob("group*_rank*.pt"))}
+
+
+@pytest.mark.timeout(300)
+def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path: Path, lighthouse: str) -> None:
+    """Three one-stage pipelines; pipeline 2 is killed in step 4 before its gradients reach the others; the two
+    survivors go on in the same processes, the step that lost a peer is run again, and a replacement of pipeline 2
+    started afterwards joins by taking a survivor's state. Every pipeline that finishes equals the reference."""
+    steps = 30
+    out = tmp_path / "out"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [WORKER, str(out), "--steps", str(steps), "--step-sleep", "0.3"]
+    with ExitStack() as stack:
+        procs = []
+        for group in range(3):
+            extra = ["--die-at", "4"] if group == 2 else []
+            procs += stack.enter_context(
+                _running(1, [*argv, *extra], tmp_path / f"logs{group}", {**env, "REPLICA_GROUP_ID": str(group)})
+            )
+        survivors = {p.pid for p in procs[:2]}
+        deadline = time.monotonic() + 240
+        while procs[2].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert procs[2].returncode == -9, "pipeline 2 was to kill itself in step 4"
+        replacement = stack.enter_context(_running(1, argv, tmp_path / "logs2b", {**env, "REPLICA_GROUP_ID": "2"}))[0]
+        for p in [*procs[:2], replacement]:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.returncode for p in [*procs[:2], replacement]]
+        if codes != [0, 0, 0]:
+            logs = [*(_logs(tmp_path / f"logs{g}", 1)[0] for g in range(2)), _logs(tmp_path / "logs2b", 1)[0]]
+            raise WorkerFailure(f"exit codes {codes}", logs)
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group1_rank0", "group2_rank0"]
+    assert {results[f"group{g}_rank0"]["pid"] for g in range(2)} == survivors, "a survivor was restarted"
+    ref = _reference(steps)
+    for name, got in results.items():
+        assert got["global_step"] == steps, name
+        assert_same_params(got["state_dict"], ref)
+    for g in range(2):
+        assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
+    assert (results["group2_rank0"]["healed_at"] or 0) > 4, "the replacement must have joined mid-run"
