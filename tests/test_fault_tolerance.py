@@ -6,6 +6,10 @@ go, the final parameters must equal that run's.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -19,7 +23,7 @@ from lightning_spot.fault_tolerance import TorchFT
 from lightning_spot.fault_tolerance.config import check_reachable
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.layout import LayoutError
-from tests.distributed import WorkerFailure, _logs, _running, free_port
+from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
 
 pytest.importorskip("torchft")
@@ -113,3 +117,38 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     for g in range(2):
         assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
     assert (results["group2_rank0"]["healed_at"] or 0) > 4, "the replacement must have joined mid-run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tmp_path: Path) -> None:
+    """`lightning-spot run --replica-groups 2`: two P2 pipelines, each under its own torchrun. The last stage of
+    pipeline 1 dies in step 3; its torchrun stops the other stage and starts both again, and they take pipeline 0's
+    state; pipeline 0 is never restarted. Both pipelines end equal to the single-process run."""
+    steps = 40
+    out = tmp_path / "out"
+    argv = [
+        sys.executable, "-m", "lightning_spot.cli", "run", "--replica-groups", "2", "--nproc-per-node", "2",
+        "--lighthouse-port", "0", "--max-restarts", "2", WORKER, str(out), "--stages", "2", "--steps", str(steps),
+        "--step-sleep", "0.3", "--die", "1:1:3",
+    ]  # fmt: skip
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        try:
+            code = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert code == 0, log.read_text()[-8000:]
+    started = sorted(p.name.rsplit("_", 1)[0] for p in (out / "started").iterdir())
+    assert started == ["group0_rank0", "group0_rank1", "group1_rank0", "group1_rank0", "group1_rank1", "group1_rank1"]
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group0_rank1", "group1_rank0", "group1_rank1"]
+    ref = _reference(steps)
+    for g in range(2):
+        merged = {**results[f"group{g}_rank0"]["state_dict"], **results[f"group{g}_rank1"]["state_dict"]}
+        assert_same_params(merged, ref)
+    assert all((results[f"group1_rank{r}"]["healed_at"] or 0) > 3 for r in range(2))

@@ -2,11 +2,17 @@
 
     lightning-spot run --nproc-per-node 8 train.py --my-arg 1                       # one node
     lightning-spot run --nnodes 1:4 --nproc-per-node 8 --rdzv-endpoint head:29400 train.py
+    lightning-spot run --replica-groups 3 --nproc-per-node 2 train.py          # fault_tolerance="torchft"
 
 It adds ``--max-restarts`` (preemptions exit with code 75 and are restarted), a c10d rendezvous
 (or ``--standalone`` for a fixed single node) whose heartbeat (``--keep-alive``) decides how soon a node that
 left or died is given up, a short monitor interval, and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that every restart gets a fresh rendezvous store.
+
+``--replica-groups N`` (one machine, ``fault_tolerance="torchft"``): an embedded torchft lighthouse and one
+torchrun per pipeline (its own rendezvous: a restart of one pipeline never restarts another), each with
+``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` set. When a pipeline loses a process, its torchrun stops the rest
+of it and starts it again; the other pipelines go on training, and the returning one takes a live peer's state.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -46,6 +53,31 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return [*cmd, args.script, *args.script_args]
 
 
+def run_replica_groups(args: argparse.Namespace, cmd: list[str]) -> int:
+    """One torchrun per pipeline beside an embedded lighthouse; the worst exit code of them all."""
+    from lightning_spot.fault_tolerance.lighthouse import start_lighthouse
+
+    lighthouse = start_lighthouse(args.lighthouse_port)
+    address = lighthouse.address()
+    print(f"lightning-spot run: torchft lighthouse at {address}, {args.replica_groups} pipelines", flush=True)
+    procs = []
+    try:
+        for group in range(args.replica_groups):
+            env = {**os.environ, **ELASTIC_ENV, "TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(group)}
+            procs.append(subprocess.Popen(cmd, env=env))
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+        lighthouse.shutdown()
+    codes = [p.returncode for p in procs]
+    return max(codes, key=abs) if any(codes) else 0
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-spot run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,7 +89,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (needed for several nodes)")
     parser.add_argument("--rdzv-id", default="lightning-spot", help="job id shared by all nodes")
     parser.add_argument("--max-restarts", type=int, default=100, help="restarts after failures and preemptions")
-    parser.add_argument("--monitor-interval", type=float, default=1.0, help="seconds between worker checks")
+    parser.add_argument(
+        "--monitor-interval",
+        type=float,
+        default=0.5,
+        help="seconds between worker checks: how soon the rest of a pipeline stops after one of its processes died",
+    )
     parser.add_argument(
         "--keep-alive",
         type=int,
@@ -65,11 +102,26 @@ def main(argv: Sequence[str]) -> int:
         help="seconds between rendezvous heartbeats; a node that misses 3 is given up (default 5, torchrun's). "
         "A node that left or died holds the others' restart up to 3x this long",
     )
+    parser.add_argument(
+        "--replica-groups",
+        type=int,
+        default=None,
+        help="one machine, fault_tolerance='torchft': start a lighthouse and this many pipelines, one torchrun each",
+    )
+    parser.add_argument("--lighthouse-port", type=int, default=29510, help="the embedded lighthouse's port (0: any)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = parser.parse_args(list(argv))
+    if args.replica_groups is not None and (args.replica_groups < 1 or args.rdzv_endpoint or args.nnodes != "1"):
+        raise SystemExit(
+            "lightning-spot run: --replica-groups N starts N pipelines on this machine; on several machines start "
+            "one lightning-spot run per pipeline with REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set "
+            "(docs/launch-and-preemption.md)"
+        )
     cmd = torchrun_command(args)
+    if args.replica_groups is not None and not args.dry_run:
+        return run_replica_groups(args, cmd)
     env_text = " ".join(f"{k}={v}" for k, v in ELASTIC_ENV.items())
     print(f"lightning-spot run: {env_text} {shlex.join(cmd)}", flush=True)
     if args.dry_run:

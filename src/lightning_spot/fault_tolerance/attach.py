@@ -82,6 +82,9 @@ def healed_checkpoint(
     record = {
         "step": int(checkpoint.get("global_step", 0)),
         "tier": "peer",
+        "bytes": sum(
+            t.numel() * t.element_size() for group in state["stage"]["tensors"].values() for t in group.values()
+        ),
         "restore_seconds": time.monotonic() - started,
     }
     return checkpoint, record

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_spot.fault_tolerance.config import TorchFT, check_reachable, require_torchft
+from lightning_spot.fault_tolerance.leave import LeaveOnSignal
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.runtime.step_runner import batch_size_of
 
@@ -75,6 +76,9 @@ class ReplicaGroup:
         self.discarded = 0
         self.quorum_changes = 0
         self.last_quorum_seconds = 0.0
+        #: SIGTERM (its torchrun stopping it, or a notice) makes the pipeline leave at once
+        self._leave = LeaveOnSignal(self._stop_manager, who=f"pipeline {settings.replica_group} rank {group_rank}")
+        self._leave.start()
 
     def _keep_state(self, state: Any) -> None:
         self.healed_state = state
@@ -168,6 +172,10 @@ class ReplicaGroup:
         """After a resume from a checkpoint: count commits from its step on."""
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
-    def shutdown(self) -> None:
-        """Stop heartbeating at once (a pipeline that leaves must not hold up the others' quorum)."""
+    def _stop_manager(self) -> None:
         self.manager.shutdown(wait=False)
+
+    def shutdown(self) -> None:
+        """Stop heartbeating (a pipeline that leaves must not hold up the others' quorum); from the main thread."""
+        self._leave.stop()
+        self._stop_manager()

@@ -1,0 +1,101 @@
+"""Survivors keep training (issue 25): how long the other pipelines wait when one is killed, and when it returns.
+
+Runs ``lightning-spot run --replica-groups G --nproc-per-node P`` on ``tests/workers/ft_train.py`` (the test model,
+CPU processes over gloo, an embedded torchft lighthouse with its spot defaults: heartbeat 1 s). Pipelines 1..G-1
+kill one of their processes (SIGKILL, after the forward, before the gradients reach the others) at the steps given;
+each comes back through its torchrun and takes a survivor's state. Pipeline 0 is never killed; from its step
+times the script prints, per kill, the seconds from the kill to its next committed step, and per join, the
+longest of its steps under way while the joiner restored and ran its first step, beyond its median step time (how long the join stalled it), with
+the joiner's restore time and bytes per second.
+
+Usage::
+
+    python benchmarks/ft_recovery.py                                 # 3 pipelines of 1 stage, 5 kills
+    python benchmarks/ft_recovery.py --groups 2 --stages 2 --kills 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = "tests/workers/ft_train.py"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--every", type=int, default=25, help="steps between kills (time for the joiner to return)")
+    parser.add_argument("--step-sleep", type=float, default=0.2)
+    args = parser.parse_args()
+    steps = args.every * (args.kills + 1)
+    dying = list(range(1, args.groups))
+    kills = [f"{dying[i % len(dying)]}:{args.stages - 1}:{args.every * (i + 1)}" for i in range(args.kills)]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        cmd = [
+            sys.executable, "-m", "lightning_spot.cli", "run", "--replica-groups", str(args.groups),
+            "--nproc-per-node", str(args.stages), "--lighthouse-port", "0", "--max-restarts", str(args.kills),
+            WORKER, str(out), "--stages", str(args.stages), "--steps", str(steps),
+            "--step-sleep", str(args.step_sleep), "--die", ",".join(kills),
+        ]  # fmt: skip
+        started = time.monotonic()
+        log = Path(tmp) / "run.log"
+        with open(log, "w") as f:
+            code = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        if os.environ.get("FT_KEEP_LOG"):
+            import shutil
+
+            shutil.copy(log, os.environ["FT_KEEP_LOG"])
+        if code != 0:
+            print(log.read_text()[-6000:])
+            raise SystemExit(f"the run failed with exit code {code}")
+        print(f"{args.groups} pipelines of {args.stages} stage(s), {steps} steps, {args.kills} kills: "
+              f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        survivor = torch.load(out / "group0_rank0.pt")
+        ends = [t for _, t in survivor["ended"]]
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        usual = statistics.median(gaps)
+        print(f"pipeline 0: median step {usual * 1000:.0f} ms (incl. {args.step_sleep * 1000:.0f} ms sleep)")
+        if os.environ.get("FT_KEEP_LOG"):
+            for (step, a), g in zip(survivor["ended"], gaps):
+                if g > 2 * usual:
+                    print(f"    long gap after step {step} at {a:.3f}: {g:.2f} s")
+        recoveries = []
+        for marker in sorted(out.glob("died_group*"), key=lambda p: float(p.read_text())):
+            killed = float(marker.read_text())
+            after = next(t for t in ends if t > killed)
+            recoveries.append(after - killed)
+            print(f"  {marker.name}: next committed step of pipeline 0 after {after - killed:.2f} s")
+        heals = [json.loads(line) for line in (out / "heals.jsonl").read_text().splitlines()]
+        stalls = []
+        for heal in heals:
+            # the survivor's steps that were under way while the joiner restored and ran its first step
+            around = [g for a, g in zip(ends, gaps) if a - usual <= heal["time"] <= a + g + usual]
+            stall = max(around, default=usual) - usual
+            stalls.append(stall)
+            rate = heal["bytes"] / max(heal["restore_seconds"], 1e-9) / 2**20
+            print(f"  join of pipeline {heal['group']} rank {heal['rank']} at step {heal['step']}: restore "
+                  f"{heal['restore_seconds'] * 1000:.0f} ms ({heal['bytes'] / 1024:.0f} KiB, {rate:.0f} MiB/s); "
+                  f"pipeline 0 stalled {stall:.2f} s beyond its usual step")  # fmt: skip
+        print(f"kill -> survivors' next committed step: median {statistics.median(recoveries):.2f} s "
+              f"(max {max(recoveries):.2f} s, {len(recoveries)} kills; goal <= 2 s)")  # fmt: skip
+        if stalls:
+            print(f"join stall: median {statistics.median(stalls):.2f} s, max {max(stalls):.2f} s (goal <= 0.5 s)")
+
+
+if __name__ == "__main__":
+    main()
