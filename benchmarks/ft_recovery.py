@@ -49,7 +49,7 @@ def main() -> None:
             sys.executable, "-m", "lightning_spot.cli", "run", "--replica-groups", str(args.groups),
             "--nproc-per-node", str(args.stages), "--lighthouse-port", "0", "--max-restarts", str(args.kills),
             WORKER, str(out), "--stages", str(args.stages), "--steps", str(steps),
-            "--step-sleep", str(args.step_sleep), "--die", ",".join(kills),
+            "--step-sleep", str(args.step_sleep), "--die", ",".join(kills), "--groups", str(args.groups),
         ]  # fmt: skip
         started = time.monotonic()
         log = Path(tmp) / "run.log"

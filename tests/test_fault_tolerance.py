@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
+from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
 from lightning_spot.fault_tolerance import TorchFT
 from lightning_spot.fault_tolerance.config import check_reachable
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
@@ -83,18 +85,33 @@ def _results(out: Path) -> dict[str, dict[str, Any]]:
 def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path: Path, lighthouse: str) -> None:
     """Three one-stage pipelines; pipeline 2 is killed in step 4 before its gradients reach the others; the two
     survivors go on in the same processes, the step that lost a peer is run again, and a replacement of pipeline 2
-    started afterwards joins by taking a survivor's state. Every pipeline that finishes equals the reference."""
-    steps = 30
-    out = tmp_path / "out"
+    started afterwards joins by taking a survivor's state. Every pipeline that finishes equals the reference, and
+    the durable checkpoints (written by one pipeline of each quorum) hold the reference's weights."""
+    out, checkpoints = tmp_path / "out", tmp_path / "ckpt"
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
-    argv = [WORKER, str(out), "--steps", str(steps), "--step-sleep", "0.3"]
+    argv = [
+        WORKER,
+        str(out),
+        "--steps",
+        "400",
+        "--step-sleep",
+        "0.1",
+        "--checkpoint",
+        str(checkpoints),
+        "--groups",
+        "3",
+    ]
+    argv += ["--end-after-heal", "2:6"]  # every pipeline ends 6 steps after the replacement of pipeline 2 joined
     with ExitStack() as stack:
         procs = []
-        for group in range(3):
+        for group in (0, 2, 1):  # pipeline 1 starts late: pipeline 2 dies in the very step in which it joins
+            if group == 1:
+                time.sleep(2.0)
             extra = ["--die-at", "4"] if group == 2 else []
             procs += stack.enter_context(
                 _running(1, [*argv, *extra], tmp_path / f"logs{group}", {**env, "REPLICA_GROUP_ID": str(group)})
             )
+        procs = [procs[0], procs[2], procs[1]]
         survivors = {p.pid for p in procs[:2]}
         deadline = time.monotonic() + 240
         while procs[2].poll() is None and time.monotonic() < deadline:
@@ -110,13 +127,19 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     results = _results(out)
     assert sorted(results) == ["group0_rank0", "group1_rank0", "group2_rank0"]
     assert {results[f"group{g}_rank0"]["pid"] for g in range(2)} == survivors, "a survivor was restarted"
+    steps = results["group0_rank0"]["global_step"]
     ref = _reference(steps)
     for name, got in results.items():
         assert got["global_step"] == steps, name
         assert_same_params(got["state_dict"], ref)
     for g in range(2):
         assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
-    assert (results["group2_rank0"]["healed_at"] or 0) > 4, "the replacement must have joined mid-run"
+    committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
+    assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
+    last = steps - steps % 5
+    assert_same_params(load_full_state_dict(str(checkpoints)), ref if last == steps else _reference(last))
+    died = int(next(out.glob("died_group2_step*")).name.rsplit("step", 1)[1])
+    assert (results["group2_rank0"]["healed_at"] or 0) > died, "the replacement must have joined mid-run"
 
 
 @pytest.mark.slow
@@ -125,12 +148,11 @@ def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tm
     """`lightning-spot run --replica-groups 2`: two P2 pipelines, each under its own torchrun. The last stage of
     pipeline 1 dies in step 3; its torchrun stops the other stage and starts both again, and they take pipeline 0's
     state; pipeline 0 is never restarted. Both pipelines end equal to the single-process run."""
-    steps = 40
     out = tmp_path / "out"
     argv = [
         sys.executable, "-m", "lightning_spot.cli", "run", "--replica-groups", "2", "--nproc-per-node", "2",
-        "--lighthouse-port", "0", "--max-restarts", "2", WORKER, str(out), "--stages", "2", "--steps", str(steps),
-        "--step-sleep", "0.3", "--die", "1:1:3",
+        "--lighthouse-port", "0", "--max-restarts", "2", WORKER, str(out), "--stages", "2", "--steps", "400",
+        "--step-sleep", "0.1", "--die", "1:1:3", "--groups", "2", "--end-after-heal", "1:6",
     ]  # fmt: skip
     log = tmp_path / "run.log"
     with open(log, "w") as f:
@@ -147,8 +169,10 @@ def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tm
     assert started == ["group0_rank0", "group0_rank1", "group1_rank0", "group1_rank0", "group1_rank1", "group1_rank1"]
     results = _results(out)
     assert sorted(results) == ["group0_rank0", "group0_rank1", "group1_rank0", "group1_rank1"]
+    steps = results["group0_rank0"]["global_step"]
     ref = _reference(steps)
     for g in range(2):
+        assert results[f"group{g}_rank0"]["global_step"] == steps
         merged = {**results[f"group{g}_rank0"]["state_dict"], **results[f"group{g}_rank1"]["state_dict"]}
         assert_same_params(merged, ref)
     assert all((results[f"group1_rank{r}"]["healed_at"] or 0) > 3 for r in range(2))

@@ -77,7 +77,7 @@ from lightning_spot.runtime.process import (
     set_up_threads,
     threads_set_by_user,
 )
-from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
+from lightning_spot.runtime.schedules import resolve_schedule
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -499,23 +499,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             ddp_kwargs=self._ddp_kwargs,
             activation_checkpointing=choice.activation_checkpointing,
         )
-        checkpointing = ", activation checkpointing" if choice.activation_checkpointing else ""
-        if grid.is_mixed:
-            pipes = ", ".join(
-                f"depth {d} cut at {list(layout.cuts_of(i))} with {layout.microbatches_of(i)} micro-batches"
-                for i, d in enumerate(grid.pipeline_depths)
-            )
-            rank_zero_info(
-                f"spot_pipeline: layout {grid} ({grid.data_parallel} pipelines of mixed depths: {pipes}), schedule "
-                f"{layout.schedule}, layers of `{split.layers_path}` ({split.num_layers} blocks){checkpointing}"
-            )
-            return engine
-        rank_zero_info(
-            f"spot_pipeline: layout {grid} ({grid.pipeline_stages} pipeline stages x {grid.data_parallel} "
-            f"data-parallel replicas), schedule {layout.schedule}, {layout.stages} stages, layer cuts "
-            f"{list(layout.cuts)} of `{split.layers_path}` ({split.num_layers} blocks), {layout.microbatches} "
-            f"micro-batches{checkpointing}"
-        )
+        rank_zero_info(f"spot_pipeline: {engine.describe()}")
         return engine
 
     def _split(self, module: pl.LightningModule, sample: Optional[tuple[int, Any]]) -> ModelSplit:
@@ -613,32 +597,11 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     def pipeline_stats(self) -> dict[str, Any]:
         """Layout and bubble of the last training step on this rank (empty before the first one)."""
-        engine = self.engine
-        if engine is None or not engine.last_microbatches:
-            return {}
-        return {
-            "layout": str(self.layout),
-            "pipeline_layout": str(self.pipeline_layout),
-            "schedule": engine.spec.name,
-            "microbatches": engine.last_microbatches,
-            "pipeline_seconds": engine.last_step_seconds,
-            "compute_seconds": engine.last_compute_seconds,
-            "bubble": measured_bubble(engine.last_step_seconds, engine.last_compute_seconds),
-            "bubble_theory": theoretical_bubble(
-                engine.spec.name, engine.plan.pp_size, engine.spec.stages_per_rank, engine.last_microbatches
-            ),
-        }
+        return self.engine.last_step_stats() if self.engine is not None else {}
 
     def count_parameters(self) -> int:
         """Parameters of the whole model, over all pipeline stages (collective over the pipeline group)."""
-        duplicates = {id(p) for p in self._engine().ties.duplicates}  # a tied weight counts once
-        local = sum(p.numel() for p in self._engine().module.parameters() if id(p) not in duplicates)
-        group = self._engine().ctx.pp_group
-        if group is None:
-            return local
-        total = torch.tensor([float(local)], device=self.root_device)
-        torch.distributed.all_reduce(total, group=group)
-        return int(total.item())
+        return self._engine().count_parameters()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -776,6 +739,14 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self._profile_cache:
             places.append(PlanPlace(os.path.join(os.path.expanduser(self._profile_cache), "plans")))
         return places
+
+    @property
+    def fault_tolerant(self) -> bool:
+        return self._fault_tolerance is not None
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.replicas is None or self.replicas.participant_rank == 0
 
     @property
     def last_global_batch(self) -> Optional[int]:

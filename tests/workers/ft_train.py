@@ -5,8 +5,13 @@ python tests/workers/ft_train.py OUT_DIR [--die-at STEP] [--die GROUP:RANK:STEP]
 Environment: TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and the process-group variables of this pipeline alone.
 ``--die-at STEP``: this pipeline's rank 0 kills itself (SIGKILL) after the forward of step STEP, before its gradients
 reach the others (the survivors' all-reduce of that step fails and the step is run again without it).
-``--die GROUP:RANK:STEP[,...]``: that rank of that pipeline kills itself the same way, once each (a marker in
+``--die GROUP:RANK:STEP[,...]``: that rank of that pipeline kills itself the same way (at the first step >= STEP at
+which ``--groups`` pipelines are in the quorum), once each (a marker in
 OUT_DIR keeps its restart alive). A process that took a peer's state adds a line to ``OUT_DIR/heals.jsonl``. Every process writes ``OUT_DIR/started/group{G}_rank{R}_{pid}`` when it starts.
+``--end-after-heal GROUP:K``: train until K steps after a replacement of pipeline GROUP (started after one of its
+processes was killed) took a peer's state (at most ``--steps``), so that it joins mid-run however slowly it starts;
+every pipeline ends at that step.
+``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
 Writes ``OUT_DIR/group{G}_rank{R}.pt`` (parameters, global step, pid, steps discarded, quorum changes, the step it
 took a peer's state at, and the wall-clock time each step ended).
@@ -25,7 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_spot import SpotPipelineStrategy
+from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
 from tests.models import make_loader, make_model
 
 BATCH, SAMPLES, STEPS = 12, 96, 10
@@ -33,21 +38,34 @@ GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
 
 
 class Report(L.Callback):
-    def __init__(self, out: Path, die: list[tuple[str, int, int]], sleep: float) -> None:
-        self.out, self.die, self.sleep = out, die, sleep
+    def __init__(self, out: Path, die: list[tuple[str, int, int]], sleep: float, end: str | None, full: int) -> None:
+        self.out, self.die, self.sleep, self.full = out, die, sleep, full
+        self.end = tuple(end.split(":")) if end else None
         self.ended: list[tuple[int, float]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.ended.append((trainer.global_step, time.time()))
         time.sleep(self.sleep)
+        if self.end is not None:
+            group, more = self.end[0], int(self.end[1])
+            deaths = [float(p.read_text()) for p in self.out.glob(f"died_group{group}_*")]
+            heals = self.out / "heals.jsonl"
+            lines = heals.read_text().splitlines() if heals.exists() and deaths else []
+            steps = [h["step"] for h in map(json.loads, lines) if h["group"] == group and h["time"] > min(deaths)]
+            if steps and trainer.global_step >= steps[0] + more:
+                trainer.should_stop = True
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
-        if (GROUP, trainer.global_rank, trainer.global_step) not in self.die:
-            return
-        marker = self.out / f"died_group{GROUP}_step{trainer.global_step}"
-        if not marker.exists():
-            marker.write_text(str(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        replicas = trainer.strategy.replicas  # type: ignore[attr-defined]
+        for group, rank, step in self.die:  # the first step >= STEP at which every pipeline is in the quorum
+            if (group, rank) != (GROUP, trainer.global_rank) or trainer.global_step < step:
+                continue
+            if replicas.participants < self.full:
+                return
+            marker = self.out / f"died_group{GROUP}_step{step}"
+            if not marker.exists():
+                marker.write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         healed = trainer.strategy.restored_manifest or {}  # type: ignore[attr-defined]
@@ -75,6 +93,11 @@ class Report(L.Callback):
 
 
 def main() -> None:
+    if os.environ.get("FT_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("torchft.manager").setLevel(logging.INFO)
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--die-at", type=int, default=None)
@@ -82,6 +105,9 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--end-after-heal", default=None)
+    parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
     args = parser.parse_args()
     started = args.out / "started"
     started.mkdir(parents=True, exist_ok=True)
@@ -101,7 +127,14 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[Report(args.out, die, args.step_sleep)],
+        callbacks=[
+            Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups),
+            *(
+                [SpotCheckpoint(args.checkpoint, every_n_train_steps=5, save_on_train_end=False)]
+                if args.checkpoint
+                else []
+            ),
+        ],
     )
     trainer.fit(model, make_loader(batch_size=BATCH, n=SAMPLES))
 

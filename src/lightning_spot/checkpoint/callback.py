@@ -175,6 +175,9 @@ class SpotCheckpoint(L.Callback):
             return
         host = _host(trainer)
         url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
+        if host.fault_tolerant and self.cadence.snapshots:
+            rank_zero_info("SpotCheckpoint: no snapshots in host memory: the other pipelines hold this one's state")
+            self.cadence.snapshots = False
         self.snapshots = self._snapshot_store(url) if self.cadence.snapshots else None
         if self.snapshots is not None and is_initialized() and self.snapshots.group is None:
             self.snapshots.group = dist.new_group(backend="gloo")  # snapshot traffic, off the training group
@@ -407,6 +410,9 @@ class SpotCheckpoint(L.Callback):
         """Checkpoint the current step on every rank (collective); ``blocking`` waits until it is committed."""
         if self.storage is None:
             raise RuntimeError("SpotCheckpoint.save() can only run during fit")
+        if not _host(trainer).writes_checkpoints:  # torchft: another pipeline of the quorum writes this step
+            self._last_step, self._last_time = trainer.global_step, time.monotonic()
+            return
         start = time.monotonic()
         self.wait()
         waited = time.monotonic() - start

@@ -44,6 +44,16 @@ class CheckpointHost(Protocol):
         """This rank's pipeline clock (its ``timeline`` is set while a timeline records)."""
         ...
 
+    @property
+    def fault_tolerant(self) -> bool:
+        """Whether this is one pipeline of a torchft job (the others hold its state: no snapshots needed)."""
+        ...
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this pipeline writes the durable checkpoints (with torchft: the first of the quorum)."""
+        ...
+
     def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Step, layout and data position of a Lightning checkpoint dict, for its manifest."""
         ...

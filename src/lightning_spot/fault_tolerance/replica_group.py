@@ -14,6 +14,8 @@ starts and trains its share of it like any other replica.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -26,6 +28,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from lightning_spot.fault_tolerance.config import TorchFT, check_reachable, require_torchft
 from lightning_spot.fault_tolerance.leave import LeaveOnSignal
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
+from lightning_spot.preemption import PREEMPTED_EXIT_CODE
 from lightning_spot.runtime.step_runner import batch_size_of
 
 log = logging.getLogger(__name__)
@@ -50,8 +53,9 @@ class ReplicaGroup:
         if group_rank == 0:
             check_reachable(settings.lighthouse, settings.connect_timeout)
         self.settings = settings
+        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout))
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout)),
+            pg=self._pg,
             load_state_dict=self._keep_state,
             state_dict=state_dict,
             min_replica_size=settings.min_replicas,
@@ -66,6 +70,7 @@ class ReplicaGroup:
             init_sync=False,  # every pipeline starts from the same seed: nothing to copy at step 0
         )
         self._unused_quorum = False
+        self._joining = False
         self._first_step = True
         #: a peer's state taken at :meth:`join`, until Lightning restores it
         self.healed_state: Any = None
@@ -87,13 +92,19 @@ class ReplicaGroup:
     def join(self) -> None:
         """The first quorum (at setup, before Lightning restores anything): a pipeline that is behind the others
         takes a peer's state here (``load_state_dict`` is called)."""
-        self._quorum()
+        self._joining = True
+        try:
+            self._quorum()
+        finally:
+            self._joining = False
         self._unused_quorum = True
 
     def _quorum(self) -> None:
         started = time.monotonic()
         before = self.participants
         self.manager.start_quorum()
+        if self.healed_state is not None and not self._joining:
+            self._fell_behind()
         rank = self.manager.participating_rank()
         self.participants = self.manager.num_participants()
         self.participant_rank = rank if rank is not None else 0
@@ -154,6 +165,7 @@ class ReplicaGroup:
                 if self.reduce_and_commit(params, weight()):
                     return result
                 self.discarded += 1
+                self._pg.abort()  # peers still inside this step's all-reduce with us fail now, not at a timeout
                 for p in params:
                     p.grad = None
                 log.warning(
@@ -162,6 +174,19 @@ class ReplicaGroup:
                 )
 
         return run
+
+    def _fell_behind(self) -> None:
+        """The others committed a step this pipeline did not (it was still waiting for a peer that had left): its
+        weights could be caught up, but not Lightning's loop position, so it leaves and rejoins at setup, where a
+        peer's state is restored with the loop (its torchrun restarts it; the others go on)."""
+        print(
+            f"lightning-spot: pipeline {self.settings.replica_group} fell behind the others (step "
+            f"{self.manager.current_step()}); it leaves and rejoins",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._stop_manager()
+        os._exit(PREEMPTED_EXIT_CODE)
 
     @property
     def step(self) -> int:

@@ -40,7 +40,7 @@ from lightning_spot.runtime.logging_bridge import (
     replay,
 )
 from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
-from lightning_spot.runtime.schedules import resolve_schedule
+from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
 from lightning_spot.runtime.tied import TiedCopies
@@ -145,6 +145,52 @@ class PipelineEngine:
         #: this rank's seconds in the last training schedule: wall clock and compute
         self.last_step_seconds = 0.0
         self.last_compute_seconds = 0.0
+
+    def describe(self) -> str:
+        """One line: the layout, schedule, cuts and micro-batches this engine runs."""
+        layout, grid, split = self.layout, self.layout.grid, self.split
+        checkpointing = ", activation checkpointing" if self.activation_checkpointing else ""
+        if grid.is_mixed:
+            pipes = ", ".join(
+                f"depth {d} cut at {list(layout.cuts_of(i))} with {layout.microbatches_of(i)} micro-batches"
+                for i, d in enumerate(grid.pipeline_depths)
+            )
+            return (
+                f"layout {grid} ({grid.data_parallel} pipelines of mixed depths: {pipes}), schedule "
+                f"{layout.schedule}, layers of `{split.layers_path}` ({split.num_layers} blocks){checkpointing}"
+            )
+        return (
+            f"layout {grid} ({grid.pipeline_stages} pipeline stages x {grid.data_parallel} data-parallel replicas), "
+            f"schedule {layout.schedule}, {layout.stages} stages, layer cuts {list(layout.cuts)} of "
+            f"`{split.layers_path}` ({split.num_layers} blocks), {layout.microbatches} micro-batches{checkpointing}"
+        )
+
+    def last_step_stats(self) -> dict[str, Any]:
+        """Layout and bubble of the last training step on this rank (empty before the first one)."""
+        if not self.last_microbatches:
+            return {}
+        return {
+            "layout": str(self.layout.grid),
+            "pipeline_layout": str(self.layout),
+            "schedule": self.spec.name,
+            "microbatches": self.last_microbatches,
+            "pipeline_seconds": self.last_step_seconds,
+            "compute_seconds": self.last_compute_seconds,
+            "bubble": measured_bubble(self.last_step_seconds, self.last_compute_seconds),
+            "bubble_theory": theoretical_bubble(
+                self.spec.name, self.plan.pp_size, self.spec.stages_per_rank, self.last_microbatches
+            ),
+        }
+
+    def count_parameters(self) -> int:
+        """Parameters of the whole model, over all pipeline stages (collective over the pipeline group)."""
+        duplicates = {id(p) for p in self.ties.duplicates}  # a tied weight counts once
+        local = sum(p.numel() for p in self.module.parameters() if id(p) not in duplicates)
+        if self.ctx.pp_group is None:
+            return local
+        total = torch.tensor([float(local)], device=self.ctx.device)
+        dist.all_reduce(total, group=self.ctx.pp_group)
+        return int(total.item())
 
     @property
     def microbatches(self) -> int:
