@@ -12,6 +12,10 @@ Usage::
 
     python benchmarks/ft_recovery.py                                 # 3 pipelines of 1 stage, 5 kills
     python benchmarks/ft_recovery.py --groups 2 --stages 2 --kills 2
+    python benchmarks/ft_recovery.py --overhead --groups 2 --stages 2     # per-step cost of the quorum
+
+``--overhead``: no kills; the same steps with fault tolerance (G pipelines, one torchrun each) and without it (one
+P x D job of the same processes, gradients averaged by DDP), alternated, twice each; prints both median step times.
 """
 
 from __future__ import annotations
@@ -32,6 +36,36 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = "tests/workers/ft_train.py"
 
 
+def _median_step(out: Path, name: str) -> float:
+    ended = [t for _, t in torch.load(out / name)["ended"]][5:]  # past the first steps (schedules built)
+    return statistics.median(b - a for a, b in zip(ended, ended[1:]))
+
+
+def overhead(args: argparse.Namespace) -> None:
+    steps = 150
+    worker = [WORKER, "--stages", str(args.stages), "--steps", str(steps)]
+    base = [sys.executable, "-m", "lightning_spot.cli", "run", "--lighthouse-port", "0"]
+    ft = [*base, "--replica-groups", str(args.groups), "--nproc-per-node", str(args.stages)]
+    plain = [*base, "--nproc-per-node", str(args.groups * args.stages)]
+    times: dict[str, list[float]] = {"torchft": [], "plain": []}
+    for _ in range(2):
+        for kind, cmd in (("torchft", ft), ("plain", plain)):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "out"
+                extra = ["--plain"] if kind == "plain" else []
+                run = [*cmd, worker[0], str(out), *worker[1:], *extra]
+                code = subprocess.call(run, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+                if code != 0:
+                    raise SystemExit(f"{kind} run failed ({code}): {' '.join(run)}")
+                name = "group0_rank0.pt" if kind == "torchft" else "group?_rank0.pt"
+                times[kind].append(_median_step(out, name))
+    ft_s, plain_s = statistics.median(times["torchft"]), statistics.median(times["plain"])
+    print(f"{args.groups} pipelines x {args.stages} stage(s), {steps} steps: median step with torchft "
+          f"{ft_s * 1000:.1f} ms, without {plain_s * 1000:.1f} ms: {ft_s / plain_s:.3f}x "
+          f"(runs: {[round(t * 1000, 1) for t in times['torchft']]} vs {[round(t * 1000, 1) for t in times['plain']]} ms)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=3)
@@ -39,7 +73,11 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--every", type=int, default=25, help="steps between kills (time for the joiner to return)")
     parser.add_argument("--step-sleep", type=float, default=0.2)
+    parser.add_argument("--overhead", action="store_true", help="per-step cost of the quorum instead of kills")
     args = parser.parse_args()
+    if args.overhead:
+        overhead(args)
+        return
     steps = args.every * (args.kills + 1)
     dying = list(range(1, args.groups))
     kills = [f"{dying[i % len(dying)]}:{args.stages - 1}:{args.every * (i + 1)}" for i in range(args.kills)]

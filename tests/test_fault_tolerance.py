@@ -19,12 +19,14 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_spot.checkpoint.durable.journal import read_events
 from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
 from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
 from lightning_spot.fault_tolerance import TorchFT
 from lightning_spot.fault_tolerance.config import check_reachable
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.layout import LayoutError
+from lightning_spot.observe.run_report import build_report
 from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
 
@@ -46,7 +48,9 @@ def lighthouse() -> Iterator[str]:
 
 
 def _reference(steps: int) -> dict[str, Any]:
-    return reference_run({"model": {}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}})
+    return reference_run(
+        {"model": {"scheduler": True}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}}
+    )
 
 
 def test_shares_are_whole_microbatches_and_cover_the_batch() -> None:
@@ -138,6 +142,11 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
     last = steps - steps % 5
     assert_same_params(load_full_state_dict(str(checkpoints)), ref if last == steps else _reference(last))
+    # each pipeline's own history: the quorum changes and the step run again; the replacement resumed from a peer
+    ft = build_report(Storage(str(checkpoints / "pipeline-0")))["fault_tolerance"]
+    assert ft["steps_run_again"] >= 1 and ft["most_pipelines"] == 3 and ft["fewest_pipelines"] <= 2, ft
+    starts = [e for e in read_events(Storage(str(checkpoints / "pipeline-2"))) if e["kind"] == "start"]
+    assert starts[-1]["resumed_from"] == "peer" and starts[-1]["restart_count"] == 0, starts
     died = int(next(out.glob("died_group2_step*")).name.rsplit("step", 1)[1])
     assert (results["group2_rank0"]["healed_at"] or 0) > died, "the replacement must have joined mid-run"
 

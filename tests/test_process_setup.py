@@ -64,14 +64,18 @@ def _assert_rule(reports: list[dict]) -> None:
     assert {r["omp_num_threads"] for r in reports} == {str(expected)}, reports
 
 
-@pytest.mark.parametrize("timeline", [False, True], ids=["no-timeline", "timeline"])
+@pytest.mark.parametrize(
+    "timeline", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-timeline", "timeline"]
+)  # the quick set runs the variant without a timeline
 def test_script_with_lightnings_launcher(tmp_path: Path, timeline: bool) -> None:
     out = run_command([sys.executable, WORKER, str(tmp_path), *(["--timeline"] if timeline else [])], timeout=180)
     _assert_rule(_reports(tmp_path))
     assert out.count("CPU thread per process") + out.count("CPU threads per process") == 1, "said once, by rank 0"
 
 
-@pytest.mark.parametrize("timeline", [False, True], ids=["no-timeline", "timeline"])
+@pytest.mark.parametrize(
+    "timeline", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-timeline", "timeline"]
+)  # the quick set runs the variant without a timeline
 def test_lightning_cli(tmp_path: Path, timeline: bool) -> None:
     config = tmp_path / "config.yaml"
     extra = TIMELINE.format(out=tmp_path) if timeline else ""

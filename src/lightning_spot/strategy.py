@@ -636,29 +636,19 @@ class SpotPipelineStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader):
             return dataloader
-        engine = self._engine()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        training = trainer is not None and trainer.training
-        divisor = None
-        progress = None
-        if training:
-            assert trainer is not None
-            divisor = self.pipeline_layout.total_microbatches
-            fit_loop = trainer.fit_loop
-
-            def progress() -> int:  # global batches trained in the current epoch (same on every layout)
-                return fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-
+        epoch_loop = trainer.fit_loop.epoch_loop if trainer is not None and trainer.training else None
         layout = self.pipeline_layout
         return shard_dataloader(
             dataloader,
-            dp_rank=engine.ctx.dp_rank,
-            dp_size=self.layout.data_parallel,
+            dp_rank=self._engine().ctx.dp_rank,
+            dp_size=layout.grid.data_parallel,
             weights=layout.pipeline_microbatches if layout.is_mixed else None,
-            divisor=divisor,
+            divisor=layout.total_microbatches if epoch_loop is not None else None,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-            progress=progress,
-            world_size=self.layout.world_size,
+            # global batches trained in the current epoch (the same on every layout)
+            progress=(lambda: epoch_loop.batch_progress.current.processed) if epoch_loop else None,  # type: ignore[attr-defined]
+            world_size=layout.grid.world_size,
         )
 
     # ------------------------------------------------------------- checkpoints
@@ -741,8 +731,11 @@ class SpotPipelineStrategy(ParallelStrategy):
         return places
 
     @property
-    def fault_tolerant(self) -> bool:
-        return self._fault_tolerance is not None
+    def replica_group_id(self) -> Optional[str]:
+        return self._fault_tolerance.resolved().replica_group if self._fault_tolerance is not None else None
+
+    def fault_events(self) -> list[dict[str, Any]]:
+        return self.replicas.take_events() if self.replicas is not None else []
 
     @property
     def writes_checkpoints(self) -> bool:

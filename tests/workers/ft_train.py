@@ -11,6 +11,7 @@ OUT_DIR keeps its restart alive). A process that took a peer's state adds a line
 ``--end-after-heal GROUP:K``: train until K steps after a replacement of pipeline GROUP (started after one of its
 processes was killed) took a peer's state (at most ``--steps``), so that it joins mid-run however slowly it starts;
 every pipeline ends at that step.
+``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
 Writes ``OUT_DIR/group{G}_rank{R}.pt`` (parameters, global step, pid, steps discarded, quorum changes, the step it
@@ -57,7 +58,9 @@ class Report(L.Callback):
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
         replicas = trainer.strategy.replicas  # type: ignore[attr-defined]
-        for group, rank, step in self.die:  # the first step >= STEP at which every pipeline is in the quorum
+        for group, rank, step in (
+            self.die if replicas is not None else ()
+        ):  # the first step >= STEP at which every pipeline is in the quorum
             if (group, rank) != (GROUP, trainer.global_rank) or trainer.global_step < step:
                 continue
             if replicas.participants < self.full:
@@ -75,7 +78,7 @@ class Report(L.Callback):
                 f.write(json.dumps(line) + "\n")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        replicas = trainer.strategy.replicas  # type: ignore[attr-defined]
+        replicas = trainer.strategy.replicas  # type: ignore[attr-defined]  (None with --plain)
         healed = trainer.strategy.restored_manifest or {}  # type: ignore[attr-defined]
         self.out.mkdir(parents=True, exist_ok=True)
         torch.save(
@@ -83,8 +86,8 @@ class Report(L.Callback):
                 "state_dict": pl_module.state_dict(),
                 "global_step": trainer.global_step,
                 "pid": os.getpid(),
-                "discarded": replicas.discarded,
-                "quorum_changes": replicas.quorum_changes,
+                "discarded": replicas.discarded if replicas else 0,
+                "quorum_changes": replicas.quorum_changes if replicas else 0,
                 "ended": self.ended,
                 "healed_at": healed.get("step") if healed.get("tier") == "peer" else None,
             },
@@ -107,6 +110,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--end-after-heal", default=None)
+    parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
     args = parser.parse_args()
     started = args.out / "started"
@@ -116,11 +120,13 @@ def main() -> None:
     for spec in args.die.split(",") if args.die else []:
         group, rank, step = spec.split(":")
         die.append((group, int(rank), int(step)))
-    model = make_model(seed=7)
+    model = make_model(seed=7, scheduler=True)  # StepLR per epoch: schedules must follow commits
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=SpotPipelineStrategy(pipeline_stages=args.stages, microbatches=2, fault_tolerance="torchft"),
+        strategy=SpotPipelineStrategy(
+            pipeline_stages=args.stages, microbatches=2, fault_tolerance=None if args.plain else "torchft"
+        ),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,

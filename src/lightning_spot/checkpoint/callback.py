@@ -175,7 +175,7 @@ class SpotCheckpoint(L.Callback):
             return
         host = _host(trainer)
         url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
-        if host.fault_tolerant and self.cadence.snapshots:
+        if host.replica_group_id is not None and self.cadence.snapshots:
             rank_zero_info("SpotCheckpoint: no snapshots in host memory: the other pipelines hold this one's state")
             self.cadence.snapshots = False
         self.snapshots = self._snapshot_store(url) if self.cadence.snapshots else None
@@ -200,8 +200,12 @@ class SpotCheckpoint(L.Callback):
         self._last_time = time.monotonic()
         if self.preemption and self.watcher is None:
             self.watcher = self.preemption if isinstance(self.preemption, PreemptionWatcher) else PreemptionWatcher()
-        if self.journal is None:
-            self.journal = Journal(self.storage, enabled=trainer.is_global_zero)
+        if self.journal is None:  # torchft: each pipeline's own history (its restarts, the quorums it saw)
+            group = host.replica_group_id
+            history = (
+                self.storage if group is None else Storage(f"{url.rstrip('/')}/pipeline-{group}", self.storage_options)
+            )
+            self.journal = Journal(history, enabled=trainer.is_global_zero)
 
     def _snapshot_store(self, url: str) -> Optional[SnapshotStore]:
         """The node's snapshot store; a missing or read-only tmpfs fails here, before training, when snapshots were
@@ -322,7 +326,7 @@ class SpotCheckpoint(L.Callback):
         """This run's running time and interruptions so far (rank 0; unreadable history: none)."""
         assert self.storage is not None
         try:
-            return interruption_history(self.storage)
+            return interruption_history(self.journal.storage if self.journal is not None else self.storage)
         except Exception as err:
             log.warning(
                 "lightning-spot: cannot read the run history of %s (%s); assuming no interruption", self.url, err
@@ -601,6 +605,8 @@ class SpotCheckpoint(L.Callback):
     # ----------------------------------------------------------------- history
     def _record_progress(self, trainer: L.Trainer) -> None:
         assert self.journal is not None
+        for event in _host(trainer).fault_events():
+            self.journal.record(**event)
         batch = _host(trainer).last_global_batch
         if not self._first_step_seen:
             self._first_step_seen = True
@@ -617,7 +623,7 @@ class SpotCheckpoint(L.Callback):
             return
         assert self.journal is not None and self.storage is not None
         self.journal.flush()
-        self.report = summarize(read_events(self.storage))
+        self.report = summarize(read_events(self.journal.storage))
         own = self.summary()
         self.report["checkpoint_stall_fraction"] = own["stall_fraction"]
         metrics = {

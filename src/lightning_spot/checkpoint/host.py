@@ -45,8 +45,13 @@ class CheckpointHost(Protocol):
         ...
 
     @property
-    def fault_tolerant(self) -> bool:
-        """Whether this is one pipeline of a torchft job (the others hold its state: no snapshots needed)."""
+    def replica_group_id(self) -> str | None:
+        """This pipeline's id in a torchft job (the others hold its state: no snapshots; its own run history),
+        else ``None``."""
+        ...
+
+    def fault_events(self) -> list[dict[str, Any]]:
+        """Quorum changes and steps run again since the last call (torchft jobs), for the run history."""
         ...
 
     @property

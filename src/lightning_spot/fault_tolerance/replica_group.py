@@ -81,6 +81,7 @@ class ReplicaGroup:
         self.discarded = 0
         self.quorum_changes = 0
         self.last_quorum_seconds = 0.0
+        self._events: list[dict[str, Any]] = []
         #: SIGTERM (its torchrun stopping it, or a notice) makes the pipeline leave at once
         self._leave = LeaveOnSignal(self._stop_manager, who=f"pipeline {settings.replica_group} rank {group_rank}")
         self._leave.start()
@@ -111,6 +112,15 @@ class ReplicaGroup:
         self.last_quorum_seconds = time.monotonic() - started
         if before and self.participants != before:
             self.quorum_changes += 1
+            self._events.append(
+                {
+                    "kind": "quorum",
+                    "step": self.manager.current_step(),
+                    "pipelines": self.participants,
+                    "was": before,
+                    "quorum_seconds": round(self.last_quorum_seconds, 3),
+                }
+            )
             log.warning(
                 "lightning-spot: %d pipelines train from step %d on (were %d)",
                 self.participants,
@@ -165,6 +175,7 @@ class ReplicaGroup:
                 if self.reduce_and_commit(params, weight()):
                     return result
                 self.discarded += 1
+                self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
                 self._pg.abort()  # peers still inside this step's all-reduce with us fail now, not at a timeout
                 for p in params:
                     p.grad = None
@@ -174,6 +185,11 @@ class ReplicaGroup:
                 )
 
         return run
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Quorum changes and steps run again since the last call (for the run history)."""
+        events, self._events = self._events, []
+        return events
 
     def _fell_behind(self) -> None:
         """The others committed a step this pipeline did not (it was still waiting for a peer that had left): its

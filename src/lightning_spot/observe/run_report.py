@@ -96,6 +96,34 @@ def build_report(storage: Storage) -> dict[str, Any]:
         "committed_checkpoints": storage.committed(),
         #: the intervals SpotCheckpoint chose (the newest choice; none when they were all given)
         "intervals": next((e for e in reversed(events) if e["kind"] == "cadence"), None),
+        "fault_tolerance": _quorums(events),
+    }
+
+
+def _quorums(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """With ``fault_tolerance="torchft"`` (a pipeline's history): the quorum changes it saw, the steps it ran again
+    because a pipeline left during them, and the time it trained with fewer pipelines than the most it saw."""
+    changes = [e for e in events if e["kind"] == "quorum"]
+    again = [e for e in events if e["kind"] == "step_run_again"]
+    if not changes and not again:
+        return None
+    widths = [e["was"] for e in changes[:1]] + [e["pipelines"] for e in changes]
+    most = max(widths)
+    reduced, since = 0.0, None
+    for e in changes:
+        if e["pipelines"] < most and since is None:
+            since = e["time"]
+        elif e["pipelines"] >= most and since is not None:
+            reduced, since = reduced + e["time"] - since, None
+    if since is not None:
+        reduced += events[-1]["time"] - since
+    return {
+        "quorum_changes": len(changes),
+        "fewest_pipelines": min(widths),
+        "most_pipelines": most,
+        "steps_run_again": len(again),
+        "seconds_with_fewer_pipelines": round(reduced, 3),
+        "quorum_seconds_max": max((e.get("quorum_seconds", 0.0) for e in changes), default=0.0),
     }
 
 
@@ -113,6 +141,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"({100 * report['checkpoint_stall_fraction']:.2f}% of training time); committed now: "
         f"{', '.join(report['committed_checkpoints']) or 'none'}",
         *_intervals(report.get("intervals")),
+        *_fault_tolerance(report.get("fault_tolerance")),
         "",
         "  #  at (s)  layout                      from step  to step  samples/s   steps/s  ended",
     ]
@@ -137,6 +166,15 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", "throughput per layout"]
         lines += [f"  {k:<28}{v:10.1f} samples/s" for k, v in report["samples_per_second_by_layout"].items()]
     return "\n".join(lines)
+
+
+def _fault_tolerance(ft: dict[str, Any] | None) -> list[str]:
+    if not ft:
+        return []
+    return [
+        f"torchft      {ft['quorum_changes']} quorum changes ({ft['fewest_pipelines']}-{ft['most_pipelines']} pipelines), "
+        f"{ft['steps_run_again']} steps run again, {ft['seconds_with_fewer_pipelines']:.1f}s with fewer pipelines"
+    ]
 
 
 def _intervals(chosen: dict[str, Any] | None) -> list[str]:
