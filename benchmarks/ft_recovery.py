@@ -42,8 +42,8 @@ def _median_step(out: Path, name: str) -> float:
 
 
 def overhead(args: argparse.Namespace) -> None:
-    steps = 150
-    worker = [WORKER, "--stages", str(args.stages), "--steps", str(steps)]
+    steps = 60
+    worker = [WORKER, "--stages", str(args.stages), "--steps", str(steps), "--width", str(args.width)]
     base = [sys.executable, "-m", "lightning_spot.cli", "run", "--lighthouse-port", "0"]
     ft = [*base, "--replica-groups", str(args.groups), "--nproc-per-node", str(args.stages)]
     plain = [*base, "--nproc-per-node", str(args.groups * args.stages)]
@@ -60,6 +60,11 @@ def overhead(args: argparse.Namespace) -> None:
                     raise SystemExit(f"{kind} run failed ({code}): {' '.join(run)}")
                 name = "group0_rank0.pt" if kind == "torchft" else "group?_rank0.pt"
                 times[kind].append(_median_step(out, name))
+                if kind == "torchft":
+                    spent = torch.load(out / name)["ft_seconds"]
+                    print(
+                        "  torchft per step: " + ", ".join(f"{k} {v / steps * 1000:.1f} ms" for k, v in spent.items())
+                    )
     ft_s, plain_s = statistics.median(times["torchft"]), statistics.median(times["plain"])
     print(f"{args.groups} pipelines x {args.stages} stage(s), {steps} steps: median step with torchft "
           f"{ft_s * 1000:.1f} ms, without {plain_s * 1000:.1f} ms: {ft_s / plain_s:.3f}x "
@@ -74,6 +79,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=25, help="steps between kills (time for the joiner to return)")
     parser.add_argument("--step-sleep", type=float, default=0.2)
     parser.add_argument("--overhead", action="store_true", help="per-step cost of the quorum instead of kills")
+    parser.add_argument("--width", type=int, default=32, help="--overhead: the model's width (longer steps)")
     args = parser.parse_args()
     if args.overhead:
         overhead(args)

@@ -32,7 +32,7 @@ import lightning as L
 import torch
 
 from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
-from tests.models import make_loader, make_model
+from tests.models import HIDDEN, make_loader, make_model
 
 BATCH, SAMPLES, STEPS = 12, 96, 10
 GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
@@ -89,6 +89,7 @@ class Report(L.Callback):
                 "discarded": replicas.discarded if replicas else 0,
                 "quorum_changes": replicas.quorum_changes if replicas else 0,
                 "ended": self.ended,
+                "ft_seconds": dict(replicas.seconds) if replicas else {},
                 "healed_at": healed.get("step") if healed.get("tier") == "peer" else None,
             },
             self.out / f"group{GROUP}_rank{trainer.global_rank}.pt",
@@ -110,6 +111,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--end-after-heal", default=None)
+    parser.add_argument("--width", type=int, default=HIDDEN, help="the model's width (larger: longer steps)")
     parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
     args = parser.parse_args()
@@ -120,7 +122,7 @@ def main() -> None:
     for spec in args.die.split(",") if args.die else []:
         group, rank, step = spec.split(":")
         die.append((group, int(rank), int(step)))
-    model = make_model(seed=7, scheduler=True)  # StepLR per epoch: schedules must follow commits
+    model = make_model(seed=7, scheduler=True, width=args.width)  # StepLR per epoch: schedules must follow commits
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),

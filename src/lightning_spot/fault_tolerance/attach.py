@@ -50,7 +50,9 @@ def attach(
     def state() -> dict[str, Any]:
         return {"stage": stage_state(trainer), "samples_seen": engine.samples_seen}
 
-    group = ReplicaGroup(settings, group_rank=engine.ctx.pp_rank, group_size=group_size, state_dict=state)
+    group = ReplicaGroup(
+        settings, group_rank=engine.ctx.pp_rank, group_size=group_size, state_dict=state, clock=engine.clock
+    )
     group.join()
     if group.healed_state is not None:
         _resume_from_peer(trainer)

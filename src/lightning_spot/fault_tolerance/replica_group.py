@@ -13,11 +13,12 @@ starts and trains its share of it like any other replica.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ from lightning_spot.fault_tolerance.config import TorchFT, check_reachable, requ
 from lightning_spot.fault_tolerance.leave import LeaveOnSignal
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
+from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.step_runner import batch_size_of
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class ReplicaGroup:
         group_rank: int,
         group_size: int,
         state_dict: Callable[[], Any],
+        clock: StepClock | None = None,
     ) -> None:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
@@ -82,6 +85,10 @@ class ReplicaGroup:
         self.quorum_changes = 0
         self.last_quorum_seconds = 0.0
         self._events: list[dict[str, Any]] = []
+        #: traces the quorum and the all-reduce with the commit vote when a timeline records
+        self.clock = clock
+        #: seconds spent, over the run: in quorums, in the gradient all-reduce, in the commit vote
+        self.seconds = {"quorum": 0.0, "all-reduce": 0.0, "commit": 0.0}
         #: SIGTERM (its torchrun stopping it, or a notice) makes the pipeline leave at once
         self._leave = LeaveOnSignal(self._stop_manager, who=f"pipeline {settings.replica_group} rank {group_rank}")
         self._leave.start()
@@ -103,13 +110,15 @@ class ReplicaGroup:
     def _quorum(self) -> None:
         started = time.monotonic()
         before = self.participants
-        self.manager.start_quorum()
+        with self._span("quorum"):
+            self.manager.start_quorum()
         if self.healed_state is not None and not self._joining:
             self._fell_behind()
         rank = self.manager.participating_rank()
         self.participants = self.manager.num_participants()
         self.participant_rank = rank if rank is not None else 0
         self.last_quorum_seconds = time.monotonic() - started
+        self.seconds["quorum"] += self.last_quorum_seconds
         if before and self.participants != before:
             self.quorum_changes += 1
             self._events.append(
@@ -156,12 +165,27 @@ class ReplicaGroup:
             bucket = torch.tensor([weight], dtype=torch.float32)
         from torch.distributed import ReduceOp
 
-        self.manager.allreduce(bucket, reduce_op=ReduceOp.SUM).wait()
+        with self._span("all-reduce"):
+            self.manager.allreduce(bucket, reduce_op=ReduceOp.SUM).wait()
         total = float(bucket[-1])
         if grads and total > 0:
             for p, g, mean in zip(params, grads, _unflatten_dense_tensors(bucket[:-1] / total, grads)):
                 p.grad = mean.to(g.dtype)
-        return bool(self.manager.should_commit())
+        with self._span("commit"):
+            return bool(self.manager.should_commit())
+
+    @contextlib.contextmanager
+    def _span(self, name: str) -> Iterator[None]:
+        """Time ``name`` (and trace it on the timeline's torchft lane when one records)."""
+        started = time.perf_counter()
+        try:
+            with (
+                self.clock.span(name, "torchft", lane="torchft") if self.clock is not None else contextlib.nullcontext()
+            ):
+                yield
+        finally:
+            if name != "quorum":  # (the quorum's time is counted with its bookkeeping)
+                self.seconds[name] += time.perf_counter() - started
 
     def committed(
         self, closure: Callable[[], Any], params: Sequence[Tensor], weight: Callable[[], float]
