@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,18 @@ from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
 
 pytest.importorskip("torchft")
+
+
+def _hostname_resolves() -> bool:
+    try:
+        socket.gethostbyname(socket.gethostname())
+        return True
+    except OSError:
+        return False
+
+
+#: torchft's managers and checkpoint transport advertise this machine's hostname to each other
+needs_hostname = pytest.mark.skipif(not _hostname_resolves(), reason="this machine's hostname does not resolve")
 
 WORKER = "tests/workers/ft_train.py"
 BATCH, SAMPLES = 12, 96  # as in the worker
@@ -85,6 +98,7 @@ def _results(out: Path) -> dict[str, dict[str, Any]]:
     return {f.stem: torch.load(f) for f in sorted(out.glob("group*_rank*.pt"))}
 
 
+@needs_hostname
 @pytest.mark.timeout(300)
 def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path: Path, lighthouse: str) -> None:
     """Three one-stage pipelines; pipeline 2 is killed in step 4 before its gradients reach the others; the two
@@ -152,6 +166,7 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
 
 
 @pytest.mark.slow
+@needs_hostname
 @pytest.mark.timeout(300)
 def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tmp_path: Path) -> None:
     """`lightning-spot run --replica-groups 2`: two P2 pipelines, each under its own torchrun. The last stage of
