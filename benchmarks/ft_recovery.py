@@ -14,6 +14,10 @@ Usage::
     python benchmarks/ft_recovery.py --groups 2 --stages 2 --kills 2
     python benchmarks/ft_recovery.py --overhead --groups 2 --stages 2     # per-step cost of the quorum
 
+``--freeze``: the one kill is a SIGSTOP (a node that vanished without closing its sockets): the others give it up
+when their all-reduce times out (``--ft-timeout``, ``TorchFT(timeout=...)``, 30 s by default; here 5 s) and the
+lighthouse has dropped it (1 s without heartbeats). The frozen pipeline is killed at the end.
+
 ``--overhead``: no kills; the same steps with fault tolerance (G pipelines, one torchrun each) and without it (one
 P x D job of the same processes, gradients averaged by DDP), alternated, twice each; prints both median step times.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,11 +84,15 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=25, help="steps between kills (time for the joiner to return)")
     parser.add_argument("--step-sleep", type=float, default=0.2)
     parser.add_argument("--overhead", action="store_true", help="per-step cost of the quorum instead of kills")
+    parser.add_argument("--freeze", action="store_true", help="one SIGSTOP instead of kills")
+    parser.add_argument("--ft-timeout", type=float, default=5.0, help="--freeze: TorchFT(timeout=...)")
     parser.add_argument("--width", type=int, default=32, help="--overhead: the model's width (longer steps)")
     args = parser.parse_args()
     if args.overhead:
         overhead(args)
         return
+    if args.freeze:
+        args.kills = 1
     steps = args.every * (args.kills + 1)
     dying = list(range(1, args.groups))
     kills = [f"{dying[i % len(dying)]}:{args.stages - 1}:{args.every * (i + 1)}" for i in range(args.kills)]
@@ -95,11 +104,21 @@ def main() -> None:
             WORKER, str(out), "--stages", str(args.stages), "--steps", str(steps),
             "--step-sleep", str(args.step_sleep), "--die", ",".join(kills), "--groups", str(args.groups),
         ]  # fmt: skip
+        if args.freeze:
+            cmd += ["--freeze", "--ft-timeout", str(args.ft_timeout)]
         started = time.monotonic()
         log = Path(tmp) / "run.log"
         with open(log, "w") as f:
-            code = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+            try:
+                while proc.poll() is None and not (args.freeze and (out / "group0_rank0.pt").exists()):
+                    time.sleep(0.5)
+                time.sleep(1.0)  # (the survivors' files are complete)
+            finally:
+                if proc.poll() is None:  # a frozen pipeline never ends: its torchrun cannot tell
+                    os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait() if not args.freeze else 0
         if os.environ.get("FT_KEEP_LOG"):
             import shutil
 
@@ -124,7 +143,8 @@ def main() -> None:
             after = next(t for t in ends if t > killed)
             recoveries.append(after - killed)
             print(f"  {marker.name}: next committed step of pipeline 0 after {after - killed:.2f} s")
-        heals = [json.loads(line) for line in (out / "heals.jsonl").read_text().splitlines()]
+        heals_file = out / "heals.jsonl"
+        heals = [json.loads(line) for line in heals_file.read_text().splitlines()] if heals_file.exists() else []
         stalls = []
         for heal in heals:
             # the survivor's steps that were under way while the joiner restored and ran its first step
@@ -135,8 +155,9 @@ def main() -> None:
             print(f"  join of pipeline {heal['group']} rank {heal['rank']} at step {heal['step']}: restore "
                   f"{heal['restore_seconds'] * 1000:.0f} ms ({heal['bytes'] / 1024:.0f} KiB, {rate:.0f} MiB/s); "
                   f"pipeline 0 stalled {stall:.2f} s beyond its usual step")  # fmt: skip
-        print(f"kill -> survivors' next committed step: median {statistics.median(recoveries):.2f} s "
-              f"(max {max(recoveries):.2f} s, {len(recoveries)} kills; goal <= 2 s)")  # fmt: skip
+        what = f"SIGSTOP (all-reduce timeout {args.ft_timeout:.0f} s)" if args.freeze else "kill"
+        print(f"{what} -> survivors' next committed step: median {statistics.median(recoveries):.2f} s "
+              f"(max {max(recoveries):.2f} s, {len(recoveries)} events)")  # fmt: skip
         if stalls:
             print(f"join stall: median {statistics.median(stalls):.2f} s, max {max(stalls):.2f} s (goal <= 0.5 s)")
 

@@ -11,6 +11,8 @@ OUT_DIR keeps its restart alive). A process that took a peer's state adds a line
 ``--end-after-heal GROUP:K``: train until K steps after a replacement of pipeline GROUP (started after one of its
 processes was killed) took a peer's state (at most ``--steps``), so that it joins mid-run however slowly it starts;
 every pipeline ends at that step.
+``--freeze``: ``--die`` stops the process with SIGSTOP (a node that vanished without closing its sockets).
+``--ft-timeout S``: ``TorchFT(timeout=S)``, how long the others' all-reduce waits for a silent peer.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
@@ -32,6 +34,7 @@ import lightning as L
 import torch
 
 from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
+from lightning_spot.fault_tolerance import TorchFT
 from tests.models import HIDDEN, make_loader, make_model
 
 BATCH, SAMPLES, STEPS = 12, 96, 10
@@ -39,8 +42,10 @@ GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
 
 
 class Report(L.Callback):
-    def __init__(self, out: Path, die: list[tuple[str, int, int]], sleep: float, end: str | None, full: int) -> None:
-        self.out, self.die, self.sleep, self.full = out, die, sleep, full
+    def __init__(
+        self, out: Path, die: list[tuple[str, int, int]], sleep: float, end: str | None, full: int, freeze: bool
+    ) -> None:
+        self.out, self.die, self.sleep, self.full, self.freeze = out, die, sleep, full, freeze
         self.end = tuple(end.split(":")) if end else None
         self.ended: list[tuple[int, float]] = []
 
@@ -68,7 +73,7 @@ class Report(L.Callback):
             marker = self.out / f"died_group{GROUP}_step{step}"
             if not marker.exists():
                 marker.write_text(str(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if self.freeze else signal.SIGKILL)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         healed = trainer.strategy.restored_manifest or {}  # type: ignore[attr-defined]
@@ -112,6 +117,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--end-after-heal", default=None)
     parser.add_argument("--width", type=int, default=HIDDEN, help="the model's width (larger: longer steps)")
+    parser.add_argument("--freeze", action="store_true", help="--die stops the process (SIGSTOP) instead")
+    parser.add_argument("--ft-timeout", type=float, default=30.0, help="TorchFT(timeout=...)")
     parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
     args = parser.parse_args()
@@ -127,7 +134,9 @@ def main() -> None:
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=SpotPipelineStrategy(
-            pipeline_stages=args.stages, microbatches=2, fault_tolerance=None if args.plain else "torchft"
+            pipeline_stages=args.stages,
+            microbatches=2,
+            fault_tolerance=None if args.plain else TorchFT(timeout=args.ft_timeout),
         ),
         max_steps=args.steps,
         logger=False,
@@ -136,7 +145,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[
-            Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups),
+            Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups, args.freeze),
             *(
                 [SpotCheckpoint(args.checkpoint, every_n_train_steps=5, save_on_train_end=False)]
                 if args.checkpoint
