@@ -20,6 +20,14 @@ restarts it, as torchrun does:
 - a change during a restart starts the restart over (its rendezvous round is redone);
 - too few nodes for the model: no training until enough are back.
 
+With ``Policy(fault_tolerant=True)`` (``fault_tolerance="torchft"``) a node that leaves or is killed while others
+can go on costs them ``ft_leave_s`` (its heartbeat expiring at the lighthouse, measured by
+``benchmarks/ft_recovery.py``) plus the step in flight, run again (half a step on average), and nothing else: no
+restart, no step lost; a joining node starts beside the others (``join_restart_s + setup_s + restore_memory_s``
+of its own, off their path) and then stalls them ``ft_join_s``. Only when too few nodes are left does the run
+take the restart path. Step times follow the node count as before (the pipelines keep their depth: at scale
+that may be slower than the layout a restart would choose, which this model does not charge).
+
 Useful time is time spent on steps that are kept (as ``lightning-spot report`` counts it: a kept step costs
 its step time, snapshot and checkpoint stalls included); the share is useful time / wall time.
 Every input is a field of ``Recovery``, ``Policy`` or the step-time function: nothing else is assumed.
@@ -43,8 +51,10 @@ if str(REPO) not in sys.path:
 
 from benchmarks.spot_traces import Trace, load_trace  # noqa: E402
 
-#: (time in seconds, change of the node count, notice): ``notice`` None lets the policy decide
-Event = tuple[float, int, "bool | None"]
+#: (time in seconds, change of the node count, notice): ``notice`` None lets the policy decide; ``JOINED``: a
+#: node that started beside a fault-tolerant run is ready to join it
+Event = tuple[float, int, "bool | str | None"]
+JOINED = "joined"
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,10 @@ class Recovery:
     restore_memory_s: float
     restore_storage_s: float
     first_step_s: float  # training starts -> first step done
+    #: fault_tolerance="torchft" (benchmarks/ft_recovery.py, 2-core CPU): a pipeline lost -> the others' next
+    #: committed step, less the step itself; a joiner's stall of the others
+    ft_leave_s: float = 1.07
+    ft_join_s: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class Policy:
     memory_survives_kills: int = 1
     snapshot_stall_s: float = 0.0  # training time blocked per snapshot
     checkpoint_stall_s: float = 0.0  # per durable checkpoint
+    fault_tolerant: bool = False  # survivors keep training (see the module's docstring)
 
 
 @dataclass
@@ -85,6 +100,7 @@ class Outcome:
     steps_lost: float = 0.0
     restarts: int = 0
     from_storage: int = 0
+    quorum_changes: int = 0  # fault-tolerant: membership changes the survivors rode through
     down_s: float = 0.0  # restarting (every phase)
     idle_s: float = 0.0  # too few nodes for the model
     per_nodes: dict[int, float] = field(default_factory=dict)  # training seconds by node count
@@ -196,6 +212,17 @@ def simulate(
         if ended != math.inf:
             break
         training = clock >= ready
+        rides_through = change > 0 or step_seconds(nodes + change) is not None  # survivors can go on
+        if policy.fault_tolerant and training and rides_through:
+            if change < 0 or notice == JOINED:
+                out.quorum_changes += 1
+                stall = recovery.ft_join_s if change > 0 else recovery.ft_leave_s + (per_step(nodes) or 0.0) / 2
+                nodes += change
+                ready = at + stall
+            else:  # the new node starts beside the run and joins when it is ready
+                ready_at = at + recovery.join_restart_s + recovery.setup_s + recovery.restore_memory_s
+                pending = sorted([*pending, (ready_at, change, JOINED)], key=lambda e: e[0])
+            continue
         nodes += change
         if change > 0:
             cost = (recovery.stop_s if training else 0.0) + recovery.join_restart_s
@@ -501,9 +528,13 @@ def oobleck_case(measured: Recovery, at: AtScale = AtScale()) -> dict[str, Any]:
         snapshot_every=1, checkpoint_every=20, notice="none", memory_survives_kills=hi - 1, snapshot_stall_s=copy
     )
     out = simulate(events, step_seconds, recovery, policy, until_s=duration)
+    ft_policy = Policy(snapshot_every=0, checkpoint_every=20, notice="none", fault_tolerant=True)
+    ft = simulate(events, step_seconds, recovery, ft_policy, until_s=duration)
     return {
         "setting": "Oobleck's 10-minute case: BERT-large, 30 -> 15 nodes, one killed every 601.2 s, 2.5 h",
         "share": out.share,
+        "share_torchft": ft.share,
+        "outcome_torchft": asdict(ft),
         "outcome": asdict(out),
         "recovery": asdict(recovery),
         "policy": asdict(policy),
@@ -545,6 +576,9 @@ def large_case(
             snapshot_stall_s=copy,
         ),
         "storage": Policy(snapshot_every=0, checkpoint_every=checkpoint_every, checkpoint_stall_s=copy),
+        "torchft": Policy(
+            snapshot_every=0, checkpoint_every=checkpoint_every, checkpoint_stall_s=copy, fault_tolerant=True
+        ),
     }
     results = {
         name: simulate(events, seconds, recovery, policy, until_s=trace.duration) for name, policy in paths.items()
@@ -587,7 +621,12 @@ def _print_recovery(recovery: Recovery) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("case", choices=("calibrate", "oobleck", "large"))
-    parser.add_argument("replays", nargs="+", type=Path, help="spot_replay.py --json results (measured phases)")
+    parser.add_argument(
+        "replays",
+        nargs="*",
+        type=Path,
+        help="spot_replay.py --json results (measured phases; the restart path needs them)",
+    )
     parser.add_argument("--trace", action="append", help="large: shipped traces (default: Bamboo's two g4dn traces)")
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--gpus-per-node", type=int, default=8)
@@ -613,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
             result = oobleck_case(measured)
             print(result["setting"])
             _print_recovery(Recovery(**result["recovery"]))
-            print(f"  lightning-spot (simulated): {result['share']:.1%} useful time")
+            restart_path = f"{result['share']:.1%}" if not math.isnan(measured.detect_s) else "(needs replays)"
+            print(f"  lightning-spot, restart path (simulated): {restart_path} useful time")
+            print(f"  lightning-spot, fault_tolerance='torchft' (simulated): {result['share_torchft']:.1%} useful time")
             for name, share in result["published"].items():
                 print(f"  {name} (published, Oobleck's simulator): {share:.1%}")
         else:

@@ -151,3 +151,19 @@ def test_a_large_case_compares_memory_and_storage_recovery() -> None:
     assert memory["outcome"]["steps_lost"] < storage["outcome"]["steps_lost"]
     assert 0 < storage["share"] < memory["share"] < 1
     assert case["step_seconds_at_peak"] > 0 and "P" in case["layout_at_peak"]
+
+
+def test_survivors_ride_through_a_kill_and_a_join_with_torchft() -> None:
+    """fault_tolerant: a kill with a node left costs ft_leave_s and half a step (the step in flight, run again), no
+    restart and no step lost; a node that joins starts beside the run and stalls it ft_join_s when it joins."""
+    ft = Policy(snapshot_every=0, fault_tolerant=True)
+    out = simulate([(0.0, 2, None), (10.5, -1, False)], speed, RECOVERY, ft, steps=20)
+    stall = RECOVERY.ft_leave_s + 1.0 / 2  # the lost pipeline's heartbeat, then the step in flight run again
+    assert out.restarts == 0 and out.steps_lost == 0 and out.quorum_changes == 1
+    assert out.wall_s == pytest.approx(10.5 + stall + (20 - 10.5) * 2.0)
+    joined = 20.0 + RECOVERY.join_restart_s + RECOVERY.setup_s + RECOVERY.restore_memory_s  # its own start-up
+    out = simulate([(0.0, 1, None), (20.0, 1, None)], speed, RECOVERY, ft, steps=20)
+    done = joined / 2.0  # steps at 2 s each until the joiner is in
+    assert out.restarts == 0 and out.quorum_changes == 1
+    assert out.wall_s == pytest.approx(joined + RECOVERY.ft_join_s + (20 - done) * 1.0)
+    assert simulate([(0.0, 1, None), (5.0, -1, False), (6.0, 1, None)], speed, RECOVERY, ft, steps=5).restarts == 1
