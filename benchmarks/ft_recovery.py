@@ -133,6 +133,10 @@ def main() -> None:
         gaps = [b - a for a, b in zip(ends, ends[1:])]
         usual = statistics.median(gaps)
         print(f"pipeline 0: median step {usual * 1000:.0f} ms (incl. {args.step_sleep * 1000:.0f} ms sleep)")
+        span = ends[-1] - ends[0]
+        print(f"pipeline 0: useful-time share {len(gaps) * usual / span:.1%} from its first to its last step "
+              f"({len(gaps)} steps at the median step time / {span:.1f} s; a kill every {args.every} steps, "
+              f"~{args.every * usual:.0f} s)")  # fmt: skip
         if os.environ.get("FT_KEEP_LOG"):
             for (step, a), g in zip(survivor["ended"], gaps):
                 if g > 2 * usual:
