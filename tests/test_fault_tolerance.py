@@ -167,6 +167,39 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
 
 @pytest.mark.slow
 @needs_hostname
+@pytest.mark.timeout(200)
+def test_a_lighthouse_that_dies_mid_run_stops_every_pipeline_with_a_clear_error(tmp_path: Path) -> None:
+    """Two one-stage pipelines; the lighthouse goes away after both trained a few steps: each pipeline fails its
+    next quorum within quorum_timeout (5 s here) with exit code 1 and an error that names the lighthouse."""
+    port = free_port()
+    code = f"from lightning_spot.fault_tolerance.lighthouse import start_lighthouse as s; x = s({port}); input()"
+    server = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, start_new_session=True)
+    address = f"http://127.0.0.1:{port}"
+    out = tmp_path / "out"
+    argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--quorum-timeout", "5"]
+    with ExitStack() as stack:
+        stack.callback(lambda: (server.kill(), server.wait()))
+        procs = []
+        for group in range(2):
+            env = {"TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(group)}
+            procs += stack.enter_context(_running(1, argv, tmp_path / f"logs{group}", env))
+        deadline = time.monotonic() + 120
+        logs = [tmp_path / f"logs{g}" / "rank0.log" for g in range(2)]
+        while time.monotonic() < deadline and not any("2 pipelines train from step" in p.read_text() for p in logs):
+            time.sleep(0.2)  # until both are in one quorum (the first says so)
+        time.sleep(1.0)
+        server.kill()  # the lighthouse's process dies
+        gone = time.monotonic()
+        codes = [p.wait(timeout=60) for p in procs]
+        ended = time.monotonic() - gone
+    texts = [p.read_text() for p in logs]
+    assert codes == [1, 1], texts[0][-3000:]
+    assert ended < 5 + 20, f"the pipelines took {ended:.1f} s to stop"
+    assert all(f"no quorum from the torchft lighthouse at {address} within 5 s" in t for t in texts), texts[0][-3000:]
+
+
+@pytest.mark.slow
+@needs_hostname
 @pytest.mark.timeout(300)
 def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tmp_path: Path) -> None:
     """`lightning-spot run --replica-groups 2`: two P2 pipelines, each under its own torchrun. The last stage of

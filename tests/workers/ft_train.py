@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=HIDDEN, help="the model's width (larger: longer steps)")
     parser.add_argument("--freeze", action="store_true", help="--die stops the process (SIGSTOP) instead")
     parser.add_argument("--ft-timeout", type=float, default=30.0, help="TorchFT(timeout=...)")
+    parser.add_argument("--quorum-timeout", type=float, default=60.0, help="TorchFT(quorum_timeout=...)")
     parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
     args = parser.parse_args()
@@ -136,7 +137,9 @@ def main() -> None:
         strategy=SpotPipelineStrategy(
             pipeline_stages=args.stages,
             microbatches=2,
-            fault_tolerance=None if args.plain else TorchFT(timeout=args.ft_timeout),
+            fault_tolerance=None
+            if args.plain
+            else TorchFT(timeout=args.ft_timeout, quorum_timeout=args.quorum_timeout),
         ),
         max_steps=args.steps,
         logger=False,

@@ -110,8 +110,15 @@ class ReplicaGroup:
     def _quorum(self) -> None:
         started = time.monotonic()
         before = self.participants
-        with self._span("quorum"):
-            self.manager.start_quorum()
+        try:
+            with self._span("quorum"):
+                self.manager.start_quorum()
+        except Exception as err:  # the lighthouse is gone or unreachable: no pipeline can agree on a step
+            raise RuntimeError(
+                f"no quorum from the torchft lighthouse at {self.settings.lighthouse} within "
+                f"{self.settings.quorum_timeout:.0f} s ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
+                f"Restart the lighthouse (or the launch) and the pipelines resume from the durable checkpoints."
+            ) from err
         if self.healed_state is not None and not self._joining:
             self._fell_behind()
         rank = self.manager.participating_rank()
