@@ -36,6 +36,10 @@ from lightning_spot.runtime.step_runner import batch_size_of
 log = logging.getLogger(__name__)
 
 
+class QuorumError(ConnectionError):
+    """No quorum from the lighthouse: the job's coordinator is gone (a failure of its own, not a lost peer)."""
+
+
 class ReplicaGroup:
     """This rank's torchft manager and the bookkeeping of quorums, commits and discarded steps."""
 
@@ -114,7 +118,7 @@ class ReplicaGroup:
             with self._span("quorum"):
                 self.manager.start_quorum()
         except Exception as err:  # the lighthouse is gone or unreachable: no pipeline can agree on a step
-            raise RuntimeError(
+            raise QuorumError(
                 f"no quorum from the torchft lighthouse at {self.settings.lighthouse} within "
                 f"{self.settings.quorum_timeout:.0f} s ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
                 f"Restart the lighthouse (or the launch) and the pipelines resume from the durable checkpoints."
