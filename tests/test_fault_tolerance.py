@@ -175,6 +175,13 @@ def test_a_lighthouse_that_dies_mid_run_stops_every_pipeline_with_a_clear_error(
     code = f"from lightning_spot.fault_tolerance.lighthouse import start_lighthouse as s; x = s({port}); input()"
     server = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, start_new_session=True)
     address = f"http://127.0.0.1:{port}"
+    up = time.monotonic() + 90  # its process imports torch first: the pipelines must not start before it listens
+    while time.monotonic() < up and server.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
     out = tmp_path / "out"
     argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--quorum-timeout", "5"]
     with ExitStack() as stack:
