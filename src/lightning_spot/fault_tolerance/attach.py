@@ -1,7 +1,7 @@
 """Put a pipeline into its replica group at setup, and restore a peer's state through Lightning's resume path.
 
-group = attach(strategy, trainer, settings)   # end of strategy.setup when fitting
-checkpoint = healed_checkpoint(strategy, group)   # strategy.load_checkpoint(HEAL_URL)
+group = attach(trainer, engine, settings, group_size=P)   # end of the strategy's setup when fitting
+checkpoint, record = healed_checkpoint(group, module, optimizers, engine)   # its load_checkpoint(HEAL_URL)
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.fault_tolerance.config import TorchFT
 from lightning_spot.fault_tolerance.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.fault_tolerance.replica_group import ReplicaGroup
@@ -84,9 +85,7 @@ def healed_checkpoint(
     record = {
         "step": int(checkpoint.get("global_step", 0)),
         "tier": "peer",
-        "bytes": sum(
-            t.numel() * t.element_size() for group in state["stage"]["tensors"].values() for t in group.values()
-        ),
+        "bytes": Payload(**state["stage"]).nbytes,
         "restore_seconds": time.monotonic() - started,
     }
     return checkpoint, record

@@ -129,7 +129,6 @@ class ReplicaGroup:
         self.participants = self.manager.num_participants()
         self.participant_rank = rank if rank is not None else 0
         self.last_quorum_seconds = time.monotonic() - started
-        self.seconds["quorum"] += self.last_quorum_seconds
         if before and self.participants != before:
             self.quorum_changes += 1
             self._events.append(
@@ -195,8 +194,7 @@ class ReplicaGroup:
             ):
                 yield
         finally:
-            if name != "quorum":  # (the quorum's time is counted with its bookkeeping)
-                self.seconds[name] += time.perf_counter() - started
+            self.seconds[name] += time.perf_counter() - started
 
     def committed(
         self, closure: Callable[[], Any], params: Sequence[Tensor], weight: Callable[[], float]
