@@ -197,10 +197,17 @@ class FineTune(L.LightningModule):
 
     ``loss="mean"``: a hand-written causal-LM loss instead, a cross-entropy averaged over the labels that are not
     -100 (a mean over a varying count nobody declares); ``loss="counted"``: the same, returned with its count.
+    ``scheduler``: the learning rate halves after every epoch (StepLR).
     """
 
     def __init__(
-        self, family: str = "llama", kind: str = "causal", tied: bool = False, lr: float = 1e-2, loss: str = "model"
+        self,
+        family: str = "llama",
+        kind: str = "causal",
+        tied: bool = False,
+        lr: float = 1e-2,
+        loss: str = "model",
+        scheduler: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -224,4 +231,7 @@ class FineTune(L.LightningModule):
         self.log("val_loss", self.model(**batch).loss)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        if self.hparams.scheduler:
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+        return opt

@@ -30,6 +30,7 @@ from lightning_spot.layout import LayoutError
 from lightning_spot.observe.run_report import build_report
 from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
+from tests.workers.ft_train import finetune_scenario
 
 pytest.importorskip("torchft")
 
@@ -60,7 +61,9 @@ def lighthouse() -> Iterator[str]:
         server.shutdown()
 
 
-def _reference(steps: int) -> dict[str, Any]:
+def _reference(steps: int, model: str = "tiny") -> dict[str, Any]:
+    if model == "finetune":
+        return reference_run(finetune_scenario(steps))
     return reference_run(
         {"model": {"scheduler": True}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}}
     )
@@ -104,7 +107,11 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     """Three one-stage pipelines; pipeline 2 is killed in step 4 before its gradients reach the others; the two
     survivors go on in the same processes, the step that lost a peer is run again, and a replacement of pipeline 2
     started afterwards joins by taking a survivor's state. Every pipeline that finishes equals the reference, and
-    the durable checkpoints (written by one pipeline of each quorum) hold the reference's weights."""
+    the durable checkpoints (written by one pipeline of each quorum) hold the reference's weights.
+
+    The data is what fine-tuning feeds: a transformers Llama on padded batches whose labels are -100 on prompts and
+    padding, so every pipeline's share holds a different number of tokens (the gradients are averaged by tokens, not
+    by pipelines), and each epoch ends with a short batch split 2:1:1 among three pipelines."""
     out, checkpoints = tmp_path / "out", tmp_path / "ckpt"
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
     argv = [
@@ -118,6 +125,8 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
         str(checkpoints),
         "--groups",
         "3",
+        "--model",
+        "finetune",
     ]
     argv += ["--end-after-heal", "2:6"]  # every pipeline ends 6 steps after the replacement of pipeline 2 joined
     with ExitStack() as stack:
@@ -146,7 +155,8 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     assert sorted(results) == ["group0_rank0", "group1_rank0", "group2_rank0"]
     assert {results[f"group{g}_rank0"]["pid"] for g in range(2)} == survivors, "a survivor was restarted"
     steps = results["group0_rank0"]["global_step"]
-    ref = _reference(steps)
+    assert steps > 9, "the first epoch's short last batch (step 9) must be among the steps trained"
+    ref = _reference(steps, "finetune")
     for name, got in results.items():
         assert got["global_step"] == steps, name
         assert_same_params(got["state_dict"], ref)
@@ -155,7 +165,7 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
     assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
     last = steps - steps % 5
-    assert_same_params(load_full_state_dict(str(checkpoints)), ref if last == steps else _reference(last))
+    assert_same_params(load_full_state_dict(str(checkpoints)), ref if last == steps else _reference(last, "finetune"))
     # each pipeline's own history: the quorum changes and the step run again; the replacement resumed from a peer
     ft = build_report(Storage(str(checkpoints / "pipeline-0")))["fault_tolerance"]
     assert ft["steps_run_again"] >= 1 and ft["most_pipelines"] == 3 and ft["fewest_pipelines"] <= 2, ft

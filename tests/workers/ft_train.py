@@ -16,6 +16,9 @@ every pipeline ends at that step.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
+``--model finetune``: a transformers Llama fine-tuned on padded batches whose labels are -100 on prompts and padding
+(a loss averaged over a varying number of tokens), ``FINETUNE_SAMPLES`` samples so that each epoch ends with a
+short batch, StepLR per epoch; see :func:`finetune_scenario`.
 Writes ``OUT_DIR/group{G}_rank{R}.pt`` (parameters, global step, pid, steps discarded, quorum changes, the step it
 took a peer's state at, and the wall-clock time each step ended).
 """
@@ -38,7 +41,18 @@ from lightning_spot.fault_tolerance import TorchFT
 from tests.models import HIDDEN, make_loader, make_model
 
 BATCH, SAMPLES, STEPS = 12, 96, 10
+#: 8 global batches of 12 and a last one of 8 per epoch (4 micro-batch pairs: shares of 2, 1, 1 among 3 pipelines)
+FINETUNE_SAMPLES = 104
 GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
+
+
+def finetune_scenario(steps: int) -> dict[str, Any]:
+    """``--model finetune`` as a scenario of ``tests.parity.reference_run``."""
+    return {
+        "model": {"cls": "FineTune", "family": "llama", "kind": "causal", "lr": 1e-3, "scheduler": True},
+        "loader": {"batch_size": BATCH, "n": FINETUNE_SAMPLES, "padded": "sft"},
+        "trainer": {"max_steps": steps},
+    }
 
 
 class Report(L.Callback):
@@ -122,6 +136,7 @@ def main() -> None:
     parser.add_argument("--quorum-timeout", type=float, default=60.0, help="TorchFT(quorum_timeout=...)")
     parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
+    parser.add_argument("--model", choices=("tiny", "finetune"), default="tiny")
     args = parser.parse_args()
     started = args.out / "started"
     started.mkdir(parents=True, exist_ok=True)
@@ -130,7 +145,11 @@ def main() -> None:
     for spec in args.die.split(",") if args.die else []:
         group, rank, step = spec.split(":")
         die.append((group, int(rank), int(step)))
-    model = make_model(seed=7, scheduler=True, width=args.width)  # StepLR per epoch: schedules must follow commits
+    if args.model == "finetune":
+        scenario = finetune_scenario(args.steps)
+        model, loader = make_model(**scenario["model"]), make_loader(**scenario["loader"])
+    else:  # StepLR per epoch: schedules must follow commits
+        model, loader = make_model(seed=7, scheduler=True, width=args.width), make_loader(batch_size=BATCH, n=SAMPLES)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -156,7 +175,7 @@ def main() -> None:
             ),
         ],
     )
-    trainer.fit(model, make_loader(batch_size=BATCH, n=SAMPLES))
+    trainer.fit(model, loader)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ def participant_rows(size: int, microbatches: int, rank: int, count: int) -> sli
     if units < count:
         raise LayoutError(
             f"{count} pipelines share a global batch of {size} samples, which holds only {units} groups of "
-            f"microbatches={microbatches}: use a batch_size of at least {count * microbatches}"
+            f"microbatches={microbatches}: use a batch_size of at least {count * microbatches}, or drop_last=True if "
+            f"only the last batch is this short"
         )
     part = replica_slice(units, rank, count)
     return slice(part.start * microbatches, part.stop * microbatches)
