@@ -26,6 +26,9 @@ Usage::
 The agents run with ``OMP_NUM_THREADS=1`` (``tests/elastic.py``): several stand-in "nodes" share this
 machine's cores, which a real node would not.
 
+``--fault-tolerance``: the same replay with ``fault_tolerance="torchft"`` (``benchmarks/ft_replay.py``): every node a
+pipeline of its own, survivors keep training, useful time from the first node's step times.
+
 Traces: ``benchmarks/data/spot_traces/`` (Bamboo's AWS traces; ``python benchmarks/spot_traces.py`` lists them).
 """
 
@@ -415,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="keep the run directory here")
     parser.add_argument("--settle", action="store_true", help="each event waits for the previous one's restart")
     parser.add_argument("--keep-alive", type=int, help="rendezvous keep-alive interval, s (torchrun's default: 5)")
+    parser.add_argument(
+        "--fault-tolerance",
+        action="store_true",
+        help='fault_tolerance="torchft": each node is a pipeline of its own, survivors keep training (ft_replay.py)',
+    )
     args = parser.parse_args(argv)
     if args.events:
         events = parse_events(args.events)
@@ -438,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = args.keep or Path(tempfile.mkdtemp(prefix="spot-replay-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.fault_tolerance:
+        return replay_with_fault_tolerance(events, label, out, args)
     lead = args.lead / (1.0 if args.events else args.compress)
     result = replay(
         events, args.steps, args.step_seconds, out, settle=args.settle, keep_alive=args.keep_alive, lead_seconds=lead
@@ -479,6 +489,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         title = f"{label}: useful-time share {fig['useful_time_share']:.1%}, {fig['restarts']} restarts"
         args.png.write_bytes(render(result, fig["report"], title))
+    if args.json:
+        args.json.write_text(json.dumps({"label": label, **result, **fig}, indent=1, default=str))
+    return 0 if fig["max_param_difference"] <= 1e-5 else 2
+
+
+def replay_with_fault_tolerance(
+    events: list[tuple[float, int, str]], label: str, out: Path, args: argparse.Namespace
+) -> int:
+    from benchmarks.ft_replay import figures_ft, print_ft, replay_ft
+
+    result = replay_ft(events, args.steps, args.step_seconds, out)
+    if not result["ok"]:
+        print("the run failed (log above)", file=sys.stderr)
+        return 1
+    fig = figures_ft(out, result)
+    print_ft(label, result, fig)
     if args.json:
         args.json.write_text(json.dumps({"label": label, **result, **fig}, indent=1, default=str))
     return 0 if fig["max_param_difference"] <= 1e-5 else 2

@@ -83,6 +83,74 @@ def test_shares_are_whole_microbatches_and_cover_the_batch() -> None:
     assert part["x"].tolist() == [4, 5, 6, 7] and part["meta"] == "kept" and part["pair"][0].shape == (4, 3)
 
 
+class _TwoPipelines:
+    """An all-reduce (sum) between two threads, each standing in for one pipeline's stage."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.barrier, self.slots = threading.Barrier(2, timeout=30), {}
+
+    def allreduce(self, me: str) -> Any:
+        def reduce(t: torch.Tensor) -> Any:
+            self.slots[me] = t
+            self.barrier.wait()
+            total = sum(self.slots.values())
+            self.barrier.wait()
+            t.copy_(total)
+            return type("Done", (), {"wait": lambda self: None})()
+
+        return reduce
+
+
+def test_early_buckets_carry_the_weighted_mean_whether_sent_during_the_backward_or_after() -> None:
+    """Two pipelines (threads) train 8 and 4 rows of a batch of 12 in 2 micro-batches each: one sends its buckets
+    during its backward, scaled from the sum of its micro-batch gradients; the other sends them after its step,
+    from its mean gradient (as on its first step, when the scale is not known yet). Both end with the gradient
+    of the whole batch, and the buckets went out in the same order on both."""
+    import threading
+
+    from torch import nn
+
+    from lightning_spot.fault_tolerance.early_buckets import EarlyBuckets
+
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 4), torch.randn(12, 2)
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    pair = _TwoPipelines()
+    models, buckets, errors = {}, {}, []
+
+    def pipeline(me: str, rows: slice, scale: float | None) -> None:
+        try:
+            model = models[me] = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            model.load_state_dict(reference.state_dict())
+            early = buckets[me] = EarlyBuckets(list(model.parameters()), allreduce=pair.allreduce(me), bucket_bytes=32)
+            early.arm(2, scale)
+            for half in torch.chunk(torch.arange(rows.start, rows.stop), 2):
+                torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()  # grads: the micro-batches' sum
+            for p in model.parameters():
+                p.grad /= 2  # the schedule leaves the mean over its micro-batches
+            assert early.reduce(float(rows.stop - rows.start)) == 12.0
+        except Exception as err:  # (reported below, from the test's thread)
+            errors.append(err)
+
+    threads = [
+        threading.Thread(target=pipeline, args=("early", slice(0, 8), 8 / 2)),  # rows / m
+        threading.Thread(target=pipeline, args=("after", slice(8, 12), None)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert len(buckets["early"].buckets) >= 3
+    assert buckets["early"].launched_early == len(buckets["early"].buckets) and buckets["after"].launched_early == 0
+    for model in models.values():
+        for p, want in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(p.grad, want.grad, atol=1e-6)
+
+
 def test_missing_settings_and_an_unreachable_lighthouse_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -162,6 +230,7 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
         assert_same_params(got["state_dict"], ref)
     for g in range(2):
         assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
+        assert results[f"group{g}_rank0"]["launched_early"] > 0, "gradients went out during the backward"
     committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
     assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
     last = steps - steps % 5

@@ -26,8 +26,11 @@ class SlowSteps(L.Callback):
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
+        #: (global step, wall-clock time) at the end of every step
+        self.ended: list[tuple[int, float]] = []
 
-    def on_train_batch_end(self, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.ended.append((trainer.global_step, time.time()))
         time.sleep(self.seconds)
 
 
@@ -56,7 +59,8 @@ def main() -> None:
         snapshot_every_n_seconds=config.get("snapshot_every_seconds"),
         snapshot_dir=os.environ.get("SPOT_TEST_SNAPSHOT_DIR", config.get("snapshot_dir")),  # one per "node"
     )
-    callbacks: list[L.Callback] = [checkpoint, SlowSteps(config.get("step_seconds", 0.0))]
+    slow = SlowSteps(config.get("step_seconds", 0.0))
+    callbacks: list[L.Callback] = [checkpoint, slow]
     if config.get("timeline"):  # trace every step; a preempted run leaves per-rank trace files
         callbacks.append(PipelineTimeline(dirpath=str(out / "timeline"), start_step=0, num_steps=10**6, gantt=False))
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=60), **config.get("strategy", {}))
@@ -75,7 +79,9 @@ def main() -> None:
         make_model(**config.get("model", {"scheduler": True})),
         make_loader(**config.get("loader", {"batch_size": 16, "n": 80, "shuffle": True})),
     )
-    (out / "final").mkdir(parents=True, exist_ok=True)
+    group = os.environ.get("REPLICA_GROUP_ID")  # fault_tolerance="torchft": one pipeline of several
+    final = out / "final" / (f"pipeline-{group}" if group is not None else "")
+    final.mkdir(parents=True, exist_ok=True)
     torch.save(
         {
             "state_dict": {k: v.detach().cpu() for k, v in trainer.lightning_module.state_dict().items()},
@@ -86,8 +92,9 @@ def main() -> None:
             "restored_tier": strategy.restored_manifest.get("tier") if strategy.restored_manifest else None,
             "report": checkpoint.report,
             "snapshot_steps": [t["step"] for t in checkpoint.snapshotter.taken] if checkpoint.snapshotter else [],
+            "ended": slow.ended,
         },
-        out / "final" / f"rank{trainer.global_rank}.pt",
+        final / f"rank{trainer.global_rank}.pt",
     )
 
 

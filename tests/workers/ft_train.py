@@ -109,6 +109,7 @@ class Report(L.Callback):
                 "quorum_changes": replicas.quorum_changes if replicas else 0,
                 "ended": self.ended,
                 "ft_seconds": dict(replicas.seconds) if replicas else {},
+                "launched_early": replicas.buckets.launched_early if replicas and replicas.buckets else 0,
                 "healed_at": healed.get("step") if healed.get("tier") == "peer" else None,
             },
             self.out / f"group{GROUP}_rank{trainer.global_rank}.pt",

@@ -55,6 +55,8 @@ def attach(
         settings, group_rank=engine.ctx.pp_rank, group_size=group_size, state_dict=state, clock=engine.clock
     )
     group.join()
+    # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
+    group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=engine.runner.scaler is None)
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group

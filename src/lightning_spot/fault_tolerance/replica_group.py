@@ -2,8 +2,9 @@
 
     group = ReplicaGroup(settings, group_rank=pp_rank, group_size=P, state_dict=...)
     group.join()                                   # at setup: the first quorum; may take a peer's state
+    group.overlap(params, tied, loss_weights)      # the gradients to average, sent during the backward
     share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
-    closure = group.committed(closure, params, weight)  # optimizer_step: the optimizer steps only on a commit
+    closure = group.committed(closure, weight)     # optimizer_step: the optimizer steps only on a commit
     group.shutdown()
 
 Every rank of the pipeline has a torchft ``Manager`` (stage ``k`` of every pipeline share one reconfigurable gloo
@@ -22,15 +23,15 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_spot.fault_tolerance.config import TorchFT, check_reachable, require_torchft
+from lightning_spot.fault_tolerance.early_buckets import EarlyBuckets
 from lightning_spot.fault_tolerance.leave import LeaveOnSignal
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
 from lightning_spot.runtime.clock import StepClock
+from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.step_runner import batch_size_of
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class ReplicaGroup:
         self.quorum_changes = 0
         self.last_quorum_seconds = 0.0
         self._events: list[dict[str, Any]] = []
+        #: the gradient buckets that go out during the backward (:meth:`overlap`), and what weights the losses
+        self.buckets: EarlyBuckets | None = None
+        self._loss_weights: LossWeights | None = None
         #: traces the quorum and the all-reduce with the commit vote when a timeline records
         self.clock = clock
         #: seconds spent, over the run: in quorums, in the gradient all-reduce, in the commit vote
@@ -147,6 +151,30 @@ class ReplicaGroup:
                 before,
             )
 
+    def overlap(
+        self, params: Sequence[Tensor], tied: Sequence[Tensor], loss_weights: LossWeights, early: bool = True
+    ) -> None:
+        """The gradients to reduce: ``params``, in buckets; each goes to the other pipelines as soon as the backward
+        has finished it (not ``tied`` copies, whose gradients are whole only after the step; none with
+        ``early=False``); ``loss_weights``: what the losses are means over (the scale of an early bucket)."""
+        from torch.distributed import ReduceOp
+
+        self.buckets = EarlyBuckets(
+            params, tied=tied, allreduce=lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM)
+        )
+        self._loss_weights = loss_weights if early else None
+
+    def _early_scale(self, rows: int, microbatches: int) -> float | None:
+        """What an early bucket multiplies the sum of its micro-batch gradients by, so that it carries this
+        pipeline's weight times its mean gradient: ``r`` (the reference count) when the losses are weighted by
+        their items, ``rows / m`` when they are means over samples; ``None`` until a step has shown which."""
+        weights = self._loss_weights
+        if weights is None or weights.items <= 0:  # no step settled yet in this process
+            return None
+        if weights.reference is not None:
+            return weights.reference
+        return rows / microbatches
+
     def begin_step(self, batch: Any, microbatches: int, global_step: int) -> tuple[Any, int]:
         """Agree on this step's pipelines (a new quorum, unless the one of :meth:`join` is still unused) and
         return this replica's rows of the global ``batch`` with the global batch's size."""
@@ -159,28 +187,19 @@ class ReplicaGroup:
             self._quorum()
         size = batch_size_of(batch)
         rows = participant_rows(size, microbatches, self.participant_rank, self.participants)
+        if self.buckets is not None:
+            self.buckets.arm(microbatches, self._early_scale(rows.stop - rows.start, microbatches))
         return take_rows(batch, rows, size), size
 
     # ------------------------------------------------------------------ commit
-    def reduce_and_commit(self, params: Sequence[Tensor], weight: float) -> bool:
+    def reduce_and_commit(self, weight: float) -> bool:
         """Set every gradient to the weighted mean over the quorum's replicas (``weight``: what this replica's
         gradient is a mean over: samples, or items of a loss averaged over items); the vote of every rank of every
         pipeline decides whether the step counts."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if grads:
-            device = grads[0].device
-            flat = _flatten_dense_tensors([g.float() * weight for g in grads])
-            bucket = torch.cat([flat, torch.tensor([weight], dtype=flat.dtype, device=device)])
-        else:
-            bucket = torch.tensor([weight], dtype=torch.float32)
-        from torch.distributed import ReduceOp
-
-        with self._span("all-reduce"):
-            self.manager.allreduce(bucket, reduce_op=ReduceOp.SUM).wait()
-        total = float(bucket[-1])
-        if grads and total > 0:
-            for p, g, mean in zip(params, grads, _unflatten_dense_tensors(bucket[:-1] / total, grads)):
-                p.grad = mean.to(g.dtype)
+        if self.buckets is None:
+            raise RuntimeError("ReplicaGroup.overlap() gives the gradients to reduce; it was not called")
+        with self._span("all-reduce"):  # (the buckets that went out during the backward are waited for here)
+            self.buckets.reduce(weight)
         with self._span("commit"):
             return bool(self.manager.should_commit())
 
@@ -196,21 +215,19 @@ class ReplicaGroup:
         finally:
             self.seconds[name] += time.perf_counter() - started
 
-    def committed(
-        self, closure: Callable[[], Any], params: Sequence[Tensor], weight: Callable[[], float]
-    ) -> Callable[[], Any]:
+    def committed(self, closure: Callable[[], Any], weight: Callable[[], float]) -> Callable[[], Any]:
         """``closure`` (the step's forward and backward) run until its gradients commit; a step that does not
         commit leaves nothing behind and is run again with the quorum that follows."""
 
         def run() -> Any:
             while True:
                 result = closure()
-                if self.reduce_and_commit(params, weight()):
+                if self.reduce_and_commit(weight()):
                     return result
                 self.discarded += 1
                 self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
                 self._pg.abort()  # peers still inside this step's all-reduce with us fail now, not at a timeout
-                for p in params:
+                for p in self.buckets.params if self.buckets is not None else ():
                     p.grad = None
                 log.warning(
                     "lightning-spot: step %d did not commit on every pipeline (a peer left); running it again",

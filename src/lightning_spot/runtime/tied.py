@@ -84,6 +84,11 @@ class TiedCopies:
                 self._groups.append(_TieGroup(tie, copies, group, holders.index(owner_pp), pp_rank == owner_pp))
 
     @property
+    def copies(self) -> list[nn.Parameter]:
+        """Every copy of a tied parameter on this rank (its gradient is whole only after :meth:`sum_grads`)."""
+        return [c for g in self._groups for c in g.copies]
+
+    @property
     def duplicates(self) -> list[nn.Parameter]:
         """Copies that are not the reference: their gradient is counted once, with the reference, in norms."""
         out = []

@@ -1,0 +1,140 @@
+"""A stage's gradients sent to the other pipelines while its backward still runs, as DDP overlaps its buckets.
+
+    buckets = EarlyBuckets(params, tied=ties.copies, allreduce=manager_allreduce)
+    buckets.arm(microbatches=4, scale=1.5)   # before the schedule; scale=None: nothing goes out early this step
+    ...                                      # the backward: a bucket whose parameters all have their m gradients goes
+    buckets.reduce(weight)                   # after the step: the rest goes out, everything is waited for, and
+                                             # every .grad becomes the weighted mean over the quorum's pipelines
+
+Every pipeline cuts the model the same way, so this rank's buckets (fixed at construction, in reverse parameter
+order, a fixed byte size each) are the same tensors on stage k of every pipeline, and every pipeline launches them
+in the same order: bucket 0, 1, ... then the weights. A bucket goes out early, during the backward, when all its
+parameters have accumulated the step's ``m`` micro-batch gradients (a post-accumulate-grad hook counts them); it
+then carries ``scale`` times that sum, which the caller chooses so that it equals ``weight`` times this pipeline's
+final gradient (``samples / m`` for a loss averaged over samples, the reference count ``r`` for losses weighted by
+their items). A bucket that is not complete during the backward (unused parameters, tied copies — whose gradient
+is only whole after the pipeline summed its copies — or a step whose scale is not known yet, such as the first)
+carries ``weight`` times the final ``.grad`` instead. Either way each pipeline contributes ``weight x its mean
+gradient``; the weights' sum is reduced last, and the sum divided by it is the quorum's mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+#: bytes per bucket: several buckets per stage of a large model, so that the first ones overlap the backward
+BUCKET_BYTES = 8 * 2**20
+
+
+@dataclass
+class _Bucket:
+    params: list[Tensor]
+    early: bool  # may go out during the backward (no tied copies)
+    waiting: int = 0
+    flat: Tensor | None = None
+    work: Any = None
+    counts: dict[int, int] = field(default_factory=dict)
+
+
+class EarlyBuckets:
+    """This rank's trainable parameters in buckets, each all-reduced (sum) over the quorum once per step."""
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        *,
+        tied: Sequence[Tensor] = (),
+        allreduce: Callable[[Tensor], Any],
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        self._allreduce = allreduce
+        self.params = list(params)
+        tied_ids = {id(p) for p in tied}
+        ordered = list(reversed(params))  # the backward reaches the last parameters first
+        self.buckets = [
+            _Bucket(chunk, early=not any(id(p) in tied_ids for p in chunk)) for chunk in _chunks(ordered, bucket_bytes)
+        ]
+        self._bucket_of: dict[int, _Bucket] = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p)] = bucket
+                if bucket.early:
+                    p.register_post_accumulate_grad_hook(self._accumulated)
+        self._expected = 0
+        self._scale: float | None = None
+        self._next = 0
+        #: buckets that went out during a backward, over the run (how much of the reduction overlapped)
+        self.launched_early = 0
+
+    def arm(self, microbatches: int, scale: float | None) -> None:
+        """Before a step's schedule: each parameter gets ``microbatches`` gradients; an early bucket carries
+        ``scale`` times their sum (``None``: no bucket goes out before :meth:`reduce`)."""
+        self._expected, self._scale, self._next = microbatches, scale, 0
+        for bucket in self.buckets:
+            bucket.waiting, bucket.flat, bucket.work = len(bucket.params), None, None
+            bucket.counts = dict.fromkeys((id(p) for p in bucket.params), 0)
+
+    def _accumulated(self, param: Tensor) -> None:
+        if self._scale is None:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.counts[id(param)] += 1
+        if bucket.counts[id(param)] != self._expected:
+            return
+        bucket.waiting -= 1
+        while self._next < len(self.buckets):  # in the agreed order: a later bucket waits for the earlier ones
+            nxt = self.buckets[self._next]
+            if not nxt.early or nxt.waiting:
+                break
+            self._launch(nxt, self._scale, final=False)
+            self._next += 1
+            self.launched_early += 1
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket, scale: float, final: bool) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        # (out of place: a bucket of one tensor flattens to a view of its .grad, which the step changes afterwards)
+        bucket.flat = _flatten_dense_tensors([g.float() for g in grads]).mul(scale)
+        bucket.work = self._allreduce(bucket.flat)
+
+    @torch.no_grad()
+    def reduce(self, weight: float) -> float:
+        """After the step (``.grad`` final, ``weight`` what it is a mean over): send what has not gone out, wait
+        for every bucket, and set ``.grad`` to the weighted mean over the quorum. Returns the weights' sum."""
+        self._scale = None  # (no more early launches until the next arm)
+        for bucket in self.buckets[self._next :]:
+            self._launch(bucket, weight, final=True)
+        self._next = len(self.buckets)
+        total = torch.tensor([float(weight)])
+        weight_work = self._allreduce(total)
+        weight_work.wait()
+        summed = float(total[0])
+        for bucket in self.buckets:
+            bucket.work.wait()
+            assert bucket.flat is not None
+            if summed > 0:
+                means = _unflatten_dense_tensors(bucket.flat.div_(summed), bucket.params)
+                for p, mean in zip(bucket.params, means):
+                    p.grad = mean.to(p.dtype)
+            bucket.flat = bucket.work = None
+        return summed
+
+
+def _chunks(params: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
+    """Consecutive parameters of one dtype and device, up to ``limit`` bytes each (or one parameter)."""
+    chunk: list[Tensor] = []
+    size = 0
+    for p in params:
+        if chunk and (p.dtype != chunk[0].dtype or p.device != chunk[0].device or size >= limit):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(p)
+        size += p.numel() * p.element_size()
+    if chunk:
+        yield chunk
