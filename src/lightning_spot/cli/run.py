@@ -53,6 +53,16 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return [*cmd, args.script, *args.script_args]
 
 
+def _threads_per_process(groups: int, nproc_per_node: str) -> int | None:
+    """This machine's cores shared among the processes of all pipelines (torchrun divides them only among its own
+    workers, and not at all for one worker: every pipeline's process would take every core, and small operations
+    then wait for each other's spinning thread pools); ``None`` where the user set ``OMP_NUM_THREADS``."""
+    if "OMP_NUM_THREADS" in os.environ or not nproc_per_node.isdigit():
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (groups * int(nproc_per_node)))
+
+
 def run_replica_groups(args: argparse.Namespace, cmd: list[str]) -> int:
     """One torchrun per pipeline beside an embedded lighthouse; the worst exit code of them all."""
     from lightning_spot.fault_tolerance.lighthouse import start_lighthouse
@@ -61,9 +71,12 @@ def run_replica_groups(args: argparse.Namespace, cmd: list[str]) -> int:
     address = lighthouse.address()
     print(f"lightning-spot run: torchft lighthouse at {address}, {args.replica_groups} pipelines", flush=True)
     procs = []
+    threads = _threads_per_process(args.replica_groups, args.nproc_per_node)
     try:
         for group in range(args.replica_groups):
             env = {**os.environ, **ELASTIC_ENV, "TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(group)}
+            if threads is not None:
+                env["OMP_NUM_THREADS"] = str(threads)
             procs.append(subprocess.Popen(cmd, env=env))
         while any(p.poll() is None for p in procs):
             time.sleep(0.2)

@@ -5,6 +5,7 @@
     group.overlap(params, tied, loss_weights)      # the gradients to average, sent during the backward
     share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
     closure = group.committed(closure, weight)     # optimizer_step: the optimizer steps only on a commit
+    group.prefetch()                               # after the update: the next step's quorum is under way
     group.shutdown()
 
 Every rank of the pipeline has a torchft ``Manager`` (stage ``k`` of every pipeline share one reconfigurable gloo
@@ -18,6 +19,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -65,7 +67,7 @@ class ReplicaGroup:
         self.manager = Manager(
             pg=self._pg,
             load_state_dict=self._keep_state,
-            state_dict=state_dict,
+            state_dict=self._state_at_boundary,
             min_replica_size=settings.min_replicas,
             use_async_quorum=False,
             timeout=timedelta(seconds=settings.timeout),
@@ -77,6 +79,12 @@ class ReplicaGroup:
             replica_id=f"pipeline_{settings.replica_group}",
             init_sync=False,  # every pipeline starts from the same seed: nothing to copy at step 0
         )
+        self._state_dict = state_dict
+        #: set while this rank waits at a step boundary (its state is whole then: a peer may take it)
+        self._boundary = threading.Event()
+        #: the next step's quorum, asked for right after the update (see :meth:`prefetch`)
+        self._next_quorum: threading.Thread | None = None
+        self._next_quorum_error: BaseException | None = None
         self._unused_quorum = False
         self._joining = False
         self._first_step = True
@@ -104,6 +112,13 @@ class ReplicaGroup:
     def _keep_state(self, state: Any) -> None:
         self.healed_state = state
 
+    def _state_at_boundary(self) -> Any:
+        """This rank's state for a joining peer, taken only at a step boundary (a prefetched quorum asks for it
+        while the optimizer, the schedulers or the loops may still be moving)."""
+        if not self._boundary.wait(timeout=self.settings.timeout):
+            raise TimeoutError(f"no step boundary within {self.settings.timeout:.0f} s to hand this stage's state over")
+        return self._state_dict()
+
     # ------------------------------------------------------------------ quorum
     def join(self) -> None:
         """The first quorum (at setup, before Lightning restores anything): a pipeline that is behind the others
@@ -115,12 +130,38 @@ class ReplicaGroup:
             self._joining = False
         self._unused_quorum = True
 
+    def prefetch(self) -> None:
+        """Ask for the next step's quorum now (after the update), so that the round trip to the lighthouse overlaps
+        the rest of this step (schedulers, callbacks, the next batch); the next :meth:`begin_step` waits for it."""
+        if self._next_quorum is not None:
+            return
+
+        def ask() -> None:
+            try:
+                self.manager.start_quorum()
+            except BaseException as err:  # (raised where it is waited for)
+                self._next_quorum_error = err
+
+        self._next_quorum_error = None
+        self._next_quorum = threading.Thread(target=ask, name="lightning-spot-quorum", daemon=True)
+        self._next_quorum.start()
+
     def _quorum(self) -> None:
         started = time.monotonic()
         before = self.participants
         try:
             with self._span("quorum"):
-                self.manager.start_quorum()
+                self._boundary.set()  # a peer that joins in this quorum may take this rank's state now
+                try:
+                    if self._next_quorum is None:
+                        self.manager.start_quorum()
+                    else:
+                        self._next_quorum.join()
+                        if self._next_quorum_error is not None:
+                            raise self._next_quorum_error
+                finally:
+                    self._boundary.clear()
+                    self._next_quorum = None
         except Exception as err:  # the lighthouse is gone or unreachable: no pipeline can agree on a step
             raise QuorumError(
                 f"no quorum from the torchft lighthouse at {self.settings.lighthouse} within "
