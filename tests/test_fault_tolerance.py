@@ -6,6 +6,7 @@ go, the final parameters must equal that run's.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -203,6 +204,7 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
             if group == 1:
                 time.sleep(2.0)
             extra = ["--die-at", "4"] if group == 2 else []
+            extra += ["--timeline", str(tmp_path / "timeline")] if group == 0 else []
             procs += stack.enter_context(
                 _running(1, [*argv, *extra], tmp_path / f"logs{group}", {**env, "REPLICA_GROUP_ID": str(group)})
             )
@@ -240,6 +242,10 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     assert ft["steps_run_again"] >= 1 and ft["most_pipelines"] == 3 and ft["fewest_pipelines"] <= 2, ft
     starts = [e for e in read_events(Storage(str(checkpoints / "pipeline-2"))) if e["kind"] == "start"]
     assert starts[-1]["resumed_from"] == "peer" and starts[-1]["restart_count"] == 0, starts
+    # pipeline 0's timeline marks the quorum, the gradient all-reduce and the commit vote of every traced step
+    trace = json.loads((tmp_path / "timeline" / "trace.json").read_text())["traceEvents"]
+    spans = [e["name"] for e in trace if e.get("tid") == "torchft" and e.get("ph") == "X"]
+    assert all(spans.count(name) >= 3 for name in ("quorum", "all-reduce", "commit")), spans
     died = int(next(out.glob("died_group2_step*")).name.rsplit("step", 1)[1])
     assert (results["group2_rank0"]["healed_at"] or 0) > died, "the replacement must have joined mid-run"
 

@@ -579,19 +579,16 @@ class SpotPipelineStrategy(ParallelStrategy):
             closure = self.replicas.committed(closure, lambda: weights.items)
         clock = self.engine.clock if self.engine is not None else None
         if clock is None or clock.timeline is None:
-            result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        else:  # the closure runs training_step (the schedule) first; time only the update after it
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-            def timed_closure() -> Any:
-                result = closure()
-                stack.enter_context(clock.span("optimizer", "optimizer"))
-                return result
+        # the closure runs training_step (the schedule) first; time only the update after it
+        def timed_closure() -> Any:
+            result = closure()
+            stack.enter_context(clock.span("optimizer", "optimizer"))
+            return result
 
-            with ExitStack() as stack:
-                result = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
-        if self.replicas is not None:
-            self.replicas.prefetch()  # the next step's quorum, while Lightning finishes this one
-        return result
+        with ExitStack() as stack:
+            return super().optimizer_step(optimizer, timed_closure, model, **kwargs)
 
     @property
     def step_clock(self) -> Optional[StepClock]:

@@ -14,6 +14,7 @@ every pipeline ends at that step.
 ``--freeze``: ``--die`` stops the process with SIGSTOP (a node that vanished without closing its sockets).
 ``--ft-timeout S``: ``TorchFT(timeout=S)``, how long the others' all-reduce waits for a silent peer.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
+``--timeline DIR``: PipelineTimeline of steps 1-3 into DIR (``trace.json``).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
 ``--model finetune``: a transformers Llama fine-tuned on padded batches whose labels are -100 on prompts and padding
@@ -36,7 +37,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
+from lightning_spot import PipelineTimeline, SpotCheckpoint, SpotPipelineStrategy
 from lightning_spot.fault_tolerance import TorchFT
 from tests.models import HIDDEN, make_loader, make_model
 
@@ -118,7 +119,10 @@ class Report(L.Callback):
 
 def main() -> None:
     if os.environ.get("FT_DEBUG"):
+        import faulthandler
         import logging
+
+        faulthandler.dump_traceback_later(float(os.environ.get("FT_DEBUG_DUMP", "25")), exit=False)
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("torchft.manager").setLevel(logging.INFO)
@@ -138,6 +142,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
     parser.add_argument("--model", choices=("tiny", "finetune"), default="tiny")
+    parser.add_argument("--timeline", default=None, help="trace steps 1-3 into this directory")
     args = parser.parse_args()
     started = args.out / "started"
     started.mkdir(parents=True, exist_ok=True)
@@ -174,6 +179,7 @@ def main() -> None:
                 if args.checkpoint
                 else []
             ),
+            *([PipelineTimeline(args.timeline, start_step=1, num_steps=3, gantt=False)] if args.timeline else []),
         ],
     )
     trainer.fit(model, loader)

@@ -57,6 +57,8 @@ def attach(
     group.join()
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=engine.runner.scaler is None)
+    for optimizer in trainer.strategy.optimizers:  # the next step's quorum, while Lightning finishes this one
+        optimizer.register_step_post_hook(lambda *_: group.prefetch())
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group

@@ -5,12 +5,13 @@
     group.overlap(params, tied, loss_weights)      # the gradients to average, sent during the backward
     share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
     closure = group.committed(closure, weight)     # optimizer_step: the optimizer steps only on a commit
-    group.prefetch()                               # after the update: the next step's quorum is under way
+    group.prefetch()                               # after the update (an optimizer hook): the next quorum
     group.shutdown()
 
 Every rank of the pipeline has a torchft ``Manager`` (stage ``k`` of every pipeline share one reconfigurable gloo
-group); rank 0's manager talks to the lighthouse. Quorums are synchronous: a joiner heals before the step
-starts and trains its share of it like any other replica.
+group); rank 0's manager talks to the lighthouse. Quorums are synchronous — asked for right after the update, in
+a thread, and waited for when the next step starts: a joiner heals before that step (a peer hands its state over
+only at a step boundary) and trains its share of it like any other replica.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class ReplicaGroup:
         #: the next step's quorum, asked for right after the update (see :meth:`prefetch`)
         self._next_quorum: threading.Thread | None = None
         self._next_quorum_error: BaseException | None = None
+        self._committed = False  # a step committed since the last prefetch
         self._unused_quorum = False
         self._joining = False
         self._first_step = True
@@ -131,10 +133,12 @@ class ReplicaGroup:
         self._unused_quorum = True
 
     def prefetch(self) -> None:
-        """Ask for the next step's quorum now (after the update), so that the round trip to the lighthouse overlaps
-        the rest of this step (schedulers, callbacks, the next batch); the next :meth:`begin_step` waits for it."""
-        if self._next_quorum is not None:
-            return
+        """Ask for the next step's quorum now (after the update of a committed step), so that the round trip to the
+        lighthouse overlaps the rest of this step (schedulers, callbacks, the next batch); the next
+        :meth:`begin_step` waits for it."""
+        if self._next_quorum is not None or not self._committed:
+            return  # (torch calls optimizer.step() with no gradients to build an optimizer's state: not a step)
+        self._committed = False
 
         def ask() -> None:
             try:
@@ -264,6 +268,7 @@ class ReplicaGroup:
             while True:
                 result = closure()
                 if self.reduce_and_commit(weight()):
+                    self._committed = True
                     return result
                 self.discarded += 1
                 self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
