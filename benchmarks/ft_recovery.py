@@ -18,7 +18,7 @@ Usage::
 when their all-reduce times out (``--ft-timeout``, ``TorchFT(timeout=...)``, 30 s by default; here 5 s) and the
 lighthouse has dropped it (1 s without heartbeats). The frozen pipeline is killed at the end.
 
-``--overhead``: no kills; the same steps with fault tolerance (G pipelines, one torchrun each) and without it (one
+``--overhead``: no kills (``--overlap``: gradient buckets sent during the backward); the same steps with fault tolerance (G pipelines, one torchrun each) and without it (one
 P x D job of the same processes, gradients averaged by DDP), alternated, twice each; prints both median step times.
 """
 
@@ -49,6 +49,7 @@ def _median_step(out: Path, name: str) -> float:
 def overhead(args: argparse.Namespace) -> None:
     steps = 60
     worker = [WORKER, "--stages", str(args.stages), "--steps", str(steps), "--width", str(args.width)]
+    overlap = ["--overlap"] if args.overlap else []
     base = [sys.executable, "-m", "lightning_spot.cli", "run", "--lighthouse-port", "0"]
     ft = [*base, "--replica-groups", str(args.groups), "--nproc-per-node", str(args.stages)]
     plain = [*base, "--nproc-per-node", str(args.groups * args.stages)]
@@ -57,7 +58,7 @@ def overhead(args: argparse.Namespace) -> None:
         for kind, cmd in (("torchft", ft), ("plain", plain)):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "out"
-                extra = ["--plain"] if kind == "plain" else []
+                extra = ["--plain"] if kind == "plain" else overlap
                 run = [*cmd, worker[0], str(out), *worker[1:], *extra]
                 code = subprocess.call(run, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                        env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--freeze", action="store_true", help="one SIGSTOP instead of kills")
     parser.add_argument("--ft-timeout", type=float, default=5.0, help="--freeze: TorchFT(timeout=...)")
     parser.add_argument("--width", type=int, default=32, help="--overhead: the model's width (longer steps)")
+    parser.add_argument("--overlap", action="store_true", help="--overhead: TorchFT(overlap=True)")
     args = parser.parse_args()
     if args.overhead:
         overhead(args)

@@ -214,7 +214,11 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
         while procs[2].poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert procs[2].returncode == -9, "pipeline 2 was to kill itself in step 4"
-        replacement = stack.enter_context(_running(1, argv, tmp_path / "logs2b", {**env, "REPLICA_GROUP_ID": "2"}))[0]
+        # the replacement sends its gradient buckets during its backward (TorchFT(overlap=True)), the others after
+        # it: each pipeline's choice, the same sums
+        replacement = stack.enter_context(
+            _running(1, [*argv, "--overlap"], tmp_path / "logs2b", {**env, "REPLICA_GROUP_ID": "2"})
+        )[0]
         for p in [*procs[:2], replacement]:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         codes = [p.returncode for p in [*procs[:2], replacement]]
@@ -232,7 +236,6 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
         assert_same_params(got["state_dict"], ref)
     for g in range(2):
         assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
-        assert results[f"group{g}_rank0"]["launched_early"] > 0, "gradients went out during the backward"
     committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
     assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
     last = steps - steps % 5
@@ -242,10 +245,11 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     assert ft["steps_run_again"] >= 1 and ft["most_pipelines"] == 3 and ft["fewest_pipelines"] <= 2, ft
     starts = [e for e in read_events(Storage(str(checkpoints / "pipeline-2"))) if e["kind"] == "start"]
     assert starts[-1]["resumed_from"] == "peer" and starts[-1]["restart_count"] == 0, starts
-    # pipeline 0's timeline marks the quorum, the gradient all-reduce and the commit vote of every traced step
+    # pipeline 0's timeline marks the quorum (all but its first step), the gradient all-reduce and the commit vote
     trace = json.loads((tmp_path / "timeline" / "trace.json").read_text())["traceEvents"]
     spans = [e["name"] for e in trace if e.get("tid") == "torchft" and e.get("ph") == "X"]
     assert all(spans.count(name) >= 3 for name in ("quorum", "all-reduce", "commit")), spans
+    assert results["group2_rank0"]["launched_early"] > 0 and results["group0_rank0"]["launched_early"] == 0
     died = int(next(out.glob("died_group2_step*")).name.rsplit("step", 1)[1])
     assert (results["group2_rank0"]["healed_at"] or 0) > died, "the replacement must have joined mid-run"
 

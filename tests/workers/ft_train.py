@@ -14,7 +14,8 @@ every pipeline ends at that step.
 ``--freeze``: ``--die`` stops the process with SIGSTOP (a node that vanished without closing its sockets).
 ``--ft-timeout S``: ``TorchFT(timeout=S)``, how long the others' all-reduce waits for a silent peer.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
-``--timeline DIR``: PipelineTimeline of steps 1-3 into DIR (``trace.json``).
+``--overlap``: ``TorchFT(overlap=True)`` (gradient buckets sent during the backward).
+``--timeline DIR``: PipelineTimeline of every step into DIR (``trace.json``).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
 ``--model finetune``: a transformers Llama fine-tuned on padded batches whose labels are -100 on prompts and padding
@@ -118,11 +119,12 @@ class Report(L.Callback):
 
 
 def main() -> None:
-    if os.environ.get("FT_DEBUG"):
+    if os.environ.get("FT_DUMP"):  # every thread's stack after that many seconds (a hang's place)
         import faulthandler
-        import logging
 
-        faulthandler.dump_traceback_later(float(os.environ.get("FT_DEBUG_DUMP", "25")), exit=False)
+        faulthandler.dump_traceback_later(float(os.environ["FT_DUMP"]), exit=False)
+    if os.environ.get("FT_DEBUG"):
+        import logging
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("torchft.manager").setLevel(logging.INFO)
@@ -142,7 +144,8 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
     parser.add_argument("--model", choices=("tiny", "finetune"), default="tiny")
-    parser.add_argument("--timeline", default=None, help="trace steps 1-3 into this directory")
+    parser.add_argument("--timeline", default=None, help="trace every step into this directory")
+    parser.add_argument("--overlap", action="store_true", help="TorchFT(overlap=True)")
     args = parser.parse_args()
     started = args.out / "started"
     started.mkdir(parents=True, exist_ok=True)
@@ -164,7 +167,7 @@ def main() -> None:
             microbatches=2,
             fault_tolerance=None
             if args.plain
-            else TorchFT(timeout=args.ft_timeout, quorum_timeout=args.quorum_timeout),
+            else TorchFT(timeout=args.ft_timeout, quorum_timeout=args.quorum_timeout, overlap=args.overlap),
         ),
         max_steps=args.steps,
         logger=False,
@@ -179,7 +182,7 @@ def main() -> None:
                 if args.checkpoint
                 else []
             ),
-            *([PipelineTimeline(args.timeline, start_step=1, num_steps=3, gantt=False)] if args.timeline else []),
+            *([PipelineTimeline(args.timeline, start_step=0, num_steps=10**6, gantt=False)] if args.timeline else []),
         ],
     )
     trainer.fit(model, loader)

@@ -29,6 +29,10 @@ class TorchFT:
             again with the pipelines that are left).
         quorum_timeout: seconds a step waits for the lighthouse to form a quorum before the job fails.
         connect_timeout: seconds to reach the lighthouse and the peers' managers.
+        overlap: send each gradient bucket to the other pipelines during the backward, as soon as it is final
+            (faster steps), instead of after it. Off by default: over gloo, a pipeline lost while a bucket is in
+            flight holds the others until ``timeout`` instead of ~1 s (an operation posted before a peer died is
+            not told of its death).
     """
 
     lighthouse: Optional[str] = None
@@ -37,6 +41,7 @@ class TorchFT:
     timeout: float = 30.0
     quorum_timeout: float = 60.0
     connect_timeout: float = 10.0
+    overlap: bool = False
 
     def resolved(self) -> TorchFT:
         """These settings with the environment filled in; an error names what is missing and how to give it."""

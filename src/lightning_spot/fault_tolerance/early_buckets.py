@@ -1,6 +1,6 @@
 """A stage's gradients sent to the other pipelines while its backward still runs, as DDP overlaps its buckets.
 
-    buckets = EarlyBuckets(params, tied=ties.copies, allreduce=manager_allreduce)
+    buckets = EarlyBuckets(params, tied=ties.copies, allreduce=manager_allreduce)   # during_backward=False: after
     buckets.arm(microbatches=4, scale=1.5)   # before the schedule; scale=None: nothing goes out early this step
     ...                                      # the backward: a bucket whose parameters all have their m gradients goes
     buckets.reduce(weight)                   # after the step: the rest goes out, everything is waited for, and
@@ -52,13 +52,15 @@ class EarlyBuckets:
         tied: Sequence[Tensor] = (),
         allreduce: Callable[[Tensor], Any],
         bucket_bytes: int = BUCKET_BYTES,
+        during_backward: bool = True,
     ) -> None:
         self._allreduce = allreduce
         self.params = list(params)
         tied_ids = {id(p) for p in tied}
         ordered = list(reversed(params))  # the backward reaches the last parameters first
         self.buckets = [
-            _Bucket(chunk, early=not any(id(p) in tied_ids for p in chunk)) for chunk in _chunks(ordered, bucket_bytes)
+            _Bucket(chunk, early=during_backward and not any(id(p) in tied_ids for p in chunk))
+            for chunk in _chunks(ordered, bucket_bytes)
         ]
         self._bucket_of: dict[int, _Bucket] = {}
         for bucket in self.buckets:

@@ -2,7 +2,7 @@
 
     group = ReplicaGroup(settings, group_rank=pp_rank, group_size=P, state_dict=...)
     group.join()                                   # at setup: the first quorum; may take a peer's state
-    group.overlap(params, tied, loss_weights)      # the gradients to average, sent during the backward
+    group.overlap(params, tied, loss_weights)      # the gradients to average (sent during the backward if asked)
     share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
     closure = group.committed(closure, weight)     # optimizer_step: the optimizer steps only on a commit
     group.prefetch()                               # after the update (an optimizer hook): the next quorum
@@ -201,11 +201,14 @@ class ReplicaGroup:
     ) -> None:
         """The gradients to reduce: ``params``, in buckets; each goes to the other pipelines as soon as the backward
         has finished it (not ``tied`` copies, whose gradients are whole only after the step; none with
-        ``early=False``); ``loss_weights``: what the losses are means over (the scale of an early bucket)."""
+        ``early=False``: ``TorchFT(overlap=False)``, the default, or fp16); ``loss_weights``: what the losses are means over (the scale of an early bucket)."""
         from torch.distributed import ReduceOp
 
         self.buckets = EarlyBuckets(
-            params, tied=tied, allreduce=lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM)
+            params,
+            tied=tied,
+            allreduce=lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM),
+            during_backward=early,
         )
         self._loss_weights = loss_weights if early else None
 
