@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="per-step cost of the quorum instead of kills")
     parser.add_argument("--freeze", action="store_true", help="one SIGSTOP instead of kills")
     parser.add_argument("--ft-timeout", type=float, default=5.0, help="--freeze: TorchFT(timeout=...)")
-    parser.add_argument("--width", type=int, default=32, help="--overhead: the model's width (longer steps)")
+    parser.add_argument("--width", type=int, default=32, help="the model's width (longer steps, more state)")
     parser.add_argument("--overlap", action="store_true", help="--overhead: TorchFT(overlap=True)")
     args = parser.parse_args()
     if args.overhead:
@@ -105,6 +105,7 @@ def main() -> None:
             "--nproc-per-node", str(args.stages), "--lighthouse-port", "0", "--max-restarts", str(args.kills),
             WORKER, str(out), "--stages", str(args.stages), "--steps", str(steps),
             "--step-sleep", str(args.step_sleep), "--die", ",".join(kills), "--groups", str(args.groups),
+            "--width", str(args.width),
         ]  # fmt: skip
         if args.freeze:
             cmd += ["--freeze", "--ft-timeout", str(args.ft_timeout)]
@@ -158,8 +159,11 @@ def main() -> None:
             stall = max(around, default=usual) - usual
             stalls.append(stall)
             rate = heal["bytes"] / max(heal["restore_seconds"], 1e-9) / 2**20
+            join = heal.get("join_seconds", 0.0)
+            moved = heal["bytes"] / max(join, 1e-9) / 2**20
             print(f"  join of pipeline {heal['group']} rank {heal['rank']} at step {heal['step']}: restore "
-                  f"{heal['restore_seconds'] * 1000:.0f} ms ({heal['bytes'] / 1024:.0f} KiB, {rate:.0f} MiB/s); "
+                  f"{heal['restore_seconds'] * 1000:.0f} ms ({heal['bytes'] / 1024:.0f} KiB, {rate:.0f} MiB/s); joining "
+                  f"quorum with the transfer {join:.2f} s (>= {moved:.0f} MiB/s); "
                   f"pipeline 0 stalled {stall:.2f} s beyond its usual step")  # fmt: skip
         what = f"SIGSTOP (all-reduce timeout {args.ft_timeout:.0f} s)" if args.freeze else "kill"
         print(f"{what} -> survivors' next committed step: median {statistics.median(recoveries):.2f} s "

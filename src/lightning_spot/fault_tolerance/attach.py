@@ -92,5 +92,7 @@ def healed_checkpoint(
         "tier": "peer",
         "bytes": Payload(**state["stage"]).nbytes,
         "restore_seconds": time.monotonic() - started,
+        #: the joining quorum, the transfer of the peer's state included (an upper bound of the transfer)
+        "join_seconds": group.last_quorum_seconds,
     }
     return checkpoint, record
