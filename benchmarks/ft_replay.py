@@ -12,7 +12,6 @@ the wall time (setup, the time a kill or a join held the step up, steps run agai
 
 from __future__ import annotations
 
-import json
 import signal
 import statistics
 import sys
@@ -26,24 +25,15 @@ WINDOW = 10
 
 def replay_ft(events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path) -> dict[str, Any]:
     """Run the replay in ``out``: a lighthouse here, one torchrun (one pipeline) per node of the trace."""
+    from benchmarks.spot_replay import replay_config
     from lightning_spot.fault_tolerance.lighthouse import start_lighthouse
     from tests.distributed import free_port
     from tests.elastic import Agent
 
     if any(how == "m" for _, _, how in events):
         raise SystemExit("--fault-tolerance replays notices as SIGTERM (s) or kills (k); --notice m is not supported")
-    config = {
-        "model": {"scheduler": True},
-        "loader": {"batch_size": 16, "n": 80, "shuffle": True},
-        "out": str(out / "out"),
-        "run": str(out / "run"),
-        "max_steps": steps,
-        "step_seconds": step_seconds,
-        "every": 5,
-        "keep_last": 2,
-        "strategy": {"profile_cache": None, "fault_tolerance": "torchft", "microbatches": 2},
-    }
-    (out / "config.json").write_text(json.dumps(config))
+    strategy = {"profile_cache": None, "fault_tolerance": "torchft", "microbatches": 2}
+    config = replay_config(out, steps, step_seconds, strategy=strategy)
     args = ["tests/workers/elastic_train.py", str(out / "config.json")]
     lighthouse = start_lighthouse()
     address = lighthouse.address()

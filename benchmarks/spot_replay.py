@@ -114,6 +114,25 @@ def attempts(run: Path) -> int:
     return [e["kind"] for e in read_events(Storage(str(run)))].count("start") if run.exists() else 0
 
 
+def replay_config(out: Path, steps: int, step_seconds: float, **extra: Any) -> dict[str, Any]:
+    """The worker's configuration (``tests/workers/elastic_train.py``), also written to ``out/config.json``: the
+    test model, 80 shuffled samples in batches of 16, durable checkpoints every 5 steps; ``extra`` adds to it."""
+    config = {
+        "model": {"scheduler": True},
+        "loader": {"batch_size": 16, "n": 80, "shuffle": True},
+        "out": str(out / "out"),
+        "run": str(out / "run"),
+        "max_steps": steps,
+        "step_seconds": step_seconds,
+        "every": 5,
+        "keep_last": 2,
+        "strategy": {"profile_cache": None},
+        **extra,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return config
+
+
 def replay(
     events: list[tuple[float, int, str]],
     steps: int,
@@ -132,19 +151,7 @@ def replay(
     from tests.distributed import free_port
     from tests.elastic import RDZV_CONF, Agent, port_open, wait_for
 
-    config = {
-        "model": {"scheduler": True},
-        "loader": {"batch_size": 16, "n": 80, "shuffle": True},
-        "out": str(out / "out"),
-        "run": str(out / "run"),
-        "max_steps": steps,
-        "step_seconds": step_seconds,
-        "every": 5,
-        "keep_last": 2,
-        "snapshot_every": 1,
-        "strategy": {"profile_cache": None},
-    }
-    (out / "config.json").write_text(json.dumps(config))
+    config = replay_config(out, steps, step_seconds, snapshot_every=1)
     args = ["tests/workers/elastic_train.py", str(out / "config.json")]
     port = free_port()
     rdzv_conf = RDZV_CONF

@@ -152,6 +152,39 @@ def test_early_buckets_carry_the_weighted_mean_whether_sent_during_the_backward_
             assert torch.allclose(p.grad, want.grad, atol=1e-6)
 
 
+def test_a_sigterm_makes_the_process_leave_even_while_its_main_thread_is_blocked(tmp_path: Path) -> None:
+    """LeaveOnSignal: the main thread sits in a system call that Python restarts after each signal (as it would in
+    a collective or in torchft's quorum); SIGTERM still ends the process within a second, with the preemption exit
+    code, after the leave callback ran."""
+    code = (
+        "import os, sys\n"
+        "from lightning_spot.fault_tolerance.leave import LeaveOnSignal\n"
+        "LeaveOnSignal(lambda: print('callback ran', flush=True), who='pipeline 7 rank 0').start()\n"
+        "print('ready', flush=True)\n"
+        "r, w = os.pipe()\n"
+        "os.read(r, 1)  # blocks for good: PEP 475 restarts it after the (no-op) Python handler\n"
+        "sys.exit(3)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)  # (inside os.read by now)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code_ = proc.wait(timeout=10)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = proc.communicate()
+    assert code_ == 75, (code_, out, err)
+    assert took < 1.0, f"left after {took:.2f} s"
+    assert "callback ran" in out and "pipeline 7 rank 0 leaves at once (SIGTERM)" in err
+
+
 def test_missing_settings_and_an_unreachable_lighthouse_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)

@@ -20,13 +20,15 @@ gradient``; the weights' sum is reduced last, and the sum divided by it is the q
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_spot.runtime.cross_pipeline import tensor_runs
 
 #: bytes per bucket: several buckets per stage of a large model, so that the first ones overlap the backward
 BUCKET_BYTES = 8 * 2**20
@@ -60,7 +62,7 @@ class EarlyBuckets:
         ordered = list(reversed(params))  # the backward reaches the last parameters first
         self.buckets = [
             _Bucket(chunk, early=during_backward and not any(id(p) in tied_ids for p in chunk))
-            for chunk in _chunks(ordered, bucket_bytes)
+            for chunk in tensor_runs(ordered, lambda p: p, bucket_bytes)
         ]
         self._bucket_of: dict[int, _Bucket] = {}
         for bucket in self.buckets:
@@ -126,17 +128,3 @@ class EarlyBuckets:
                     p.grad = mean.to(p.dtype)
             bucket.flat = bucket.work = None
         return summed
-
-
-def _chunks(params: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
-    """Consecutive parameters of one dtype and device, up to ``limit`` bytes each (or one parameter)."""
-    chunk: list[Tensor] = []
-    size = 0
-    for p in params:
-        if chunk and (p.dtype != chunk[0].dtype or p.device != chunk[0].device or size >= limit):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(p)
-        size += p.numel() * p.element_size()
-    if chunk:
-        yield chunk

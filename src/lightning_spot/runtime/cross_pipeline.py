@@ -183,7 +183,7 @@ class CrossPipelineSync:
     def _bucketed(self, group: Any, entries: list[_Entry]) -> list[_Bucket]:
         return [
             _Bucket(group, chunk)
-            for chunk in _chunks(entries, lambda e: e.copies[0], self.BUCKET_BYTES)  # one dtype and device each
+            for chunk in tensor_runs(entries, lambda e: e.copies[0], self.BUCKET_BYTES)  # one dtype and device each
         ]
 
     @torch.no_grad()
@@ -196,7 +196,7 @@ class CrossPipelineSync:
                 for copy in e.copies[1:]:
                     copy.copy_(e.copies[0])
         for group, src, tensors in self.buffers:
-            for chunk in _chunks(tensors, lambda t: t, self.BUCKET_BYTES):
+            for chunk in tensor_runs(tensors, lambda t: t, self.BUCKET_BYTES):
                 self._broadcast(group, src, chunk)
 
     @staticmethod
@@ -265,7 +265,7 @@ class CrossPipelineSync:
             bucket.flat = bucket.work = None
 
 
-def _chunks(items: list[Any], tensor_of: Any, limit: int) -> Iterator[list[Any]]:
+def tensor_runs(items: list[Any], tensor_of: Any, limit: int) -> Iterator[list[Any]]:
     """Consecutive runs of items whose tensors share dtype and device, each up to ``limit`` bytes (or one item)."""
     chunk: list[Any] = []
     size = 0
