@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from lightning_spot.checkpoint.durable.journal import EVENTS
-from lightning_spot.checkpoint.durable.storage import Storage
+from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
 from lightning_spot.observe.run_report import build_report, format_report
 
 P2D2 = {"pipeline_stages": 2, "data_parallel": 2, "schedule": "1F1B", "microbatches": 4, "cuts": [2], "stages": 2}
@@ -109,6 +109,20 @@ def test_report_on_a_directory_without_history_names_the_fix(tmp_path: Path) -> 
     out = subprocess.run([exe, "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "No run history" in out.stderr and "SpotCheckpoint" in out.stderr
+
+
+def test_a_fault_tolerant_run_is_reported_per_pipeline_with_the_run_s_checkpoints(tmp_path: Path) -> None:
+    """fault_tolerance="torchft": each pipeline's history is in <run>/pipeline-<id>; the run directory itself
+    names them, and a pipeline's report lists the checkpoints of the run directory (where they are)."""
+    _history(tmp_path / "pipeline-0")
+    _history(tmp_path / "pipeline-3")
+    (tmp_path / "pipeline-9").mkdir()  # (no history: not named)
+    (tmp_path / step_dirname(50)).mkdir()
+    (tmp_path / step_dirname(50) / "manifest.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"fault-tolerant run.*\(pipeline-0, pipeline-3\).*report .*pipeline-0"):
+        build_report(Storage(str(tmp_path)))
+    report = build_report(Storage(str(tmp_path / "pipeline-0")))
+    assert report["committed_checkpoints"] == [step_dirname(50)] and report["attempts"][-1]["last_step"] == 50
 
 
 def test_timeline_merge_without_rank_files_names_the_fix(tmp_path: Path) -> None:

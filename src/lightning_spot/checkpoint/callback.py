@@ -26,7 +26,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized, rank
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.cadence import Cadence
-from lightning_spot.checkpoint.durable.journal import Journal, interruption_history, read_events, summarize
+from lightning_spot.checkpoint.durable.journal import (
+    PIPELINE_HISTORY,
+    Journal,
+    interruption_history,
+    read_events,
+    summarize,
+)
 from lightning_spot.checkpoint.durable.read import CheckpointError
 from lightning_spot.checkpoint.durable.shares import clear_spares, recycle
 from lightning_spot.checkpoint.durable.storage import Storage, StorageError, step_dirname, step_of
@@ -203,7 +209,9 @@ class SpotCheckpoint(L.Callback):
         if self.journal is None:  # torchft: each pipeline's own history (its restarts, the quorums it saw)
             group = host.replica_group_id
             history = (
-                self.storage if group is None else Storage(f"{url.rstrip('/')}/pipeline-{group}", self.storage_options)
+                self.storage
+                if group is None
+                else Storage(f"{url.rstrip('/')}/{PIPELINE_HISTORY}{group}", self.storage_options)
             )
             self.journal = Journal(history, enabled=trainer.is_global_zero)
 

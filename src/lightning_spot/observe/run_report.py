@@ -11,7 +11,13 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_spot.checkpoint.durable.journal import RECOVERY_PHASES, read_events, split_attempts, summarize
+from lightning_spot.checkpoint.durable.journal import (
+    PIPELINE_HISTORY,
+    RECOVERY_PHASES,
+    read_events,
+    split_attempts,
+    summarize,
+)
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.layout import layout_label
 from lightning_spot.observe.cost import useful_seconds
@@ -60,9 +66,32 @@ def _attempt_summary(index: int, events: list[dict[str, Any]], t0: float) -> dic
     }
 
 
+def pipeline_histories(storage: Storage) -> list[str]:
+    """The per-pipeline history folders (``pipeline-<id>``) of a fault-tolerant run directory."""
+    try:
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in storage.fs.ls(storage.root, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(
+        n for n in names if n.startswith(PIPELINE_HISTORY) and read_events(Storage(storage.url_of(n), storage.options))
+    )
+
+
+def _run_of(storage: Storage) -> Storage:
+    """Where the checkpoints are: the run directory, also for one pipeline's history inside it."""
+    parent, _, name = storage.url.rpartition("/")
+    return Storage(parent, storage.options) if name.startswith(PIPELINE_HISTORY) and parent else storage
+
+
 def build_report(storage: Storage) -> dict[str, Any]:
     """Everything ``lightning-spot report`` shows, as a JSON-able dict."""
     events = read_events(storage)
+    pipelines = [] if events else pipeline_histories(storage)
+    if pipelines:
+        raise FileNotFoundError(
+            f"{storage.url} is a fault-tolerant run (fault_tolerance='torchft'): each pipeline keeps its own history "
+            f"({', '.join(pipelines)}). Report one of them: lightning-spot report {storage.url_of(pipelines[0])}"
+        )
     if not events:
         raise FileNotFoundError(
             f"No run history under {storage.url} (expected {storage.url_of('events')}/). The report reads what "
@@ -93,7 +122,7 @@ def build_report(storage: Storage) -> dict[str, Any]:
         "checkpoint_stall_seconds": totals["checkpoint_stall_seconds"],
         "checkpoint_stall_fraction": totals["checkpoint_stall_seconds"] / trained if trained > 0 else 0.0,
         "samples_per_second_by_layout": {k: sum(v) / len(v) for k, v in per_layout.items()},
-        "committed_checkpoints": storage.committed(),
+        "committed_checkpoints": _run_of(storage).committed(),
         #: the intervals SpotCheckpoint chose (the newest choice; none when they were all given)
         "intervals": next((e for e in reversed(events) if e["kind"] == "cadence"), None),
         "fault_tolerance": _quorums(events),

@@ -19,6 +19,8 @@ from lightning_spot.checkpoint.durable.storage import Storage
 
 log = logging.getLogger(__name__)
 EVENTS = "events"
+#: with fault_tolerance="torchft" each pipeline keeps its history in ``<run>/pipeline-<id>/``
+PIPELINE_HISTORY = "pipeline-"
 #: a restart's phases, in order (``recovery_phases``)
 RECOVERY_PHASES = ("stop", "restart", "setup", "restore", "first_step")
 
