@@ -96,12 +96,12 @@ class EarlyBuckets:
             nxt = self.buckets[self._next]
             if not nxt.early or nxt.waiting:
                 break
-            self._launch(nxt, self._scale, final=False)
+            self._launch(nxt, self._scale)
             self._next += 1
             self.launched_early += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket, scale: float, final: bool) -> None:
+    def _launch(self, bucket: _Bucket, scale: float) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         # (out of place: a bucket of one tensor flattens to a view of its .grad, which the step changes afterwards)
         bucket.flat = _flatten_dense_tensors([g.float() for g in grads]).mul(scale)
@@ -113,7 +113,7 @@ class EarlyBuckets:
         for every bucket, and set ``.grad`` to the weighted mean over the quorum. Returns the weights' sum."""
         self._scale = None  # (no more early launches until the next arm)
         for bucket in self.buckets[self._next :]:
-            self._launch(bucket, weight, final=True)
+            self._launch(bucket, weight)
         self._next = len(self.buckets)
         total = torch.tensor([float(weight)])
         weight_work = self._allreduce(total)

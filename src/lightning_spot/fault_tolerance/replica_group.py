@@ -201,7 +201,8 @@ class ReplicaGroup:
     ) -> None:
         """The gradients to reduce: ``params``, in buckets; each goes to the other pipelines as soon as the backward
         has finished it (not ``tied`` copies, whose gradients are whole only after the step; none with
-        ``early=False``: ``TorchFT(overlap=False)``, the default, or fp16); ``loss_weights``: what the losses are means over (the scale of an early bucket)."""
+        ``early=False``: ``TorchFT(overlap=False)``, the default, or fp16); ``loss_weights``: what the losses are
+        means over (the scale of an early bucket)."""
         from torch.distributed import ReduceOp
 
         self.buckets = EarlyBuckets(
