@@ -141,22 +141,23 @@ def replay(
     *,
     settle: bool = False,
     keep_alive: int | None = None,
+    last_call: int | None = None,
     lead_seconds: float = 4.0,
 ) -> dict[str, Any]:
     """Run the replay in ``out``; with ``settle`` each event waits until the group trains again, on every node
     that is a member, after the restart the previous event caused (one restart per event: for tests), else only
-    leaves wait, until it trains. ``keep_alive``: the rendezvous's keep-alive interval in seconds
-    (torchrun's default, 5 s x 3 missed beats, decides how soon a node that left or died is given up).
+    leaves wait, until it trains. ``keep_alive``: the rendezvous's keep-alive interval in seconds (3 missed beats
+    decide how soon a node that died is given up), ``last_call``: how long a round waits for more nodes; both
+    ``lightning-spot run``'s defaults unless given.
     ``lead_seconds``: how long after a metadata notice (``m``) the node is killed (AWS's 2 minutes, compressed)."""
+    from lightning_spot.cli.run import KEEP_ALIVE_SECONDS, LAST_CALL_SECONDS, rendezvous_conf
     from tests.distributed import free_port
-    from tests.elastic import RDZV_CONF, Agent, port_open, wait_for
+    from tests.elastic import Agent, port_open, wait_for
 
     config = replay_config(out, steps, step_seconds, snapshot_every=1)
     args = ["tests/workers/elastic_train.py", str(out / "config.json")]
     port = free_port()
-    rdzv_conf = RDZV_CONF
-    if keep_alive is not None:
-        rdzv_conf += f",keep_alive_interval={keep_alive},keep_alive_max_attempt=3"
+    rdzv_conf = "join_timeout=120," + rendezvous_conf(keep_alive or KEEP_ALIVE_SECONDS, last_call or LAST_CALL_SECONDS)
     nodes: list[Agent] = []
     departed: set[str] = set()
     metadata = any(how == "m" for _, _, how in events)  # every node gets a metadata service to announce its end
@@ -182,6 +183,7 @@ def replay(
                 due, change, how = pending.pop(0)
                 if settle and due > 0:  # the next event waits for the restart this one causes
                     settled = attempts(out / "run")
+                now = time.monotonic() - started  # reading the run's history took a while (imports, the first time)
                 alive = [n for n in nodes if n.proc.poll() is None and n.name not in departed]
                 if change > 0:
                     count += 1
@@ -424,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, help="draw nodes available and training progress over time here")
     parser.add_argument("--keep", type=Path, help="keep the run directory here")
     parser.add_argument("--settle", action="store_true", help="each event waits for the previous one's restart")
-    parser.add_argument("--keep-alive", type=int, help="rendezvous keep-alive interval, s (torchrun's default: 5)")
+    parser.add_argument("--keep-alive", type=int, help="rendezvous keep-alive interval, s (lightning-spot run's: 1)")
+    parser.add_argument(
+        "--last-call", type=int, help="s a rendezvous round waits for more nodes (lightning-spot run's: 2)"
+    )
     parser.add_argument(
         "--fault-tolerance",
         action="store_true",
@@ -457,7 +462,14 @@ def main(argv: list[str] | None = None) -> int:
         return replay_with_fault_tolerance(events, label, out, args)
     lead = args.lead / (1.0 if args.events else args.compress)
     result = replay(
-        events, args.steps, args.step_seconds, out, settle=args.settle, keep_alive=args.keep_alive, lead_seconds=lead
+        events,
+        args.steps,
+        args.step_seconds,
+        out,
+        settle=args.settle,
+        keep_alive=args.keep_alive,
+        last_call=args.last_call,
+        lead_seconds=lead,
     )
     if not result["ok"]:
         print("the run failed (log above)", file=sys.stderr)

@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
+from lightning_spot.cli.run import rendezvous_conf
 from tests.distributed import REPO
 
-#: the rendezvous settings of the test agents: a round closes 3 s after its last member arrived
-RDZV_CONF = "join_timeout=120,last_call_timeout=3"
+#: the rendezvous settings of the test agents: lightning-spot run's heartbeat; a round closes 3 s after its last member
+#: arrived (1 s more than lightning-spot run: test agents start together on a loaded machine)
+RDZV_CONF = f"join_timeout=120,{rendezvous_conf(last_call=3)}"
 
 
 class Agent:
@@ -52,7 +54,7 @@ class Agent:
             [
                 sys.executable,
                 "-m",
-                "torch.distributed.run",
+                "lightning_spot.launch",
                 f"--nnodes={nnodes}",
                 f"--nproc-per-node={nproc}",
                 f"--max-restarts={max_restarts}",
@@ -155,5 +157,5 @@ def assert_restart_phases(restart: dict[str, Any], *, notice: bool) -> None:
     phases = restart["phases"]
     assert (phases["stop"] is not None) == notice, phases
     timed = [phases[k] for k in ("restart", "setup", "restore", "first_step")]
-    assert all(t is not None and t >= 0 for t in timed) and phases["setup"] > 0.5, phases  # imports take a second
+    assert all(t is not None and t >= 0 for t in timed) and phases["setup"] > 0, phases
     assert sum(timed) == pytest.approx(restart["time_lost_seconds"], abs=0.01), phases

@@ -199,7 +199,8 @@ def test_notice_during_a_background_save_finishes_that_save_first(tmp_path: Path
 def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
     tmp_path: Path, uninterrupted: dict
 ) -> None:
-    """SIGKILL one worker (no notice): its peers fail fast, torchrun restarts the group, which resumes."""
+    """SIGKILL one worker (no notice): its peers fail fast, torchrun restarts the group, which resumes, with the
+    layout decided at the first start (same processes: no profiling or planning again)."""
     config = _config(tmp_path)
     port = free_port()
     with agents_cleanup([]) as agents:
@@ -217,6 +218,11 @@ def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
     restart = finals[0]["report"]["restarts"][0]
     assert restart["cause"] == "failure (no notice)" and restart["resumed_from_step"] >= 4
     assert_restart_phases(restart, notice=False)
+    log = agents[0].output()
+    # the restart runs on the same processes: the first start's decision is kept, nothing profiled again
+    plans = log.split("spot_pipeline plan:")
+    assert len(plans) == 3 and "profiling layers" in plans[0] and "profiling layers" not in plans[1], log[-5000:]
+    assert "kept without profiling" in plans[2], plans[2][:2000]
 
 
 def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -243,13 +249,13 @@ def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureF
     line = capsys.readouterr().out
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line
     for part in (
-        "-m torch.distributed.run",
+        "-m lightning_spot.launch",
         "--nproc-per-node=8",
         "--max-restarts=100",
         "--nnodes=1:4",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400",
-        "--rdzv-conf=keep_alive_interval=5,keep_alive_max_attempt=3",
+        "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2",
         "train.py --lr 0.1",
     ):
         assert part in line
@@ -270,7 +276,8 @@ def test_run_wrapper_trains_a_job(tmp_path: Path, uninterrupted: dict) -> None:
 
 
 def test_a_cloud_notice_makes_the_node_leave_a_torchrun_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rank whose own cloud notice says its machine goes asks its torchrun agent (its parent) to leave;
+    """The rank whose own cloud notice says its machine goes asks its torchrun agent (its parent, or the
+    agent named by lightning-spot run) to leave;
     a signal notice (it came through the agent), a notice seen by another rank, or no torchrun: nothing."""
     from lightning_spot.preemption import stop
     from lightning_spot.preemption.notice import Notice
@@ -278,6 +285,7 @@ def test_a_cloud_notice_makes_the_node_leave_a_torchrun_job(monkeypatch: pytest.
     sent: list[tuple[int, int]] = []
     monkeypatch.setattr(stop.os, "kill", lambda pid, sig: sent.append((pid, sig)))
     monkeypatch.setattr(stop.os, "getppid", lambda: 4242)
+    monkeypatch.delenv("LIGHTNING_SPOT_AGENT_PID", raising=False)
     aws = Notice("aws", 0.0, 120.0, "spot instance-action terminate")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert not stop.leave_if_reclaimed(aws), "not under torchrun"
@@ -286,6 +294,8 @@ def test_a_cloud_notice_makes_the_node_leave_a_torchrun_job(monkeypatch: pytest.
     assert sent == []
     assert stop.leave_if_reclaimed(aws)
     assert sent == [(4242, signal.SIGTERM)]
+    monkeypatch.setenv("LIGHTNING_SPOT_AGENT_PID", "777")  # lightning-spot run's forked workers: not the parent
+    assert stop.leave_if_reclaimed(aws) and sent[-1] == (777, signal.SIGTERM)
 
 
 def test_the_watcher_takes_over_lightnings_per_step_sigterm_broadcast() -> None:

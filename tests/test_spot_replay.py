@@ -17,9 +17,9 @@ from tests.elastic import assert_restart_phases
 def test_a_synthetic_trace_replays_with_the_same_math(tmp_path: Path) -> None:
     # two nodes; one leaves after its cloud's notice (its metadata service announces the spot interruption; the
     # machine is taken 8 s later: time enough to rejoin if it did not leave), one joins, one is killed; each event waits until the group trains again after
-    # the previous one (a 1 s rendezvous keep-alive: nodes that left are given up after ~3 s)
+    # the previous one (lightning-spot run's rendezvous defaults: nodes that died are given up after ~3 s)
     events = parse_events("0:+2,1:-1m,2:+1,3:-1k")
-    result = replay(events, steps=60, step_seconds=0.25, out=tmp_path, settle=True, keep_alive=1, lead_seconds=8)
+    result = replay(events, steps=60, step_seconds=0.25, out=tmp_path, settle=True, lead_seconds=8)
     assert result["ok"]
     log = result["events"]
     assert [(e["event"], e.get("source")) for e in log if e["event"] != "reclaimed"] == [
@@ -59,6 +59,7 @@ def test_a_synthetic_trace_replays_with_the_same_math(tmp_path: Path) -> None:
     kill = fig["phases"][-1]
     assert 0 < kill["after_kill"] <= kill["phases"]["restart"] + 0.05, "the kill falls after the last record"
 
-    # the useful-time share: time on kept steps over wall time, less than wall minus time lost
+    # the useful-time share: time on kept steps over wall time, less than wall minus time lost (kept steps are
+    # timed at their attempt's mean pace, an estimate: attempts of a few seconds each here, hence the slack)
     share = fig["useful_time_share"]
-    assert 0 < share < 1 - fig["time_lost_seconds"] / fig["wall_seconds"] + 0.02
+    assert 0 < share < 1 - fig["time_lost_seconds"] / fig["wall_seconds"] + 0.05

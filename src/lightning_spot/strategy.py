@@ -471,6 +471,7 @@ class SpotPipelineStrategy(ParallelStrategy):
                 autocast=self.precision_plugin.forward_context,
                 cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
                 plan_places=self._plan_places(),
+                run_place=self._plan_places()[0] if self._run_url else None,
             )
         module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
         describe_choice(choice)

@@ -1,12 +1,14 @@
-"""``lightning-spot run``: torchrun with the flags and environment that elastic spot training needs.
+"""``lightning-spot run``: torchrun's agent with the flags and environment that elastic spot training needs.
 
     lightning-spot run --nproc-per-node 8 train.py --my-arg 1                       # one node
     lightning-spot run --nnodes 1:4 --nproc-per-node 8 --rdzv-endpoint head:29400 train.py
     lightning-spot run --replica-groups 3 --nproc-per-node 2 train.py          # fault_tolerance="torchft"
 
-It adds ``--max-restarts`` (preemptions exit with code 75 and are restarted), a c10d rendezvous
-(or ``--standalone`` for a fixed single node) whose heartbeat (``--keep-alive``) decides how soon a node that
-left or died is given up, a short monitor interval, and
+It runs torchrun's agent through ``python -m lightning_spot.launch`` (workers forked from a server that has
+imported torch and Lightning once; a node stopped by a notice leaves the rendezvous at once) and adds
+``--max-restarts`` (preemptions exit with code 75 and are restarted), a c10d rendezvous (or ``--standalone`` for
+a fixed single node) whose heartbeat (``--keep-alive``) decides how soon a node that died is given up and whose
+``--last-call`` how long a round waits for more nodes, a short monitor interval, and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that every restart gets a fresh rendezvous store.
 
 ``--replica-groups N`` (one machine, ``fault_tolerance="torchft"``): an embedded torchft lighthouse and one
@@ -26,6 +28,16 @@ import time
 from collections.abc import Sequence
 
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+#: rendezvous heartbeat: a node that died is given up after 3 missed beats (docs/launch-and-preemption.md: the trade-off)
+KEEP_ALIVE_SECONDS = 1
+#: how long a rendezvous round waits for more nodes after the last arrival (restarted nodes arrive within ~1 s)
+LAST_CALL_SECONDS = 2
+
+
+def rendezvous_conf(keep_alive: int = KEEP_ALIVE_SECONDS, last_call: int = LAST_CALL_SECONDS) -> str:
+    """torchrun's ``--rdzv-conf`` value: heartbeats every ``keep_alive`` s (3 missed: given up), rounds that close
+    ``last_call`` s after their last arrival."""
+    return f"keep_alive_interval={keep_alive},keep_alive_max_attempt=3,last_call_timeout={last_call}"
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -33,7 +45,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "lightning_spot.launch",
         f"--nproc-per-node={args.nproc_per_node}",
         f"--max-restarts={args.max_restarts}",
         f"--monitor-interval={args.monitor_interval}",
@@ -48,8 +60,12 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
-            f"--rdzv-conf=keep_alive_interval={args.keep_alive},keep_alive_max_attempt=3",
+            f"--rdzv-conf={rendezvous_conf(args.keep_alive, args.last_call)}",
         ]
+    if args.preload:
+        cmd.append(f"--preload={args.preload}")
+    if args.fresh_processes:
+        cmd.append("--fresh-processes")
     return [*cmd, args.script, *args.script_args]
 
 
@@ -111,9 +127,22 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--keep-alive",
         type=int,
-        default=5,
-        help="seconds between rendezvous heartbeats; a node that misses 3 is given up (default 5, torchrun's). "
-        "A node that left or died holds the others' restart up to 3x this long",
+        default=KEEP_ALIVE_SECONDS,
+        help=f"seconds between rendezvous heartbeats; a node that misses 3 is given up, so a node that died holds "
+        f"the others' restart up to 3x this long (default {KEEP_ALIVE_SECONDS}; torchrun's is 5)",
+    )
+    parser.add_argument(
+        "--last-call",
+        type=int,
+        default=LAST_CALL_SECONDS,
+        help=f"seconds a rendezvous round waits for more nodes after the last one arrived (default "
+        f"{LAST_CALL_SECONDS}; torchrun's is 30): part of every restart",
+    )
+    parser.add_argument("--preload", default="", help="more modules for the workers' fork server (e.g. transformers)")
+    parser.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="start every worker as a new interpreter (torchrun's way) instead of forking a preloaded server",
     )
     parser.add_argument(
         "--replica-groups",

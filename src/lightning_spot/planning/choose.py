@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, cast
 
@@ -42,9 +42,11 @@ from lightning_spot.planning.memory import (
     PLAN_MARGIN,
     PlanMemory,
     PlanPlace,
+    decision_name,
     keep_or_switch,
     plan_key,
     reuse_or_measure,
+    world_hosts,
 )
 from lightning_spot.planning.mixed import (
     MixedCandidate,
@@ -260,11 +262,14 @@ def choose_layout(
     autocast: Callable[[], Any],
     cache_dir: Path | None,
     plan_places: Sequence[PlanPlace] = (),
+    run_place: PlanPlace | None = None,
 ) -> LayoutChoice:
     """The layout to build on every rank (a collective call: all ranks get rank 0's decision).
 
     Profiles and hardware measurements are cached in ``cache_dir``; the plan is remembered in
     ``plan_places`` and kept at the next start-up unless a new one is clearly better (``memory``).
+    The whole decision is also remembered in the run's own ``run_place``: a restart of the run on the same
+    processes (hosts, devices, threads) takes it without profiling, measuring or searching.
     """
     if requested.pipeline_stages != "auto":  # clear errors if the fixed depth cannot fit, before any profiling
         grid = Layout.for_world(world_size, requested.pipeline_stages)
@@ -276,7 +281,15 @@ def choose_layout(
         return _settle(_fallback(requested), requested, split, world_size, None)
     global_batch, batch = sample
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    hardware, reused = reuse_or_measure(device, default_hardware(device, requested.device_memory, local), cache_dir)
+    hosts = world_hosts(device)
+    memory, run_memory = PlanMemory(plan_places), PlanMemory([run_place] if run_place else [])
+    key = plan_key(module, split.layers_path, device, global_batch, requested) if is_rank_zero else ""
+    kept = broadcast_object(_recall_decision(run_memory, decision_name(key, hosts)) if is_rank_zero else None)
+    if kept is not None:  # a restart on the same processes: no profiling, hardware measurement or search
+        return _settle(kept, requested, split, world_size, global_batch)
+    hardware, reused = reuse_or_measure(
+        device, default_hardware(device, requested.device_memory, local), cache_dir, hosts
+    )
     draft: _Draft | Exception | None = None
     if is_rank_zero:
         samples = max(1, min(global_batch, global_batch // world_size))
@@ -298,8 +311,6 @@ def choose_layout(
             log.warning("lightning-spot: could not profile the model (%s); using the simple layout rules", err)
             draft = _fallback(requested)
         else:
-            memory = PlanMemory(plan_places)
-            key = plan_key(module, split.layers_path, device, global_batch, requested)
             try:
                 draft = _decide(profile, requested, world_size, global_batch, hardware, memory.recall(key))
             except LayoutError as err:  # e.g. nothing fits in memory: every rank raises the same error
@@ -311,11 +322,30 @@ def choose_layout(
                     draft.reason += (
                         f" (hardware {measured}; plans kept in {', '.join(p.url for p in plan_places) or 'no place'})"
                     )
+                run_memory.write(decision_name(key, hosts), asdict(draft))
     draft = broadcast_object(draft)
     if isinstance(draft, Exception):
         raise draft
     assert draft is not None
     return _settle(draft, requested, split, world_size, global_batch)
+
+
+def _recall_decision(memory: PlanMemory, name: str) -> _Draft | None:
+    """The decision made at an earlier start on exactly these processes (same hosts, devices, threads, model,
+    batch and arguments), marked as kept; ``None`` if there is none."""
+    data = memory.read(name)
+    if data is None:
+        return None
+    try:
+        draft = _Draft(**data)
+    except TypeError:  # written by another version
+        return None
+    draft.offload = tuple(draft.offload)
+    draft.reason = (
+        "the plan made at an earlier start on these same processes, kept without profiling, measuring or "
+        f"searching again (they run when the processes change); then: {draft.reason}"
+    )
+    return draft
 
 
 def _decide(

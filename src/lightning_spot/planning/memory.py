@@ -59,13 +59,22 @@ def _device_name(device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------- hardware
-def reuse_or_measure(device: torch.device, base: Hardware, cache_dir: Path | None) -> tuple[Hardware, bool]:
+def world_hosts(device: torch.device) -> list[Any]:
+    """Every rank's host name, device and CPU threads, in rank order (collective): what a measurement or a
+    plan was made for."""
+    return all_gather_object((socket.gethostname(), _device_name(device), torch.get_num_threads()))
+
+
+def reuse_or_measure(
+    device: torch.device, base: Hardware, cache_dir: Path | None, hosts: list[Any] | None = None
+) -> tuple[Hardware, bool]:
     """``measure_hardware``, or its result from an earlier start on the same machines (collective).
 
-    The key holds every rank's host name and device, the world size and the CPU threads, so a cached
-    measurement is only reused where it was taken. Returns the hardware and whether it was reused.
+    The key holds every rank's host name and device, the world size and the CPU threads (``hosts``, from
+    :func:`world_hosts`), so a cached measurement is only reused where it was taken. Returns the hardware and
+    whether it was reused.
     """
-    hosts = all_gather_object((socket.gethostname(), _device_name(device), torch.get_num_threads()))
+    hosts = world_hosts(device) if hosts is None else hosts
     path = cache_dir / f"hardware-{_digest(hosts, torch.__version__)}.json" if cache_dir is not None else None
     cached = None
     if rank() == 0 and path is not None and path.is_file():
@@ -101,9 +110,9 @@ class PlanPlace:
     url: str
     storage_options: dict[str, Any] | None = None
 
-    def _path(self, key: str) -> tuple[Any, str]:
+    def _path(self, name: str) -> tuple[Any, str]:
         fs, root = fsspec.core.url_to_fs(self.url, **(self.storage_options or {}))
-        return fs, f"{root.rstrip('/')}/plan-{key}.json"
+        return fs, f"{root.rstrip('/')}/{name}.json"
 
 
 class PlanMemory:
@@ -113,24 +122,37 @@ class PlanMemory:
         self.places = list(places)
 
     def recall(self, key: str) -> Candidate | None:
+        data = self.read(f"plan-{key}")
+        return Candidate(**{f.name: data[f.name] for f in fields(Candidate) if f.name in data}) if data else None
+
+    def remember(self, key: str, plan: Candidate) -> None:
+        self.write(f"plan-{key}", asdict(plan))
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        """The JSON object ``name`` from the first place that has it."""
         for place in self.places:
             try:
-                fs, path = place._path(key)
+                fs, path = place._path(name)
                 if fs.exists(path):
-                    data = json.loads(fs.cat_file(path))
-                    return Candidate(**{f.name: data[f.name] for f in fields(Candidate) if f.name in data})
+                    return json.loads(fs.cat_file(path))
             except Exception as err:
                 log.warning("lightning-spot: could not read the previous plan from %s: %s", place.url, err)
         return None
 
-    def remember(self, key: str, plan: Candidate) -> None:
+    def write(self, name: str, data: dict[str, Any]) -> None:
+        """``data`` as the JSON object ``name`` in every place."""
         for place in self.places:
             try:
-                fs, path = place._path(key)
+                fs, path = place._path(name)
                 fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-                fs.pipe_file(path, json.dumps(asdict(plan)).encode())
+                fs.pipe_file(path, json.dumps(data).encode())
             except Exception as err:
                 log.warning("lightning-spot: could not remember the plan in %s: %s", place.url, err)
+
+
+def decision_name(key: str, hosts: list[Any]) -> str:
+    """Where the whole decision for this model and batch on exactly these processes is remembered."""
+    return f"decision-{key}-{_digest(hosts, torch.__version__)}"
 
 
 def same_plan(a: Candidate, b: Candidate) -> bool:

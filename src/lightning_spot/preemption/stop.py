@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
+from lightning_spot.launch import AGENT_PID_ENV
 from lightning_spot.preemption.cloud import POLLERS
 from lightning_spot.preemption.coordinate import earliest, gather
 from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE, Notice
@@ -93,5 +94,11 @@ def leave_if_reclaimed(notice: Notice | None) -> bool:
         "nodes go on without it",
         notice.describe(),
     )
-    os.kill(os.getppid(), signal.SIGTERM)
+    os.kill(agent_pid(), signal.SIGTERM)
     return True
+
+
+def agent_pid() -> int:
+    """The torchrun agent of this worker: its parent, or the agent named by ``lightning-spot run``'s launcher
+    (whose workers are forked by a fork server, their parent)."""
+    return int(os.environ.get(AGENT_PID_ENV) or os.getppid())

@@ -1,0 +1,67 @@
+"""torchrun's agent with spot-ready restarts: forked workers and a clean leave (see the package docstring).
+
+    python -m lightning_spot.launch --nnodes 1:4 --nproc-per-node 2 --rdzv-backend c10d \\
+        --rdzv-endpoint head:29400 train.py --my-arg 1
+
+Takes torchrun's flags, plus ``--preload MODULES`` (more modules for the fork server, e.g. ``transformers``)
+and ``--fresh-processes`` (start every worker as a new interpreter, as torchrun does).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Sequence
+
+from lightning_spot.launch import AGENT_PID_ENV, rendezvous
+from lightning_spot.launch.forked import forked_entrypoint
+
+
+def main(argv: Sequence[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    parser = get_args_parser()
+    parser.add_argument(
+        "--preload", default="", help="comma-separated modules the fork server imports too (e.g. transformers)"
+    )
+    parser.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="start every worker as a new interpreter (torchrun's way) instead of forking the preloaded server",
+    )
+    args = parser.parse_args(list(argv))
+    if args.standalone:  # as torchrun: a rendezvous of its own on this machine
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    forked = not (args.fresh_processes or args.no_python or args.run_path)
+    user_threads = "OMP_NUM_THREADS" in os.environ
+    config, cmd, cmd_args = config_from_args(args)
+    if not user_threads:  # torchrun's OMP_NUM_THREADS=1 default: lightning_spot sizes every rank's pool itself
+        os.environ.pop("OMP_NUM_THREADS", None)
+    if config.rdzv_backend == "c10d":
+        config.rdzv_backend = rendezvous.register()
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    entrypoint: Callable[..., None] | str
+    if forked:
+        extra = [m for m in args.preload.split(",") if m]
+        config.start_method = "forkserver"
+        entrypoint, call_args = forked_entrypoint(
+            args.training_script, args.training_script_args, module=args.module, extra=extra
+        )
+    else:
+        entrypoint, call_args = cmd, tuple(cmd_args)
+
+    @record
+    def launch() -> None:
+        try:
+            elastic_launch(config, entrypoint)(*call_args)
+        except SignalException:
+            rendezvous.leave()  # stopped by a notice: the others need not wait for this node's keep-alive
+            raise
+
+    launch()
+    return 0

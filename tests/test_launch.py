@@ -1,0 +1,102 @@
+"""lightning-spot run's agent (``python -m lightning_spot.launch``): restarted workers are forks of a server that
+imported Lightning already; a node that leaves the rendezvous is not waited for."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import REPO, free_port
+
+WORKER = """
+import json, os, sys
+preloaded = "lightning.pytorch" in sys.modules  # before this script imports anything
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+out = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}-attempt{attempt}.json")
+with open(out, "w") as f:
+    json.dump({"preloaded": preloaded, "agent": os.environ.get("LIGHTNING_SPOT_AGENT_PID"), "argv": sys.argv,
+               "name": __name__, "path0": sys.path[0], "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+if attempt == 0 and os.environ["RANK"] == "1":
+    raise SystemExit(75)  # a preemption exit: the agent restarts both workers
+"""
+
+
+def _launch(tmp_path: Path, *flags: str) -> dict[str, dict]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    cmd = [sys.executable, "-m", "lightning_spot.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    proc = subprocess.run([*cmd, *flags, str(script), str(tmp_path)], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    return {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*-attempt*.json")}
+
+
+def test_restarted_workers_are_forks_of_a_preloaded_server(tmp_path: Path) -> None:
+    runs = _launch(tmp_path)
+    assert sorted(runs) == ["rank0-attempt0", "rank0-attempt1", "rank1-attempt0", "rank1-attempt1"]
+    for run in runs.values():
+        assert run["preloaded"], "torch and Lightning are imported once, by the fork server"
+        assert run["name"] == "__main__" and run["argv"] == [str(tmp_path / "worker.py"), str(tmp_path)]
+        assert run["path0"] == str(tmp_path), "the script's directory comes first, as with python script.py"
+        assert run["agent"] and int(run["agent"]) != os.getpid()
+        assert run["omp"] is None, "torchrun's OMP_NUM_THREADS=1 default is left out: each rank sizes its pool"
+
+
+def test_fresh_processes_start_new_interpreters(tmp_path: Path) -> None:
+    runs = _launch(tmp_path, "--fresh-processes")
+    assert len(runs) == 4 and not any(r["preloaded"] for r in runs.values())
+
+
+def test_a_node_that_left_is_not_waited_for() -> None:
+    """Two nodes complete a round; one leaves (as after a notice); the other's next round completes within its
+    last call instead of waiting 30 s for the leaver's heartbeats to expire (its join times out at 10 s)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from lightning_spot.launch import rendezvous
+
+    port = free_port()
+
+    def handler():
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{port}",
+            run_id="leave-test",
+            min_nodes=1,
+            max_nodes=2,
+            join_timeout="10",
+            last_call_timeout="1",
+            keep_alive_interval="10",
+            keep_alive_max_attempt="3",
+        )
+        return rendezvous._create(params)
+
+    stay, go = handler(), handler()
+    rounds = [threading.Thread(target=h.next_rendezvous) for h in (stay, go)]
+    for t in rounds:
+        t.start()
+    for t in rounds:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in rounds)
+    assert rendezvous.leave([go])
+    start = time.monotonic()
+    info = stay.next_rendezvous()  # raises RendezvousTimeoutError after 10 s if it waited for the leaver
+    assert info.world_size == 1 and time.monotonic() - start < 8
+    stay.shutdown()
+
+
+@pytest.mark.parametrize("flag", ["--fresh-processes", None])
+def test_run_passes_the_launcher_flags(flag: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_spot.cli import main
+
+    extra = [flag] if flag else ["--preload", "transformers"]
+    assert main(["run", "--dry-run", *extra, "train.py"]) == 0
+    line = capsys.readouterr().out
+    assert "-m lightning_spot.launch" in line and (flag or "--preload=transformers") in line
