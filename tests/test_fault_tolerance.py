@@ -361,4 +361,6 @@ def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tm
         assert results[f"group{g}_rank0"]["global_step"] == steps
         merged = {**results[f"group{g}_rank0"]["state_dict"], **results[f"group{g}_rank1"]["state_dict"]}
         assert_same_params(merged, ref)
-    assert all((results[f"group1_rank{r}"]["healed_at"] or 0) > 3 for r in range(2))
+    # it came back and took pipeline 0's state: at the step it died in or later (forked workers return in ~1 s,
+    # often before pipeline 0 has committed another step)
+    assert all((results[f"group1_rank{r}"]["healed_at"] or 0) >= 3 for r in range(2))

@@ -100,3 +100,14 @@ def test_run_passes_the_launcher_flags(flag: str | None, capsys: pytest.CaptureF
     assert main(["run", "--dry-run", *extra, "train.py"]) == 0
     line = capsys.readouterr().out
     assert "-m lightning_spot.launch" in line and (flag or "--preload=transformers") in line
+
+
+def test_heartbeat_default_follows_the_node_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """1 s beats up to 64 nodes (a dead node given up after 3 s); beyond, torchrun's 5 s spare the store."""
+    from lightning_spot.cli import main
+
+    for nnodes, beat in (("1:4", 1), ("64", 1), ("1:128", 5)):
+        assert main(["run", "--dry-run", "--nnodes", nnodes, "--rdzv-endpoint", "h:1", "train.py"]) == 0
+        assert f"keep_alive_interval={beat}," in capsys.readouterr().out
+    assert main(["run", "--dry-run", "--nnodes", "1:128", "--keep-alive", "2", "--rdzv-endpoint", "h:1", "x.py"]) == 0
+    assert "keep_alive_interval=2," in capsys.readouterr().out, "an explicit value wins"

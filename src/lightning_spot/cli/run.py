@@ -28,8 +28,12 @@ import time
 from collections.abc import Sequence
 
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-#: rendezvous heartbeat: a node that died is given up after 3 missed beats (docs/launch-and-preemption.md: the trade-off)
+#: rendezvous heartbeat: a node that died is given up after 3 missed beats; each beat writes the whole state (a few
+#: hundred bytes per node) to the store: 1 s beats keep the store under ~4% busy up to 64 nodes, beyond that torchrun's
+#: 5 s (``benchmarks/rendezvous_heartbeat.py``; docs/launch-and-preemption.md)
 KEEP_ALIVE_SECONDS = 1
+KEEP_ALIVE_MANY_NODES_SECONDS = 5
+MANY_NODES = 64
 #: how long a rendezvous round waits for more nodes after the last arrival (restarted nodes arrive within ~1 s)
 LAST_CALL_SECONDS = 2
 
@@ -38,6 +42,12 @@ def rendezvous_conf(keep_alive: int = KEEP_ALIVE_SECONDS, last_call: int = LAST_
     """torchrun's ``--rdzv-conf`` value: heartbeats every ``keep_alive`` s (3 missed: given up), rounds that close
     ``last_call`` s after their last arrival."""
     return f"keep_alive_interval={keep_alive},keep_alive_max_attempt=3,last_call_timeout={last_call}"
+
+
+def keep_alive_for(nnodes: str) -> int:
+    """The default heartbeat for ``--nnodes`` (``N`` or ``MIN:MAX``): 1 s up to :data:`MANY_NODES` nodes, else 5 s."""
+    most = int(nnodes.split(":")[-1]) if nnodes.split(":")[-1].isdigit() else MANY_NODES + 1
+    return KEEP_ALIVE_SECONDS if most <= MANY_NODES else KEEP_ALIVE_MANY_NODES_SECONDS
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -60,7 +70,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
-            f"--rdzv-conf={rendezvous_conf(args.keep_alive, args.last_call)}",
+            f"--rdzv-conf={rendezvous_conf(args.keep_alive or keep_alive_for(args.nnodes), args.last_call)}",
         ]
     if args.preload:
         cmd.append(f"--preload={args.preload}")
@@ -127,9 +137,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--keep-alive",
         type=int,
-        default=KEEP_ALIVE_SECONDS,
+        default=None,
         help=f"seconds between rendezvous heartbeats; a node that misses 3 is given up, so a node that died holds "
-        f"the others' restart up to 3x this long (default {KEEP_ALIVE_SECONDS}; torchrun's is 5)",
+        f"the others' restart up to 3x this long (default {KEEP_ALIVE_SECONDS} up to {MANY_NODES} nodes, "
+        f"{KEEP_ALIVE_MANY_NODES_SECONDS} beyond: every beat writes the rendezvous state to its store)",
     )
     parser.add_argument(
         "--last-call",
