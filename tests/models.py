@@ -82,6 +82,39 @@ def make_dataset(n: int = 64, seed: int = 1234) -> TensorDataset:
     return TensorDataset(x, torch.tanh(x @ w))
 
 
+class StreamDataset(torch.utils.data.IterableDataset):
+    """A resumable stream of :func:`make_dataset`'s samples: each pass in the order of a permutation seeded by its
+    pass number (shuffled like a stream's shuffle buffer), passes one after another; ``state_dict`` is the pass and
+    the samples read in it, and iterating continues from there (a finished pass: the next one begins)."""
+
+    def __init__(self, n: int = 64, shuffle: bool = True) -> None:
+        self.data = make_dataset(n)
+        self.shuffle = shuffle
+        self.epoch, self.position = 0, 0
+
+    def _order(self) -> list[int]:
+        n = len(self.data)
+        return (
+            torch.randperm(n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+            if self.shuffle
+            else list(range(n))
+        )
+
+    def __iter__(self) -> Any:
+        if self.position >= len(self.data):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self._order()
+        while self.position < len(order):
+            self.position += 1
+            yield self.data[order[self.position - 1]]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
 def make_loader(
     batch_size: int = 16,
     n: int = 64,
@@ -89,8 +122,11 @@ def make_loader(
     dict_batches: bool = False,
     tokens: bool = False,
     padded: str = "",
+    stream: bool = False,
     **kwargs: Any,
 ) -> DataLoader:
+    if stream:  # an IterableDataset with a position (global-stream mode)
+        return DataLoader(StreamDataset(n, shuffle), batch_size=batch_size, **kwargs)
     if padded:  # padded fine-tuning batches (dicts) for tests.hf_models.FineTune: "sft", "mlm" or "classify"
         from tests.hf_models import padded_dataset
 

@@ -20,6 +20,7 @@ ROWS = {
     "runtime": 3,
     "partition": 2,
     "data": 2,
+    "streaming": 3,
     "fault": 2,
     "layout": 1,
     "preemption": 1,

@@ -233,11 +233,13 @@ def test_killed_worker_resumes_from_host_memory_with_the_defaults(
     assert run.read_json(f"{last}/manifest.json")["kind"] == "shares", "durable checkpoints made from snapshots"
 
 
-def _two_nodes_lose_one(tmp_path: Path, *, run: str, gate: Path | None = None) -> list[dict[str, Any]]:
+def _two_nodes_lose_one(
+    tmp_path: Path, *, run: str, gate: Path | None = None, **overrides: Any
+) -> list[dict[str, Any]]:
     """Two agents of 2 workers train P2xD2 with snapshots every 2 steps and nothing durable; node b is
     SIGKILLed (agent and workers) after step 6. With ``gate``, storage is unreachable from the kill until
     the survivors have resumed. Returns the survivors' final records."""
-    config = _config(tmp_path, run=run, step_seconds=0.5)
+    config = _config(tmp_path, run=run, step_seconds=0.5, **overrides)
     shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b")}
 
     def snapshot_steps(node: str) -> set[int]:
@@ -279,6 +281,16 @@ def test_a_lost_node_is_recovered_from_the_survivors_memory(tmp_path: Path, unin
     assert restart["resumed_from"] == "memory" and restart["restore_seconds"] is not None
     assert restart["layout_before"]["world_size"] == 4 and restart["layout_after"]["world_size"] == 2
     assert restart["steps_recomputed"] <= 2, "at most the snapshot interval is lost"
+
+
+@pytest.mark.slow
+def test_a_stream_resumes_from_the_survivors_memory_at_the_right_sample(tmp_path: Path) -> None:
+    """The same loss of a node with a stream as training data (global-stream mode, 5 global batches per pass):
+    the survivors resume from memory on P2xD1 at the sample after the last trained global batch."""
+    loader = {"batch_size": 16, "n": 80, "stream": True}
+    finals = _two_nodes_lose_one(tmp_path, run=str(tmp_path / "run"), loader=loader)
+    reference = reference_run({"model": {"scheduler": True}, "loader": loader, "trainer": {"max_steps": STEPS}})
+    assert_same_params(merged_state(finals), reference)
 
 
 @pytest.mark.slow

@@ -260,9 +260,8 @@ def shard_dataloader(
 
     if isinstance(loader.dataset, IterableDataset):
         raise LayoutError(
-            "spot_pipeline shards map-style datasets by index so that the global batch order does not depend on "
-            "the layout; an IterableDataset cannot be sharded that way. Use a map-style Dataset, or shard the stream "
-            "yourself and wrap it in one."
+            "shard_dataloader shards map-style datasets by index; an IterableDataset cannot be sharded that way: "
+            "lightning_spot.streaming.stream_dataloader reads it (spot_pipeline does so itself, docs/streaming.md)."
         )
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:

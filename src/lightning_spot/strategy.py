@@ -78,6 +78,7 @@ from lightning_spot.runtime.process import (
     threads_set_by_user,
 )
 from lightning_spot.runtime.schedules import resolve_schedule
+from lightning_spot.streaming import is_stream, stream_dataloader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -640,17 +641,17 @@ class SpotPipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         epoch_loop = trainer.fit_loop.epoch_loop if trainer is not None and trainer.training else None
         layout = self.pipeline_layout
-        return shard_dataloader(
-            dataloader,
-            dp_rank=self._engine().ctx.dp_rank,
-            dp_size=layout.grid.data_parallel,
-            weights=layout.pipeline_microbatches if layout.is_mixed else None,
-            divisor=layout.total_microbatches if epoch_loop is not None else None,
-            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-            # global batches trained in the current epoch (the same on every layout)
-            progress=(lambda: epoch_loop.batch_progress.current.processed) if epoch_loop else None,  # type: ignore[attr-defined]
-            world_size=layout.grid.world_size,
-        )
+        share: dict[str, Any] = {  # progress: global batches trained this epoch (the same on every layout)
+            "dp_rank": self._engine().ctx.dp_rank,
+            "dp_size": layout.grid.data_parallel,
+            "weights": layout.pipeline_microbatches if layout.is_mixed else None,
+            "divisor": layout.total_microbatches if epoch_loop is not None else None,
+            "progress": (lambda: epoch_loop.batch_progress.current.processed) if epoch_loop else None,  # type: ignore[attr-defined]
+            "world_size": layout.grid.world_size,
+        }
+        if is_stream(dataloader):
+            return stream_dataloader(dataloader, **share)
+        return shard_dataloader(dataloader, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **share)
 
     # ------------------------------------------------------------- checkpoints
     @property

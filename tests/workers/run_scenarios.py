@@ -214,6 +214,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             result["spot"]["snapshots"] = spot.snapshotter.taken
     if strategy.restored_manifest is not None:
         result["restored_step"] = strategy.restored_manifest["step"]
+        result["restored_tier"] = strategy.restored_manifest.get("tier")  # "memory" (snapshots) or "storage"
+        result["restored_kind"] = strategy.restored_manifest.get("kind")  # "shares": made of snapshot files
     if scenario.get("checkpoint"):
         result["checkpoint_files"] = sorted(str(p.relative_to(target / "ckpts")) for p in (target / "ckpts").rglob("*"))
         best = trainer.checkpoint_callback

@@ -60,6 +60,7 @@ from lightning_spot.planning.mixed import (
 )
 from lightning_spot.planning.profile import ModelProfile, forward_inputs, profile_model
 from lightning_spot.runtime.schedules import resolve_schedule
+from lightning_spot.streaming import peek_batch
 
 log = logging.getLogger(__name__)
 Partition = Union[Literal["auto", "uniform", "balanced"], Sequence[int]]
@@ -145,7 +146,7 @@ def sample_batch(trainer: Any) -> tuple[int, Any] | None:
     loader = source.dataloader()
     if not isinstance(loader, DataLoader) or not loader.batch_size:
         return None
-    return int(loader.batch_size), next(iter(loader))
+    return int(loader.batch_size), peek_batch(loader)  # (a stateful stream is put back where it was)
 
 
 def shared_sample_batch(trainer: Any) -> tuple[int, Any] | None:

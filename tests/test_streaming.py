@@ -1,0 +1,147 @@
+"""Streams (IterableDataset) in global-stream mode: every replica reads the whole stream, keeps its share of each
+global batch, and a resume onto any layout continues at the sample after the last trained global batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_spot.layout import LayoutError
+from lightning_spot.streaming import peek_batch, stream_dataloader
+from tests.models import StreamDataset
+from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios
+
+N, BATCH = 40, 8  # 5 global batches per pass
+
+
+def _loader() -> DataLoader:
+    return DataLoader(StreamDataset(N), batch_size=BATCH)
+
+
+def _global_batches(count: int) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    loader = _loader()
+    while len(out) < count:
+        out += [x for x, _ in loader]
+    return out[:count]
+
+
+class _Lightning:
+    """Reads a replica's loader as Lightning's fit loop does: one batch ahead of the one it trains."""
+
+    def __init__(self, loader: Any, trained: int = 0) -> None:
+        self.loader, self.trained = loader, trained  # (a resume restores the count of batches trained)
+        self.it = iter(loader)
+        self.ahead = next(self.it, None)
+
+    def train(self) -> Any:
+        batch, self.ahead = self.ahead, next(self.it, None)
+        self.trained += 1
+        return batch
+
+
+def _replica(rank: int, size: int, counter: list[_Lightning]) -> Any:
+    return stream_dataloader(_loader(), dp_rank=rank, dp_size=size, divisor=size, progress=lambda: counter[0].trained)
+
+
+def test_replicas_share_each_global_batch_and_resume_on_another_layout() -> None:
+    reference = _global_batches(10)
+    box: list[list[_Lightning]] = [[], []]
+    replicas = [_replica(r, 2, box[r]) for r in range(2)]
+    for r, loader in enumerate(replicas):
+        box[r].append(_Lightning(loader))
+    for step in range(3):
+        shares = [box[r][0].train()[0] for r in range(2)]
+        assert torch.equal(torch.cat(shares), reference[step]), "the two shares make up the global batch, in order"
+    states = [loader.state_dict() for loader in replicas]
+    assert states[0] == states[1] and states[0]["global_batches_done"] == 3
+    assert states[0]["stream"] == {"epoch": 0, "position": 3 * BATCH}, "not the position read ahead (4 batches)"
+
+    counter: list[_Lightning] = []
+    alone = _replica(0, 1, counter)  # resumed on one replica
+    alone.load_state_dict(states[0])
+    counter.append(_Lightning(alone, trained=3))
+    rest = [counter[0].train()[0] for _ in range(2)]  # batches 3 and 4: the rest of the first pass
+    assert all(torch.equal(a, b) for a, b in zip(rest, reference[3:5]))
+    assert counter[0].ahead is None, "the pass is over"
+    state = alone.state_dict()
+    assert state["global_batches_done"] == 5 and state["stream"] == {"epoch": 0, "position": N}
+
+    again: list[_Lightning] = []
+    two = _replica(1, 2, again)  # resumed at the end of the pass (Lightning knows: it starts its next epoch)
+    two.load_state_dict(state)
+    again.append(_Lightning(two, trained=0))
+    assert torch.equal(again[0].train()[0], reference[5][BATCH // 2 :]), "the next pass, second half"
+
+
+def test_a_stream_without_a_position_or_with_workers_is_refused() -> None:
+    class Plain(IterableDataset):
+        def __iter__(self) -> Any:
+            return iter(range(4))
+
+    with pytest.raises(LayoutError, match=r"Plain has no state_dict or load_state_dict.*map-style"):
+        stream_dataloader(DataLoader(Plain(), batch_size=2), dp_rank=0, dp_size=1, divisor=None)
+    with pytest.raises(LayoutError, match="num_workers=0"):
+        stream_dataloader(
+            DataLoader(StreamDataset(N), batch_size=BATCH, num_workers=2), dp_rank=0, dp_size=1, divisor=None
+        )
+    with pytest.raises(LayoutError, match=r"cannot be split evenly into 3 data-parallel replicas"):
+        next(iter(stream_dataloader(_loader(), dp_rank=0, dp_size=3, divisor=3)))
+
+
+def test_peeking_at_a_stream_leaves_its_position() -> None:
+    loader = _loader()
+    first = peek_batch(loader)
+    assert loader.dataset.state_dict() == {"epoch": 0, "position": 0}  # type: ignore[attr-defined]
+    assert torch.equal(first[0], next(iter(loader))[0])
+
+
+COMMON: dict[str, Any] = {"model": {"scheduler": True}, "loader": {"batch_size": 16, "n": 80, "stream": True}}
+
+
+def _phase(name: str, strategy: dict, steps: int, spot: dict) -> dict[str, Any]:
+    return {**COMMON, "name": name, "strategy": strategy, "trainer": {"max_steps": steps}, "spot_checkpoint": spot}
+
+
+@pytest.mark.slow
+def test_a_chain_of_resumes_across_layouts_trains_the_same_samples(tmp_path: Path) -> None:
+    """P2xD2 -> P1xD1 -> P2xD1 on a stream of 5 global batches per pass, resumed mid-pass at steps 3 and 7: from a
+    durable checkpoint of DCP shards, then from one made of snapshot files. The final weights equal one
+    uninterrupted single-process run over the same stream. (From memory: tests/test_snapshots.py.)"""
+    run = str(tmp_path / "run")
+    memory = str(tmp_path / "shm")
+    phases = [
+        (4, _phase("stream-1", {"pipeline_stages": 2, "microbatches": 2}, 3, {"snapshots": False})),
+        (1, _phase("stream-2", {"pipeline_stages": 1, "microbatches": 2}, 7, {"snapshot_dir": memory})),
+        (2, _phase("stream-3", {"pipeline_stages": 2, "microbatches": 2}, 12, {"snapshot_dir": memory})),
+    ]
+    results: dict[str, list[dict]] = {}
+    for i, (world, phase) in enumerate(phases):
+        phase["spot_checkpoint"].update(dirpath=run, every_n_train_steps=1, keep_last=2, resume=i > 0)
+        if i:
+            phase["spot_checkpoint"]["snapshot_every_n_train_steps"] = 1
+        results.update(run_scenarios(world, [phase], tmp_path / f"phase{i}", timeout=300))
+    assert [(r["restored_step"], r["restored_tier"]) for r in results["stream-2"]] == [(3, "storage")]
+    assert {(r["restored_step"], r["restored_tier"]) for r in results["stream-3"]} == {(7, "storage")}
+    assert {r["restored_kind"] for r in results["stream-3"]} == {"shares"}, "a checkpoint of snapshot files"
+    assert results["stream-2"][0]["restored_kind"] != "shares", "phase 1 wrote DCP shards"
+    reference = reference_run({**COMMON, "trainer": {"max_steps": 12}})
+    assert_same_params(merged_state(results["stream-3"]), reference)
+
+
+def test_resumes_at_the_ends_of_passes_keep_the_order(tmp_path: Path) -> None:
+    """Checkpoints after a pass's last batch (5 global batches per pass), resumed twice in a row."""
+    spot = {"dirpath": str(tmp_path / "run"), "every_n_train_steps": 5, "keep_last": 2}
+    phases = [_phase(f"ends-{s}", {"pipeline_stages": 1}, s, {**spot, "resume": s > 5}) for s in (5, 10, 15)]
+    results = run_scenarios(1, phases, tmp_path / "job", timeout=300)
+    assert [r["restored_step"] for r in (results["ends-10"][0], results["ends-15"][0])] == [5, 10]
+    assert_same_params(merged_state(results["ends-15"]), reference_run({**COMMON, "trainer": {"max_steps": 15}}))
+    epochs = [
+        json.loads((tmp_path / "run" / f"step-0000000{s}" / "manifest.json").read_text())["epoch"] for s in (10, 15)
+    ]
+    assert epochs == [1, 2], "Lightning's epoch count as in an uninterrupted run (an empty epoch would add one)"
