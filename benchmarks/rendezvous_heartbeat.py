@@ -34,7 +34,7 @@ def heartbeat_seconds(nodes: int, repeats: int) -> tuple[int, float]:
         state.last_heartbeats[node] = now
     state.complete = True
     payload = pickle.dumps(state)
-    _, token, _ = backend.set_state(payload)
+    backend.set_state(payload)
     start = time.perf_counter()
     for _ in range(repeats):
         read = backend.get_state()
