@@ -28,9 +28,9 @@ import time
 from collections.abc import Sequence
 
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-#: rendezvous heartbeat: a node that died is given up after 3 missed beats; each beat writes the whole state (a few
-#: hundred bytes per node) to the store: 1 s beats keep the store under ~4% busy up to 64 nodes, beyond that torchrun's
-#: 5 s (``benchmarks/rendezvous_heartbeat.py``; docs/launch-and-preemption.md)
+#: rendezvous heartbeat: a node that died is given up after 3 missed beats; each beat reads and writes the whole state
+#: (~60 bytes per node) at the store: 1 s beats keep it ~1% busy at 64 nodes (7% at 256), beyond 64 torchrun's 5 s
+#: (``benchmarks/rendezvous_heartbeat.py``; docs/launch-and-preemption.md)
 KEEP_ALIVE_SECONDS = 1
 KEEP_ALIVE_MANY_NODES_SECONDS = 5
 MANY_NODES = 64
