@@ -8,7 +8,9 @@ The ways (none sets thread counts; the environment is whatever this script was s
 * ``demo``: ``bash scripts/quickstart.sh demo`` (the example with its default two-step timeline);
 * ``script``: ``python examples/gpt/train.py --timeline-steps 0`` (Lightning's launcher starts the ranks);
 * ``cli``: ``lightning-spot fit --config examples/gpt/config.yaml`` with the strategy fixed to the same layout;
-* ``torchrun``: ``lightning-spot run --nproc-per-node 4 examples/gpt/train.py --timeline-steps 0``.
+* ``torchrun``: ``lightning-spot run --nproc-per-node 4 examples/gpt/train.py --timeline-steps 0``;
+* ``stream``: the script with ``--stream``: the same text as token shards in a local directory, read as a stream
+  (global-stream mode: every replica reads the whole stream). ``--ways script,stream`` compares the two.
 
 Each prints the ``PipelineThroughput`` line; the table shows the median samples/s per way over the
 rounds (ways alternate order between rounds) and each way against the median of all of them.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 THROUGHPUT = re.compile(r"throughput \((\S+) (\S+) M=(\d+)\): ([\d.]+) samples/s")
-WAYS = ("demo", "script", "cli", "torchrun")
+WAYS = ("demo", "script", "cli", "torchrun")  # and "stream", on request
 
 
 def command(way: str, root: Path, steps: int) -> list[str]:
@@ -37,8 +39,9 @@ def command(way: str, root: Path, steps: int) -> list[str]:
     common = ["--max-steps", str(steps), "--no-resume", "--root", str(root), "--val-every", str(10 * steps)]
     if way == "demo":
         return ["bash", "scripts/quickstart.sh", "demo", *common]
-    if way == "script":
-        return [python, "examples/gpt/train.py", *common, "--timeline-steps", "0"]
+    if way in ("script", "stream"):
+        stream = ["--stream"] if way == "stream" else []
+        return [python, "examples/gpt/train.py", *common, "--timeline-steps", "0", *stream]
     if way == "torchrun":
         return [exe, "run", "--nproc-per-node", "4", "examples/gpt/train.py", *common, "--timeline-steps", "0"]
     config = root / "config.yaml"

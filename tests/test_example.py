@@ -48,6 +48,22 @@ def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+def test_example_streams_token_shards_and_resumes_on_another_layout(tmp_path: Path) -> None:
+    """``--stream``: the text written as token shards and read back as a stream (global-stream mode); the same
+    command on another layout resumes at the sample after the last trained batch and goes on learning."""
+    common = [sys.executable, "examples/gpt/train.py", "--devices", "2", "--val-every", "4", "--stream"]
+    common += ["--checkpoint-every", "4", "--root", str(tmp_path), "--timeline-steps", "0"]
+    out = run_with_lightning_launcher([*common, "--max-steps", "8", "--microbatches", "2"])
+    assert "done: layout P2xD1" in out, out[-3000:]
+    shards = sorted(p.name for p in (tmp_path / "token_shards").iterdir())
+    assert shards[0] == "index.json" and len(shards) > 2 and not any(n.endswith(".tmp") for n in shards)
+    out = run_with_lightning_launcher([*common, "--max-steps", "12", "--pipeline-stages", "1", "--microbatches", "2"])
+    line = re.search(r"done: layout P1xD2, train_loss ([\d.]+)", out)
+    assert "resumed from step 8" in out and line, out[-3000:]
+    assert float(line.group(1)) < 5.2  # ln(256) = 5.55 at the start
+
+
+@pytest.mark.slow
 def test_example_lightning_cli_config(tmp_path: Path) -> None:
     exe = str(Path(sys.executable).parent / "lightning-spot")
     out = run_with_lightning_launcher(

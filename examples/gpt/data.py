@@ -40,9 +40,22 @@ class ByteTextDataModule(L.LightningDataModule):
         batch_size: int = 32,
         stride: int = 32,
         shuffle: bool = True,
+        stream: str | None = None,
     ) -> None:
+        """``stream``: a URL (local directory, s3://...) to write the training bytes to as token shards and read
+        them back as a stream (``examples/gpt/stream.py``) instead of the map-style windows."""
         super().__init__()
         self.save_hyperparameters()
+
+    def prepare_data(self) -> None:
+        if self.hparams.stream:  # once per node, before the ranks set up
+            from examples.gpt.stream import write_shards
+
+            write_shards(self.hparams.stream, self._train_bytes(), shard_tokens=8 * 1024)
+
+    def _train_bytes(self) -> torch.Tensor:
+        raw = torch.tensor(list(Path(self.hparams.path).read_bytes()), dtype=torch.long)
+        return raw[: int(0.9 * len(raw))]
 
     def setup(self, stage: str | None = None) -> None:
         raw = torch.tensor(list(Path(self.hparams.path).read_bytes()), dtype=torch.long)
@@ -52,6 +65,11 @@ class ByteTextDataModule(L.LightningDataModule):
         self.val_set = ByteWindows(raw[split:], h.block_size, h.block_size)
 
     def train_dataloader(self) -> DataLoader:
+        if self.hparams.stream:
+            from examples.gpt.stream import TokenShardStream
+
+            h = self.hparams
+            return DataLoader(TokenShardStream(h.stream, h.block_size, h.stride), batch_size=h.batch_size)
         return DataLoader(
             self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle, drop_last=True
         )

@@ -4,6 +4,7 @@
     python examples/gpt/train.py --pipeline-stages 4 --max-steps 200   # resumes on another layout
     python examples/gpt/train.py --accelerator gpu --devices 8 --pipeline-stages 4 --n-layer 12
     python examples/gpt/train.py --offload parameters --schedule LoopedBFS --n-layer 8   # weights in host memory
+    python examples/gpt/train.py --stream s3://bucket/corpus   # the text as token shards, read as a stream
 
 Checkpoints go to ROOT/spot_checkpoints (or --checkpoint-dir, e.g. s3://bucket/run); running the
 script again resumes from the latest one.
@@ -56,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps between durable checkpoints (default: chosen from their measured cost and the run's interruptions)",
     )
     p.add_argument("--no-resume", action="store_true", help="start from scratch even if checkpoints exist")
+    p.add_argument(
+        "--stream",
+        nargs="?",
+        const="",
+        default=None,
+        help="read the training text as a stream of token shards written to this URL (default ROOT/token_shards)",
+    )
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
         "--timeline-steps",
@@ -80,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         n_head=args.n_head,
         max_steps=args.max_steps,
     )
-    data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size)
+    stream = (args.stream or str(Path(args.root) / "token_shards")) if args.stream is not None else None
+    data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size, stream=stream)
     throughput = PipelineThroughput(tokens_per_sample=args.block_size)
     checkpoints = SpotCheckpoint(
         dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every, resume=not args.no_resume
