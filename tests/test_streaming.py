@@ -94,6 +94,23 @@ def test_a_stream_without_a_position_or_with_workers_is_refused() -> None:
         next(iter(stream_dataloader(_loader(), dp_rank=0, dp_size=3, divisor=3)))
 
 
+def test_lightning_gives_the_epoch_to_a_stream_that_takes_one() -> None:
+    """Lightning calls set_epoch on a loader's sampler at each epoch's start: the stream gets it (HF streaming
+    datasets reshuffle per epoch that way); a stream without set_epoch is left alone."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    class Epochs(StreamDataset):
+        def set_epoch(self, epoch: int) -> None:
+            self.seen = epoch
+
+    loader = stream_dataloader(DataLoader(Epochs(N), batch_size=BATCH), dp_rank=0, dp_size=1, divisor=None)
+    _set_sampler_epoch(loader, 3)
+    assert loader.dataset.seen == 3
+    plain = stream_dataloader(_loader(), dp_rank=0, dp_size=1, divisor=None)
+    _set_sampler_epoch(plain, 3)
+    assert plain.sampler is None and plain.dataset.state_dict() == {"epoch": 0, "position": 0}
+
+
 def test_peeking_at_a_stream_leaves_its_position() -> None:
     loader = _loader()
     first = peek_batch(loader)

@@ -69,7 +69,8 @@ class ByteTextDataModule(L.LightningDataModule):
             from examples.gpt.stream import TokenShardStream
 
             h = self.hparams
-            return DataLoader(TokenShardStream(h.stream, h.block_size, h.stride), batch_size=h.batch_size)
+            stream = TokenShardStream(h.stream, h.block_size, h.stride)
+            return DataLoader(stream, batch_size=h.batch_size, drop_last=True)  # a pass's short end is dropped
         return DataLoader(
             self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle, drop_last=True
         )

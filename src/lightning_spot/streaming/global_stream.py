@@ -62,7 +62,7 @@ class GlobalStreamLoader:
         dp_rank: int,
         dp_size: int,
         divisor: int | None,
-        progress: Callable[[], int] | None,
+        progress: Callable[[], int] | None = None,
         weights: Sequence[int] | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -76,6 +76,12 @@ class GlobalStreamLoader:
         self._positions: dict[int, Any] = {}  # global batch index in this pass -> stream position before it
         self._next = 0  # index of the next global batch to read
         self._pending: dict[str, Any] | None = None
+
+    @property
+    def sampler(self) -> Any:
+        """What Lightning calls ``set_epoch`` on at each epoch's start: passed on to a dataset that has it (a shuffle
+        that changes per epoch, e.g. a Hugging Face streaming dataset), as ``DistributedSampler`` gets it."""
+        return self.dataset if callable(getattr(self.dataset, "set_epoch", None)) else None
 
     def __iter__(self) -> Iterator[Any]:
         if self._pending is not None:  # (saved after a pass's last batch, Lightning starts its next epoch itself)
@@ -150,26 +156,10 @@ class GlobalStreamLoader:
         self._pending = state
 
 
-def stream_dataloader(
-    loader: DataLoader,
-    *,
-    dp_rank: int,
-    dp_size: int,
-    divisor: int | None,
-    progress: Callable[[], int] | None = None,
-    weights: Sequence[int] | None = None,
-    world_size: int | None = None,
-) -> GlobalStreamLoader:
-    """``loader`` (over a stateful ``IterableDataset``) as this replica's share of each global batch."""
-    return GlobalStreamLoader(
-        loader,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        divisor=divisor,
-        progress=progress,
-        weights=weights,
-        world_size=world_size,
-    )
+def stream_dataloader(loader: DataLoader, **share: Any) -> GlobalStreamLoader:
+    """``loader`` (over a stateful ``IterableDataset``) as this replica's share of each global batch; ``share``:
+    :class:`GlobalStreamLoader`'s keyword arguments (the global-stream mode is the only one so far)."""
+    return GlobalStreamLoader(loader, **share)
 
 
 def peek_batch(loader: DataLoader) -> Any:
