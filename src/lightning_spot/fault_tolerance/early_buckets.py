@@ -81,8 +81,10 @@ class EarlyBuckets:
         ``scale`` times their sum (``None``: no bucket goes out before :meth:`reduce`)."""
         self._expected, self._scale, self._next = microbatches, scale, 0
         for bucket in self.buckets:
-            bucket.waiting, bucket.flat, bucket.work = len(bucket.params), None, None
-            bucket.counts = dict.fromkeys((id(p) for p in bucket.params), 0)
+            bucket.flat, bucket.work = None, None
+            if scale is not None:  # (counted only when buckets may go out early)
+                bucket.waiting = len(bucket.params)
+                bucket.counts = dict.fromkeys((id(p) for p in bucket.params), 0)
 
     def _accumulated(self, param: Tensor) -> None:
         if self._scale is None:

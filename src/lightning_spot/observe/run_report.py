@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from lightning_spot.checkpoint.durable.journal import (
+    EVENTS,
     PIPELINE_HISTORY,
     RECOVERY_PHASES,
     read_events,
@@ -73,8 +74,16 @@ def pipeline_histories(storage: Storage) -> list[str]:
     except FileNotFoundError:
         return []
     return sorted(
-        n for n in names if n.startswith(PIPELINE_HISTORY) and read_events(Storage(storage.url_of(n), storage.options))
+        n for n in names if n.startswith(PIPELINE_HISTORY) and _has_events(Storage(storage.url_of(n), storage.options))
     )
+
+
+def _has_events(storage: Storage) -> bool:
+    """Whether a history folder holds any event (listed, not read)."""
+    try:
+        return any(name.endswith(".json") for name in storage.sizes(EVENTS))
+    except FileNotFoundError:
+        return False
 
 
 def _run_of(storage: Storage) -> Storage:
