@@ -126,7 +126,7 @@ def _torchrun(config: dict[str, Any], log: Path) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "lightning_spot.launch",  # lightning-spot run's agent: forked workers, a clean leave
+            "lightning_spot_launch",  # lightning-spot run's agent: forked workers, a clean leave
             "--standalone",
             "--nproc-per-node=2",
             "--max-restarts=1",

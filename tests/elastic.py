@@ -54,7 +54,7 @@ class Agent:
             [
                 sys.executable,
                 "-m",
-                "lightning_spot.launch",
+                "lightning_spot_launch",
                 f"--nnodes={nnodes}",
                 f"--nproc-per-node={nproc}",
                 f"--max-restarts={max_restarts}",

@@ -24,7 +24,6 @@ ROWS = {
     "fault": 2,
     "layout": 1,
     "preemption": 1,
-    "launch": 0,
     "_dist": 0,
     "_units": 0,
     "_version": 0,

@@ -1,4 +1,4 @@
-"""lightning-spot run's agent (``python -m lightning_spot.launch``): restarted workers are forks of a server that
+"""lightning-spot run's agent (``python -m lightning_spot_launch``): restarted workers are forks of a server that
 imported Lightning already; a node that leaves the rendezvous is not waited for."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _launch(tmp_path: Path, *flags: str) -> dict[str, dict]:
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, "-m", "lightning_spot.launch", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    cmd = [sys.executable, "-m", "lightning_spot_launch", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
     proc = subprocess.run([*cmd, *flags, str(script), str(tmp_path)], env=env, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     return {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("rank*-attempt*.json")}
@@ -60,7 +60,7 @@ def test_a_node_that_left_is_not_waited_for() -> None:
     last call instead of waiting 30 s for the leaver's heartbeats to expire (its join times out at 10 s)."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from lightning_spot.launch import rendezvous
+    from lightning_spot_launch import rendezvous
 
     port = free_port()
 
@@ -99,7 +99,7 @@ def test_run_passes_the_launcher_flags(flag: str | None, capsys: pytest.CaptureF
     extra = [flag] if flag else ["--preload", "transformers"]
     assert main(["run", "--dry-run", *extra, "train.py"]) == 0
     line = capsys.readouterr().out
-    assert "-m lightning_spot.launch" in line and (flag or "--preload=transformers") in line
+    assert "-m lightning_spot_launch" in line and (flag or "--preload=transformers") in line
 
 
 def test_heartbeat_default_follows_the_node_count(capsys: pytest.CaptureFixture[str]) -> None:

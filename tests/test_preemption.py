@@ -249,7 +249,7 @@ def test_run_wrapper_builds_the_elastic_torchrun_command(capsys: pytest.CaptureF
     line = capsys.readouterr().out
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line
     for part in (
-        "-m lightning_spot.launch",
+        "-m lightning_spot_launch",
         "--nproc-per-node=8",
         "--max-restarts=100",
         "--nnodes=1:4",

@@ -4,7 +4,7 @@
     lightning-spot run --nnodes 1:4 --nproc-per-node 8 --rdzv-endpoint head:29400 train.py
     lightning-spot run --replica-groups 3 --nproc-per-node 2 train.py          # fault_tolerance="torchft"
 
-It runs torchrun's agent through ``python -m lightning_spot.launch`` (workers forked from a server that has
+It runs torchrun's agent through ``python -m lightning_spot_launch`` (workers forked from a server that has
 imported torch and Lightning once; a node stopped by a notice leaves the rendezvous at once) and adds
 ``--max-restarts`` (preemptions exit with code 75 and are restarted), a c10d rendezvous (or ``--standalone`` for
 a fixed single node) whose heartbeat (``--keep-alive``) decides how soon a node that died is given up and whose
@@ -55,7 +55,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "lightning_spot.launch",
+        "lightning_spot_launch",
         f"--nproc-per-node={args.nproc_per_node}",
         f"--max-restarts={args.max_restarts}",
         f"--monitor-interval={args.monitor_interval}",

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from lightning_spot.launch import AGENT_PID_ENV
 from lightning_spot.preemption.cloud import POLLERS
 from lightning_spot.preemption.coordinate import earliest, gather
 from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE, Notice
+from lightning_spot_launch import AGENT_PID_ENV
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The elastic launcher behind ``lightning-spot run`` (``python -m lightning_spot.launch <torchrun flags>``).
+"""The elastic launcher behind ``lightning-spot run`` (``python -m lightning_spot_launch <torchrun flags>``).
 
 torchrun's agent, with what a restart on spot capacity needs:
 
@@ -7,7 +7,9 @@ torchrun's agent, with what a restart on spot capacity needs:
 - a node whose agent is stopped by a notice leaves the rendezvous at once (``rendezvous``), so the others do not
   wait out its keep-alive.
 
-Kept light: the preemption code reads :data:`AGENT_PID_ENV` from here.
+A top-level package beside ``lightning_spot``, not inside it: importing ``lightning_spot`` imports Lightning (~3 s
+on small machines), and the agent of a node that joins should reach the rendezvous in ~1 s, as torchrun's does.
+The preemption code reads :data:`AGENT_PID_ENV` from here.
 """
 
 #: the agent's process id, in every worker's environment (a forked worker's parent is the fork server)

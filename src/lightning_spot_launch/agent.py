@@ -1,6 +1,6 @@
 """torchrun's agent with spot-ready restarts: forked workers and a clean leave (see the package docstring).
 
-    python -m lightning_spot.launch --nnodes 1:4 --nproc-per-node 2 --rdzv-backend c10d \\
+    python -m lightning_spot_launch --nnodes 1:4 --nproc-per-node 2 --rdzv-backend c10d \\
         --rdzv-endpoint head:29400 train.py --my-arg 1
 
 Takes torchrun's flags, plus ``--preload MODULES`` (more modules for the fork server, e.g. ``transformers``)
@@ -13,8 +13,8 @@ import os
 import uuid
 from collections.abc import Callable, Sequence
 
-from lightning_spot.launch import AGENT_PID_ENV, rendezvous
-from lightning_spot.launch.forked import forked_entrypoint
+from lightning_spot_launch import AGENT_PID_ENV, rendezvous
+from lightning_spot_launch.forked import forked_entrypoint
 
 
 def main(argv: Sequence[str]) -> int:
