@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+LITDATA_SPEC="litdata==0.2.76"  # pinned: lightning_spot.streaming.LITDATA_VERSION
 what="${1:-}"
 shift || true
 
@@ -29,6 +30,12 @@ setup() {
   if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse, matplotlib, ruff, mypy, transformers" >/dev/null 2>&1; then
     echo "quickstart: installing lightning-spot with its test extras"
     "$py" -m pip install --quiet -e ".[test]"
+  fi
+  if ! "$py" -c "import litdata" >/dev/null 2>&1; then
+    # without its dependencies: LitData's torchvision requirement would replace the CPU torch with a CUDA build
+    # (the ones it needs to import come with the [stream] extra, part of [test])
+    echo "quickstart: installing $LITDATA_SPEC (--no-deps)"
+    "$py" -m pip install --quiet --no-deps "$LITDATA_SPEC"
   fi
 }
 

@@ -123,8 +123,13 @@ def make_loader(
     tokens: bool = False,
     padded: str = "",
     stream: bool = False,
+    litdata: str = "",
     **kwargs: Any,
 ) -> DataLoader:
+    if litdata:  # a LitData StreamingDataLoader over tests.litdata_data.write_litdata's chunks (sharded mode)
+        from tests.litdata_data import litdata_loader
+
+        return litdata_loader(litdata, batch_size, shuffle=shuffle, **kwargs)  # type: ignore[no-any-return]
     if stream:  # an IterableDataset with a position (global-stream mode)
         return DataLoader(StreamDataset(n, shuffle), batch_size=batch_size, **kwargs)
     if padded:  # padded fine-tuning batches (dicts) for tests.hf_models.FineTune: "sft", "mlm" or "classify"

@@ -2,18 +2,33 @@
 
     loader = stream_dataloader(loader, dp_rank=1, dp_size=2, divisor=4, progress=lambda: batches_trained)
 
-Mode "global stream" (the one built so far): every data-parallel replica reads the same unsharded stream in
+Mode "global stream" (the default): every data-parallel replica reads the same unsharded stream in
 global batches (the user's DataLoader ``batch_size``) and keeps its share of each, with the same slice arithmetic
 as map-style data (``lightning_spot.data``). The stream's state does not depend on the layout, so a resume onto
 any P x D continues at the right sample. The price: every replica reads the whole stream (D times the reading
 of one), and every stage of a replica reads it too.
 
-The contract (checked at setup, ``contract``): the dataset is stateful, ``state_dict()`` / ``load_state_dict()``
+Mode "sharded" (a LitData ``StreamingDataset``, ``litdata_shards``): each replica reads only its own shard, LitData
+being told the replica index and D; resumes go through LitData's elastic path, so global batch k is the same set of
+samples on any layout and worker count.
+
+The contract of the global-stream mode (checked at setup, ``contract``): the dataset is stateful, ``state_dict()`` / ``load_state_dict()``
 returning and taking its position, and iterating it continues from that position; with ``num_workers > 0`` that
 state lives in the worker processes, so a plain DataLoader must use ``num_workers=0``.
 """
 
 from lightning_spot.streaming.contract import check_stream, is_stream
-from lightning_spot.streaming.global_stream import GlobalStreamLoader, peek_batch, stream_dataloader
+from lightning_spot.streaming.global_stream import GlobalStreamLoader
+from lightning_spot.streaming.litdata_shards import LITDATA_VERSION, ShardedStreamLoader, is_litdata
+from lightning_spot.streaming.modes import peek_batch, stream_dataloader
 
-__all__ = ["GlobalStreamLoader", "check_stream", "is_stream", "peek_batch", "stream_dataloader"]
+__all__ = [
+    "LITDATA_VERSION",
+    "GlobalStreamLoader",
+    "ShardedStreamLoader",
+    "check_stream",
+    "is_litdata",
+    "is_stream",
+    "peek_batch",
+    "stream_dataloader",
+]

@@ -154,20 +154,3 @@ class GlobalStreamLoader:
                 f"batch_size={self.batch_size}. Keep batch_size={saved} to continue the same training."
             )
         self._pending = state
-
-
-def stream_dataloader(loader: DataLoader, **share: Any) -> GlobalStreamLoader:
-    """``loader`` (over a stateful ``IterableDataset``) as this replica's share of each global batch; ``share``:
-    :class:`GlobalStreamLoader`'s keyword arguments (the global-stream mode is the only one so far)."""
-    return GlobalStreamLoader(loader, **share)
-
-
-def peek_batch(loader: DataLoader) -> Any:
-    """The first batch of ``loader`` without moving a stateful stream (its position is put back)."""
-    dataset: Any = loader.dataset
-    saved = copy.deepcopy(dataset.state_dict()) if callable(getattr(dataset, "state_dict", None)) else None
-    try:
-        return next(iter(loader))
-    finally:
-        if saved is not None:
-            dataset.load_state_dict(saved)

@@ -1,0 +1,218 @@
+"""Mode "sharded": LitData's ``StreamingDataset``, each data-parallel replica reading only its own shard.
+
+LitData splits a dataset's chunks among "ranks" that it finds in ``torch.distributed``; under a pipeline that
+world is P x D processes, of which the P stages of one replica must read the same samples. Each replica's loader
+is therefore rebuilt with LitData's environment set to (replica index, D) — never the global rank — and with a
+local batch of ``batch_size / D``, so that the D local batches of a step make up one global batch.
+
+Resuming: every replica's state carries the number of samples the *whole job* took in the pass
+(``sample_in_epoch``: replicas run in lockstep, so any replica's state will do), and every resume goes through
+LitData's elastic path (its "canonical" order of the first layout's stream, restriped onto the present replicas and
+workers). Global batch ``k`` of a pass is then the same set of samples on every layout and worker count. A new pass
+on a layout other than the first also follows the first layout's order (LitData alone would reshuffle it for the
+present layout). Where LitData cannot be exact: with ``drop_last`` (forced here: replicas must stay in lockstep), the
+few samples of a pass that do not fill ``num_workers x batch_size`` on every replica can differ between layouts.
+
+Relies on LitData's private ``_DistributedEnv`` and on its state's fields: pinned to :data:`LITDATA_VERSION`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from lightning_spot.data import explain_indivisible_batch
+from lightning_spot.layout import LayoutError
+
+#: the LitData release whose resume fields and environment override this mode is written (and tested) against
+LITDATA_VERSION = "0.2.76"
+
+
+def is_litdata(loader: Any) -> bool:
+    """Whether ``loader`` reads a LitData ``StreamingDataset`` (without importing LitData when it is not in use)."""
+    dataset = getattr(loader, "dataset", None)
+    return isinstance(loader, DataLoader) and type(dataset).__module__.startswith("litdata.")
+
+
+@contextlib.contextmanager
+def replica_environment(dp_size: int, dp_rank: int) -> Iterator[Any]:
+    """LitData's view of the job while a replica's loader is built, resumed or measured: ``dp_size`` ranks (one per
+    replica, all on one node so that the order does not depend on the machines), this replica being ``dp_rank``."""
+    from litdata.utilities.env import _DistributedEnv
+
+    env = _DistributedEnv(dp_size, dp_rank, 1)
+    original = _DistributedEnv.__dict__["detect"]
+    _DistributedEnv.detect = classmethod(lambda cls: env)
+    try:
+        yield env
+    finally:
+        _DistributedEnv.detect = original
+
+
+def _check_version() -> None:
+    import litdata
+
+    if litdata.__version__ != LITDATA_VERSION:
+        warnings.warn(
+            f"lightning-spot's sharded mode is tested with litdata=={LITDATA_VERSION}, this is {litdata.__version__}: "
+            f"its resume relies on LitData's state fields; install `pip install --no-deps litdata=={LITDATA_VERSION}` "
+            f"if a resume does not continue at the right sample.",
+            stacklevel=3,
+        )
+
+
+class ShardedStreamLoader:
+    """This replica's shard of a LitData stream, in local batches of ``batch_size / D``, with Lightning's
+    stateful-loader protocol: its state is LitData's after the last *trained* global batch."""
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        divisor: int | None,
+        progress: Callable[[], int] | None = None,
+        weights: Sequence[int] | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        from litdata import StreamingDataLoader
+
+        _check_version()
+        if weights is not None:
+            raise LayoutError(
+                "LitData's sharded mode gives every data-parallel replica an equal share of each global batch, but "
+                "pipelines of mixed depths train unequal shares. Use pipelines of one depth (pipeline_depths=None), "
+                "or a stream with state_dict()/load_state_dict() in global-stream mode."
+            )
+        rows = int(loader.batch_size or 0)
+        micro = (divisor // dp_size) if divisor else 1
+        if rows % dp_size or (rows // dp_size) % micro:
+            raise LayoutError(explain_indivisible_batch(rows, dp_size, micro if micro > 1 else None, world_size))
+        self.dp_rank, self.dp_size, self.progress = dp_rank, dp_size, progress
+        self.batch_size = rows
+        dataset: Any = loader.dataset
+        self.dataset = dataset
+        dataset.set_drop_last(True)  # replicas in lockstep: equal numbers of batches
+        collate = loader.collate_fn
+        collate = getattr(collate, "collate_fn", collate)  # (LitData wraps the user's collate function)
+        with replica_environment(dp_size, dp_rank) as env:
+            dataset.distributed_env = env
+            self.inner = StreamingDataLoader(
+                dataset,
+                batch_size=rows // dp_size,
+                num_workers=loader.num_workers,
+                collate_fn=collate,
+                pin_memory=loader.pin_memory,
+            )
+        self._positions: dict[int, dict[str, Any]] = {}  # global batches trained in this pass -> our state
+        self._next = 0  # global batches read in this pass
+        self._ended = False  # this pass's last batch was read
+        self._pending: dict[str, Any] | None = None
+        self._template: dict[str, Any] | None = None  # LitData's latest state: it knows the first layout
+
+    def _layout(self) -> tuple[int, int, int]:
+        """(replicas, workers, local batch) of this run."""
+        return self.dp_size, max(1, self.inner.num_workers), int(self.inner.batch_size or 1)
+
+    def _first_layout(self) -> tuple[int, int, int]:
+        """(replicas, workers, local batch) of the run that began the stream: its order is the one kept."""
+        if self._template is None:
+            return self._layout()
+        first = self._template["dataset"]
+        return int(first["initial_world_size"]), int(first["initial_num_workers"]), int(first["initial_batch_size"])
+
+    def __len__(self) -> int:
+        """Global batches per pass: the first layout's (LitData deals a pass in local batches, whole ones to every
+        replica, and drops the rest), on every layout, so that replicas stay in lockstep after any resume."""
+        replicas, _, local = self._first_layout()
+        samples = sum(end - start for start, end in self.dataset.region_of_interest)
+        return (samples // local) // replicas
+
+    def _load(self, litdata_state: dict[str, Any]) -> None:
+        """Resume LitData at ``litdata_state``'s position through its elastic path (on the same layout too: one
+        path), which follows the first layout's order whatever the present replicas and workers."""
+        state = copy.deepcopy(litdata_state)
+        state["num_samples_yielded"] = state["dataset"]["num_samples_yielded"] = 0  # the job's: sample_in_epoch
+        state["latest_worker_idx"] = 0
+        state["dataset"]["resume_mode"] = "elastic"
+        state["dataset"]["current_epoch"] = state["current_epoch"]  # (stale with workers: the loader's is right)
+        self.dataset.current_epoch = state["current_epoch"]  # (LitData sets it in the workers' copies only)
+        state["dataset"]["drop_last"] = False  # (LitData would drop a pass's last workers x batch; __len__ cuts it)
+        self.dataset.set_drop_last(False)
+        self._template = copy.deepcopy(state)
+        with replica_environment(self.dp_size, self.dp_rank):
+            self.inner.load_state_dict(state)
+
+    def _pass_start(self, epoch: int) -> dict[str, Any]:
+        """Our state for the start of LitData's pass ``epoch``: in the first layout's order once that is known."""
+        if self._template is None:
+            return {"litdata": None, "epoch": epoch}
+        state = copy.deepcopy(self._template)
+        state["current_epoch"] = epoch
+        state["dataset"].update(current_epoch=epoch, sample_in_epoch=0)
+        return {"litdata": state}
+
+    def __iter__(self) -> Iterator[Any]:
+        pending, self._pending = self._pending, None
+        if pending is None:  # a new pass in this process (LitData would order it for this layout: keep the first's)
+            pending = self._pass_start(self.inner.current_epoch + 1)
+            if pending["litdata"] is not None and self._first_layout() == self._layout():
+                pending = {"litdata": None, "epoch": self.inner.current_epoch + 1}
+            pending["global_batches_done"] = 0
+        if pending.get("litdata") is not None:
+            self._load(pending["litdata"])
+        else:  # LitData's own order for this layout, the first one
+            self.inner.current_epoch = int(pending["epoch"]) - 1  # (LitData counts the new pass itself)
+            self.inner.restore = False  # (left set when a resumed pass was cut at __len__)
+            self.dataset.set_drop_last(True)
+        self._next, self._ended = int(pending["global_batches_done"]), False
+        self._positions = {self._next: {k: v for k, v in pending.items() if k in ("litdata", "epoch")}}
+        source, end = iter(self.inner), len(self)
+        while True:
+            try:
+                if self._next >= end:
+                    raise StopIteration
+                with replica_environment(self.dp_size, self.dp_rank):
+                    batch = next(source)
+            except StopIteration:
+                self._ended = True
+                return
+            self._next += 1
+            self._template = self.inner.state_dict()
+            self._positions[self._next] = {"litdata": copy.deepcopy(self._template)}
+            for old in [i for i in self._positions if i < self._next - 4]:
+                del self._positions[old]
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.progress is None or not self._positions:
+            return dict(self._pending or {})
+        done = int(self.progress())
+        if done not in self._positions:
+            raise RuntimeError(f"LitData's position after {done} global batches was not kept (read {self._next})")
+        position = self._positions[done]
+        if done == self._next and (self._ended or done >= len(self)):  # the pass is over: a resume starts the next
+            position, done = self._pass_start(self.inner.current_epoch + 1), 0  # (as Lightning's count: knows len)
+        return {"mode": "sharded", "global_batches_done": done, "global_batch_size": self.batch_size, **position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if state.get("mode") != "sharded":
+            raise LayoutError(
+                "the checkpoint's data position is not a LitData stream's (it was trained on a map-style Dataset or "
+                "another kind of stream): resume with the same kind of training data"
+            )
+        saved = state.get("global_batch_size")
+        if saved != self.batch_size:
+            raise LayoutError(
+                f"The checkpoint was trained with a global batch of {saved} samples but this run's DataLoader uses "
+                f"batch_size={self.batch_size}. Keep batch_size={saved} to continue the same training."
+            )
+        self._pending = state
