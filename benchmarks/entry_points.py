@@ -11,6 +11,8 @@ The ways (none sets thread counts; the environment is whatever this script was s
 * ``torchrun``: ``lightning-spot run --nproc-per-node 4 examples/gpt/train.py --timeline-steps 0``;
 * ``stream``: the script with ``--stream``: the same text as token shards in a local directory, read as a stream
   (global-stream mode: every replica reads the whole stream). ``--ways script,stream`` compares the two.
+* ``litdata``: the script with ``--litdata``: the same windows written by LitData's ``optimize``, each replica
+  reading its own shard (sharded mode). ``--ways script,stream,litdata`` compares the three.
 
 Each prints the ``PipelineThroughput`` line; the table shows the median samples/s per way over the
 rounds (ways alternate order between rounds) and each way against the median of all of them.
@@ -30,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 THROUGHPUT = re.compile(r"throughput \((\S+) (\S+) M=(\d+)\): ([\d.]+) samples/s")
-WAYS = ("demo", "script", "cli", "torchrun")  # and "stream", on request
+WAYS = ("demo", "script", "cli", "torchrun")  # and "stream", "litdata" on request
 
 
 def command(way: str, root: Path, steps: int) -> list[str]:
@@ -39,8 +41,8 @@ def command(way: str, root: Path, steps: int) -> list[str]:
     common = ["--max-steps", str(steps), "--no-resume", "--root", str(root), "--val-every", str(10 * steps)]
     if way == "demo":
         return ["bash", "scripts/quickstart.sh", "demo", *common]
-    if way in ("script", "stream"):
-        stream = ["--stream"] if way == "stream" else []
+    if way in ("script", "stream", "litdata"):
+        stream = [f"--{way}"] if way != "script" else []
         return [python, "examples/gpt/train.py", *common, "--timeline-steps", "0", *stream]
     if way == "torchrun":
         return [exe, "run", "--nproc-per-node", "4", "examples/gpt/train.py", *common, "--timeline-steps", "0"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -61,6 +62,25 @@ def test_example_streams_token_shards_and_resumes_on_another_layout(tmp_path: Pa
     line = re.search(r"done: layout P1xD2, train_loss ([\d.]+)", out)
     assert "resumed from step 8" in out and line, out[-3000:]
     assert float(line.group(1)) < 5.2  # ln(256) = 5.55 at the start
+
+
+@pytest.mark.slow
+def test_example_reads_litdata_shards_and_resumes_on_another_layout(tmp_path: Path) -> None:
+    """``--litdata``: the windows written with LitData's optimize and read by its StreamingDataset (sharded mode:
+    each replica its own shard); P2xD1 then P1xD2, which resumes at the next global batch and goes on learning."""
+    pytest.importorskip("litdata")
+    common = [sys.executable, "examples/gpt/train.py", "--devices", "2", "--val-every", "4", "--litdata"]
+    common += ["--checkpoint-every", "4", "--root", str(tmp_path), "--timeline-steps", "0"]
+    out = run_with_lightning_launcher([*common, "--max-steps", "8", "--microbatches", "2"])
+    assert "done: layout P2xD1" in out, out[-3000:]
+    assert (tmp_path / "litdata" / "index.json").is_file()
+    out = run_with_lightning_launcher([*common, "--max-steps", "12", "--pipeline-stages", "1", "--microbatches", "2"])
+    line = re.search(r"done: layout P1xD2, train_loss ([\d.]+)", out)
+    assert "resumed from step 8" in out and line, out[-3000:]
+    assert float(line.group(1)) < 5.2  # ln(256) = 5.55 at the start
+    manifest = json.loads((tmp_path / "spot_checkpoints" / "step-000000012" / "manifest.json").read_text())
+    data = manifest["lightning"]["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert data["mode"] == "sharded" and data["litdata"]["dataset"]["initial_world_size"] == 1, "P2xD1's order kept"
 
 
 @pytest.mark.slow

@@ -86,6 +86,24 @@ def test_report_tells_the_story_of_a_preempted_run(tmp_path: Path) -> None:
         assert needle in text, text
 
 
+def test_a_run_continued_after_it_finished_is_not_a_restart(tmp_path: Path) -> None:
+    """The same command again with a larger max_steps: a new attempt, neither a failure nor a preemption."""
+    _history(tmp_path)
+    t = 1_700_000_100.0
+    storage = Storage(str(tmp_path))
+    for i, e in enumerate(
+        [
+            {"kind": "start", "time": t, "step": 50, "resumed_step": 50, "layout": P2D1, "process_started": t - 5},
+            {"kind": "first_step", "time": t + 2, "step": 51, "global_batch": 32},
+            {"kind": "end", "time": t + 9, "step": 60},
+        ]
+    ):
+        storage.write_json(f"{EVENTS}/{100 + i:020d}-{e['kind']}.json", e)
+    report = build_report(storage)
+    assert len(report["attempts"]) == 3 and report["preemptions_survived"] == 1
+    assert report["time_lost_seconds"] == pytest.approx(23.8), "the pause between the two runs is not lost time"
+
+
 @pytest.mark.slow
 def test_report_cli_text_json_and_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")

@@ -41,9 +41,12 @@ class ByteTextDataModule(L.LightningDataModule):
         stride: int = 32,
         shuffle: bool = True,
         stream: str | None = None,
+        litdata: str | None = None,
     ) -> None:
         """``stream``: a URL (local directory, s3://...) to write the training bytes to as token shards and read
-        them back as a stream (``examples/gpt/stream.py``) instead of the map-style windows."""
+        them back as a stream (``examples/gpt/stream.py``) instead of the map-style windows; ``litdata``: a
+        directory to write the training windows to with LitData's ``optimize`` and read them back with its
+        ``StreamingDataset`` (``examples/gpt/litdata_shards.py``)."""
         super().__init__()
         self.save_hyperparameters()
 
@@ -52,6 +55,10 @@ class ByteTextDataModule(L.LightningDataModule):
             from examples.gpt.stream import write_shards
 
             write_shards(self.hparams.stream, self._train_bytes(), shard_tokens=8 * 1024)
+        if self.hparams.litdata:
+            from examples.gpt.litdata_shards import write_litdata
+
+            write_litdata(self.hparams.litdata, self._train_bytes(), self.hparams.block_size, self.hparams.stride)
 
     def _train_bytes(self) -> torch.Tensor:
         raw = torch.tensor(list(Path(self.hparams.path).read_bytes()), dtype=torch.long)
@@ -65,6 +72,10 @@ class ByteTextDataModule(L.LightningDataModule):
         self.val_set = ByteWindows(raw[split:], h.block_size, h.block_size)
 
     def train_dataloader(self) -> DataLoader:
+        if self.hparams.litdata:
+            from examples.gpt.litdata_shards import litdata_loader
+
+            return litdata_loader(self.hparams.litdata, self.hparams.batch_size)  # type: ignore[no-any-return]
         if self.hparams.stream:
             from examples.gpt.stream import TokenShardStream
 

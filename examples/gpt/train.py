@@ -5,6 +5,7 @@
     python examples/gpt/train.py --accelerator gpu --devices 8 --pipeline-stages 4 --n-layer 12
     python examples/gpt/train.py --offload parameters --schedule LoopedBFS --n-layer 8   # weights in host memory
     python examples/gpt/train.py --stream s3://bucket/corpus   # the text as token shards, read as a stream
+    python examples/gpt/train.py --litdata                     # the windows as LitData chunks, each replica its shard
 
 Checkpoints go to ROOT/spot_checkpoints (or --checkpoint-dir, e.g. s3://bucket/run); running the
 script again resumes from the latest one.
@@ -64,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="read the training text as a stream of token shards written to this URL (default ROOT/token_shards)",
     )
+    p.add_argument(
+        "--litdata",
+        nargs="?",
+        const="",
+        default=None,
+        help="write the training windows with LitData's optimize to this directory (default ROOT/litdata) and read "
+        "them back with its StreamingDataset, each replica its own shard (pip install --no-deps litdata==0.2.76)",
+    )
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
         "--timeline-steps",
@@ -89,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         max_steps=args.max_steps,
     )
     stream = (args.stream or str(Path(args.root) / "token_shards")) if args.stream is not None else None
-    data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size, stream=stream)
+    shards = (args.litdata or str(Path(args.root) / "litdata")) if args.litdata is not None else None
+    data = ByteTextDataModule(block_size=args.block_size, batch_size=args.batch_size, stream=stream, litdata=shards)
     throughput = PipelineThroughput(tokens_per_sample=args.block_size)
     checkpoints = SpotCheckpoint(
         dirpath=args.checkpoint_dir, every_n_train_steps=args.checkpoint_every, resume=not args.no_resume

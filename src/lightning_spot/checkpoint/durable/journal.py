@@ -117,6 +117,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     attempts = split_attempts(events)
     restarts = []
     for before, after in zip(attempts, attempts[1:]):
+        if any(e["kind"] == "end" for e in before):  # that attempt finished (max_steps): a later run continues it
+            continue
         last_step = max((e.get("step", 0) for e in before), default=0)
         last_time = max(e["time"] for e in before)
         start = after[0]
