@@ -101,9 +101,10 @@ class StreamDataset(torch.utils.data.IterableDataset):
         )
 
     def __iter__(self) -> Any:
-        if self.position >= len(self.data):
-            self.epoch, self.position = self.epoch + 1, 0
         order = self._order()
+        if self.position >= len(order):
+            self.epoch, self.position = self.epoch + 1, 0
+            order = self._order()
         while self.position < len(order):
             self.position += 1
             yield self.data[order[self.position - 1]]
@@ -115,6 +116,41 @@ class StreamDataset(torch.utils.data.IterableDataset):
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+class ReplicaStream(StreamDataset):
+    """Replica ``rank`` of ``replicas``'s part of :class:`StreamDataset`'s global batches of ``global_batch``
+    samples (its rows of each, in order): a per-replica stream, as ``split_dataset_by_node`` makes."""
+
+    def __init__(self, n: int, shuffle: bool, global_batch: int, rank: int, replicas: int) -> None:
+        super().__init__(n, shuffle)
+        self.global_batch, self.rank, self.replicas = global_batch, rank, replicas
+
+    def _order(self) -> list[int]:
+        order, g = super()._order(), self.global_batch
+        b = g // self.replicas
+        mine = [order[k * g + self.rank * b + j] for k in range(len(order) // g) for j in range(b)]
+        worker = torch.utils.data.get_worker_info()  # DataLoader workers: whole batches in turn, as it reads them
+        if worker is not None:
+            mine = [x for i, x in enumerate(mine) if (i // b) % worker.num_workers == worker.id]
+        return mine
+
+
+class ReplicaStreams(L.LightningDataModule):
+    """Per-replica streams (mode "fixed layout"), built once the strategy knows this process's replica: each
+    yields ``global_batch / D`` samples per step; together, :class:`StreamDataset`'s global batches."""
+
+    def __init__(self, batch_size: int = 16, n: int = 64, shuffle: bool = False, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.n, self.shuffle, self.num_workers = batch_size, n, shuffle, num_workers
+
+    def train_dataloader(self) -> DataLoader:
+        from lightning_spot.streaming import fixed_layout
+
+        replica = self.trainer.strategy.distributed_sampler_kwargs  # {"num_replicas": D, "rank": replica index}
+        d, rank = replica["num_replicas"], replica["rank"]
+        stream = ReplicaStream(self.n, self.shuffle, self.batch_size, rank, d)
+        return fixed_layout(DataLoader(stream, batch_size=self.batch_size // d, num_workers=self.num_workers))
+
+
 def make_loader(
     batch_size: int = 16,
     n: int = 64,
@@ -122,7 +158,7 @@ def make_loader(
     dict_batches: bool = False,
     tokens: bool = False,
     padded: str = "",
-    stream: bool = False,
+    stream: bool | str = False,
     litdata: str = "",
     **kwargs: Any,
 ) -> DataLoader:
@@ -130,6 +166,8 @@ def make_loader(
         from tests.litdata_data import litdata_loader
 
         return litdata_loader(litdata, batch_size, shuffle=shuffle, **kwargs)  # type: ignore[no-any-return]
+    if stream == "fixed":  # per-replica streams (a LightningDataModule: a replica's stream needs its index)
+        return ReplicaStreams(batch_size, n, shuffle, **kwargs)  # type: ignore[return-value]
     if stream:  # an IterableDataset with a position (global-stream mode)
         return DataLoader(StreamDataset(n, shuffle), batch_size=batch_size, **kwargs)
     if padded:  # padded fine-tuning batches (dicts) for tests.hf_models.FineTune: "sft", "mlm" or "classify"

@@ -100,6 +100,11 @@ def test_a_layout_litdata_cannot_share_equally_is_refused(shards: str) -> None:
         stream_dataloader(litdata_loader(shards, BATCH), dp_rank=0, dp_size=2, divisor=4, weights=[3, 1])
     with pytest.raises(LayoutError, match="cannot be split evenly into 5"):
         stream_dataloader(litdata_loader(shards, BATCH), dp_rank=0, dp_size=5, divisor=5)
+    from litdata import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset
+
+    combined = CombinedStreamingDataset([StreamingDataset(shards), StreamingDataset(shards)])
+    with pytest.raises(LayoutError, match="CombinedStreamingDataset is resumed by LitData only on the same layout"):
+        stream_dataloader(StreamingDataLoader(combined, batch_size=BATCH), dp_rank=0, dp_size=1, divisor=1)
     loader = stream_dataloader(litdata_loader(shards, BATCH), dp_rank=0, dp_size=2, divisor=2, progress=lambda: 0)
     assert isinstance(loader, ShardedStreamLoader)
     with pytest.raises(LayoutError, match="batch_size=12"):

@@ -293,6 +293,10 @@ class SpotPipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """This process's data-parallel replica: how a per-replica stream splits its data (not the global rank).
+        While setup samples a batch to plan the layout, before it exists: one replica holding all the data."""
+        if self._layout is None:
+            return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.layout.data_parallel, "rank": self.layout.dp_rank(self.global_rank)}
 
     @property

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from lightning_spot.checkpoint.jsonstate import decode, encode
+from lightning_spot.streaming.fixed_layout import replica_states
 
 FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -119,8 +120,17 @@ def split_checkpoint(
         tensors=tensors,
         optimizer_values=values,
         rng=capture_rng(),
-        lightning=_encode_lightning(checkpoint) if with_lightning else {},
+        lightning=_encode_lightning(checkpoint) if with_lightning else _replica_streams(checkpoint),
     )
+
+
+def _replica_streams(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The one part of the Lightning state that differs between replicas, for a rank that does not send the rest:
+    per-replica stream positions (mode "fixed layout"), which the manifest gathers from every replica."""
+    states = replica_states(checkpoint)
+    if states is None:
+        return {}
+    return {"loops": {"fit_loop": {"state_dict": {"combined_loader": encode(states, "per-replica stream states")}}}}
 
 
 def stored_name(key: str, aliases: dict[str, str]) -> str:

@@ -12,21 +12,29 @@ Mode "sharded" (a LitData ``StreamingDataset``, ``litdata_shards``): each replic
 being told the replica index and D; resumes go through LitData's elastic path, so global batch k is the same set of
 samples on any layout and worker count.
 
+Mode "fixed layout" (per-replica streams: torchdata's ``StatefulDataLoader``, a Hugging Face dataset split by
+node, or a loader marked with ``fixed_layout``): each replica's loader yields its own local batches and keeps its own
+position; a resume needs the same D and worker count (an error says so and names the modes that allow a change).
+
 The contract of the global-stream mode (checked at setup, ``contract``): the dataset is stateful, ``state_dict()`` / ``load_state_dict()``
 returning and taking its position, and iterating it continues from that position; with ``num_workers > 0`` that
 state lives in the worker processes, so a plain DataLoader must use ``num_workers=0``.
 """
 
 from lightning_spot.streaming.contract import check_stream, is_stream
+from lightning_spot.streaming.fixed_layout import FixedLayoutLoader, fixed_layout, is_fixed_layout
 from lightning_spot.streaming.global_stream import GlobalStreamLoader
 from lightning_spot.streaming.litdata_shards import LITDATA_VERSION, ShardedStreamLoader, is_litdata
 from lightning_spot.streaming.modes import peek_batch, stream_dataloader
 
 __all__ = [
     "LITDATA_VERSION",
+    "FixedLayoutLoader",
     "GlobalStreamLoader",
     "ShardedStreamLoader",
     "check_stream",
+    "fixed_layout",
+    "is_fixed_layout",
     "is_litdata",
     "is_stream",
     "peek_batch",

@@ -67,7 +67,8 @@ class GlobalStreamLoader:
         world_size: int | None = None,
     ) -> None:
         self.loader = loader
-        self.dataset = check_stream(loader)
+        self.dataset: Any = loader.dataset
+        self.source = self._position_source(loader)  # what saves and takes the stream's position
         self.dp_rank, self.dp_size, self.divisor = dp_rank, dp_size, divisor
         self.weights = list(weights) if weights is not None else None
         self.world_size = world_size
@@ -76,6 +77,9 @@ class GlobalStreamLoader:
         self._positions: dict[int, Any] = {}  # global batch index in this pass -> stream position before it
         self._next = 0  # index of the next global batch to read
         self._pending: dict[str, Any] | None = None
+
+    def _position_source(self, loader: DataLoader) -> Any:
+        return check_stream(loader)
 
     @property
     def sampler(self) -> Any:
@@ -86,14 +90,14 @@ class GlobalStreamLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._pending is not None:  # (saved after a pass's last batch, Lightning starts its next epoch itself)
             pending, self._pending = self._pending, None
-            self.dataset.load_state_dict(pending["stream"])
+            self.source.load_state_dict(pending["stream"])
             self._next = int(pending["global_batches_done"])
         else:
             self._next = 0
         self._positions = {}
         source = iter(self.loader)
         while True:
-            self._positions[self._next] = copy.deepcopy(self.dataset.state_dict())
+            self._positions[self._next] = copy.deepcopy(self.source.state_dict())
             for old in [i for i in self._positions if i < self._next - _KEPT]:
                 del self._positions[old]
             try:
@@ -129,7 +133,7 @@ class GlobalStreamLoader:
         if done in self._positions:
             position = self._positions[done]
         elif done == self._next:  # nothing read ahead
-            position = copy.deepcopy(self.dataset.state_dict())
+            position = copy.deepcopy(self.source.state_dict())
         else:
             raise RuntimeError(f"the stream's position after {done} global batches was not kept (read {self._next})")
         return {

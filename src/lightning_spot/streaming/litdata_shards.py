@@ -81,9 +81,15 @@ class ShardedStreamLoader:
         weights: Sequence[int] | None = None,
         world_size: int | None = None,
     ) -> None:
-        from litdata import StreamingDataLoader
+        from litdata import StreamingDataLoader, StreamingDataset
 
         _check_version()
+        if not isinstance(loader.dataset, StreamingDataset):
+            raise LayoutError(
+                f"spot_pipeline reads LitData's StreamingDataset in shards, resumed on any layout; a "
+                f"{type(loader.dataset).__name__} is resumed by LitData only on the same layout. Train from one "
+                f"StreamingDataset (several datasets can be written into one with litdata.optimize)."
+            )
         if weights is not None:
             raise LayoutError(
                 "LitData's sharded mode gives every data-parallel replica an equal share of each global batch, but "

@@ -7,16 +7,20 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_spot.streaming.fixed_layout import FixedLayoutLoader, is_fixed_layout
 from lightning_spot.streaming.global_stream import GlobalStreamLoader
 from lightning_spot.streaming.litdata_shards import ShardedStreamLoader, is_litdata
 
 
 def stream_dataloader(loader: DataLoader, **share: Any) -> GlobalStreamLoader | ShardedStreamLoader:
     """``loader`` (over an ``IterableDataset``) as this replica's part of each global batch: its own shard for a
-    LitData ``StreamingDataset`` (mode "sharded"), else its share of every global batch of the whole stream (mode
-    "global stream"); ``share``: the loaders' keyword arguments (replica index and count, micro-batches, ...)."""
+    LitData ``StreamingDataset`` (mode "sharded"), the loader's own batches for a per-replica stream (mode "fixed
+    layout"), else its share of every global batch of the whole stream (mode "global stream"); ``share``: the
+    loaders' keyword arguments (replica index and count, micro-batches, ...)."""
     if is_litdata(loader):
         return ShardedStreamLoader(loader, **share)
+    if is_fixed_layout(loader):
+        return FixedLayoutLoader(loader, **share)
     return GlobalStreamLoader(loader, **share)
 
 

@@ -27,6 +27,7 @@ from lightning_spot.checkpoint.durable.shares import KIND, upload_share
 from lightning_spot.checkpoint.durable.storage import MANIFEST, Storage, join, retry
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.payload import Payload
+from lightning_spot.streaming.fixed_layout import merge_replica_states, replica_states
 
 FORMAT = "lightning-spot-checkpoint/1"
 log = logging.getLogger(__name__)
@@ -98,14 +99,22 @@ def write_checkpoint(
         digests[rng_name] = storage.write_json(join(rel, rng_name), payload.rng)
     first = rank(group) == 0
     parts = gather_object_to_first(
-        (digests, payload.optimizer_values, payload.lightning if first else None, share), group
+        (
+            digests,
+            payload.optimizer_values,
+            payload.lightning if first else None,
+            share,
+            replica_states(payload.lightning),
+        ),
+        group,
     )
     if parts is None:
         return None
     files: dict[str, Any] = {}
     optimizer_values: list[dict[str, Any]] = []
     shares = {}
-    for rank_digests, values, _, rank_share in parts:
+    merge_replica_states(parts[0][2], [p[4] for p in parts])  # per-replica streams: every replica's position
+    for rank_digests, values, _, rank_share, _ in parts:
         files.update(rank_digests)
         if rank_share is not None:
             shares[str(rank_share[0])] = {k: rank_share[1][k] for k in ("names", "pp_rank")}

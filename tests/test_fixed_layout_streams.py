@@ -1,0 +1,163 @@
+"""Per-replica streams (mode "fixed layout"): each replica's loader yields its own local batches and keeps its own
+position; checkpoints keep every replica's; a resume needs the same D and worker count, or says which mode allows
+a change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_spot.layout import LayoutError
+from lightning_spot.streaming import FixedLayoutLoader, fixed_layout, is_fixed_layout, stream_dataloader
+from lightning_spot.streaming.fixed_layout import merge_replica_states, replica_states
+from tests.models import ReplicaStream, StreamDataset
+
+N, BATCH = 40, 8  # 5 global batches per pass
+
+
+def _global_batches(count: int) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    loader = DataLoader(StreamDataset(N), batch_size=BATCH)
+    while len(out) < count:
+        out += [x for x, _ in loader]
+    return out[:count]
+
+
+class Replicas:
+    """D replicas' per-replica loaders, read as Lightning reads: one batch ahead, a new pass after StopIteration."""
+
+    def __init__(self, d: int, workers: int = 0, state: dict | None = None, stateful: bool = False) -> None:
+        self.trained = int(state["global_batches_done"]) if state and "global_batches_done" in state else 0
+        if state and "replicas" in state:
+            self.trained = int(next(iter(state["replicas"].values()))["global_batches_done"])
+        self.loaders = [self._loader(r, d, workers, stateful) for r in range(d)]
+        for loader in self.loaders:
+            loader.load_state_dict(state or {})
+        self._begin()
+
+    def _loader(self, r: int, d: int, workers: int, stateful: bool) -> Any:
+        stream = ReplicaStream(N, True, BATCH, r, d)
+        if stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            plain: DataLoader = StatefulDataLoader(stream, batch_size=BATCH // d, num_workers=workers)
+        else:
+            plain = fixed_layout(DataLoader(stream, batch_size=BATCH // d, num_workers=workers))
+        return stream_dataloader(plain, dp_rank=r, dp_size=d, divisor=d, progress=lambda: self.trained)
+
+    def _begin(self) -> None:
+        self.its = [iter(loader) for loader in self.loaders]
+        self.ahead = [next(it, None) for it in self.its]
+
+    def step(self) -> torch.Tensor:
+        if self.ahead[0] is None:
+            self.trained = 0
+            self._begin()
+        batch = torch.cat([share[0] for share in self.ahead])
+        self.ahead = [next(it, None) for it in self.its]
+        self.trained += 1
+        return batch
+
+    def steps(self, count: int) -> list[torch.Tensor]:
+        return [self.step() for _ in range(count)]
+
+    def merged(self) -> dict[str, Any]:
+        """The state a durable checkpoint keeps: every replica's, gathered by the first rank."""
+        per_rank = [_lightning(loader.state_dict()) for loader in self.loaders]
+        manifest = _lightning(per_rank[0]["loops"]["fit_loop"]["state_dict"]["combined_loader"][0])
+        merge_replica_states(manifest, [replica_states(p) for p in per_rank])
+        return manifest["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+
+
+def _lightning(loader_state: dict) -> dict[str, Any]:
+    return {"loops": {"fit_loop": {"state_dict": {"combined_loader": [loader_state]}}}}
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_replicas_resume_their_own_streams_from_a_merged_or_own_state() -> None:
+    reference = _global_batches(12)
+    job = Replicas(2)
+    assert _same(job.steps(3), reference[:3]), "the replicas' local batches make up the global batches"
+    state = job.merged()
+    assert set(state["replicas"]) == {"0", "1"} and state["data_parallel"] == 2
+    assert state["replicas"]["1"]["stream"] == {"epoch": 0, "position": 3 * BATCH // 2}, "not read ahead"
+    again = Replicas(2, state=state)  # (P may change: only D and the workers matter)
+    assert _same(again.steps(4), reference[3:7]), "across the pass's end"
+    own = Replicas(2)
+    own.loaders[0].load_state_dict(again.loaders[0].state_dict())  # a snapshot: each rank its own
+    own.loaders[1].load_state_dict(again.loaders[1].state_dict())
+    own.trained = 2
+    own._begin()
+    assert _same(own.steps(2), reference[7:9])
+
+
+def test_a_resume_onto_another_width_or_worker_count_names_the_modes_that_allow_it() -> None:
+    job = Replicas(2)
+    job.steps(2)
+    state = job.merged()
+    with pytest.raises(
+        LayoutError, match=r"2 data-parallel replicas with num_workers=0; this run has 1.*global stream"
+    ):
+        Replicas(1, state=state)
+    with pytest.raises(LayoutError, match=r"num_workers=2.*sharded"):
+        Replicas(2, workers=2, state=state, stateful=True)
+    wrong = stream_dataloader(
+        fixed_layout(DataLoader(ReplicaStream(N, True, BATCH, 0, 2), batch_size=BATCH // 2)),
+        dp_rank=0,
+        dp_size=2,
+        divisor=2,
+    )
+    with pytest.raises(LayoutError, match="no position of replica 0"):
+        wrong.load_state_dict({**state, "replicas": {"1": state["replicas"]["1"]}})
+    with pytest.raises(LayoutError, match="mixed"):
+        stream_dataloader(
+            fixed_layout(DataLoader(StreamDataset(N), batch_size=4)), dp_rank=0, dp_size=2, divisor=4, weights=[3, 1]
+        )
+
+
+def test_a_stateful_dataloader_with_workers_resumes_exactly() -> None:
+    """torchdata's StatefulDataLoader is recognised as a per-replica stream; its state holds its workers'."""
+    pytest.importorskip("torchdata")
+    reference = _global_batches(5)
+    job = Replicas(2, workers=2, stateful=True)
+    assert isinstance(job.loaders[0], FixedLayoutLoader) and is_fixed_layout(job.loaders[0].loader)
+    assert _same(job.steps(3), reference[:3])
+    again = Replicas(2, workers=2, state=job.merged(), stateful=True)
+    assert _same(again.steps(2), reference[3:5])  # (within the pass: the test stream's next pass needs set_epoch)
+
+
+@pytest.mark.slow
+def test_a_chain_of_resumes_across_pipeline_depths_trains_like_one_process(tmp_path: Path) -> None:
+    """P2xD2 -> P1xD2 -> P2xD2 on per-replica streams (5 global batches per pass), resumed at steps 3 and 7: from
+    DCP shards, then from snapshot files. The final weights equal one single-process run over the whole stream."""
+    from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios
+
+    run, memory = str(tmp_path / "run"), str(tmp_path / "shm")
+    common: dict[str, Any] = {"model": {"scheduler": True}, "loader": {"batch_size": 16, "n": 80, "stream": "fixed"}}
+
+    def phase(name: str, stages: int, steps: int, spot: dict) -> dict[str, Any]:
+        spot = {**spot, "dirpath": run, "every_n_train_steps": 1, "keep_last": 2}
+        strategy = {"pipeline_stages": stages, "microbatches": 2}
+        return {**common, "name": name, "strategy": strategy, "trainer": {"max_steps": steps}, "spot_checkpoint": spot}
+
+    phases = [
+        (4, phase("fixed-1", 2, 3, {"snapshots": False})),
+        (2, phase("fixed-2", 1, 7, {"snapshot_dir": memory, "snapshot_every_n_train_steps": 1, "resume": True})),
+        (4, phase("fixed-3", 2, 12, {"snapshot_dir": memory, "resume": True})),
+    ]
+    results: dict[str, list[dict]] = {}
+    for i, (world, scenario) in enumerate(phases):
+        results.update(run_scenarios(world, [scenario], tmp_path / f"phase{i}", timeout=300))
+    assert {(r["restored_step"], r["restored_tier"]) for r in results["fixed-2"]} == {(3, "storage")}
+    assert {(r["restored_step"], r["restored_kind"]) for r in results["fixed-3"]} == {(7, "shares")}
+    # the reference: the whole stream's global batches, which the replicas' streams split between them
+    whole = {"batch_size": 16, "n": 80, "stream": True}
+    reference = reference_run({"model": {"scheduler": True}, "loader": whole, "trainer": {"max_steps": 12}})
+    assert_same_params(merged_state(results["fixed-3"]), reference)
