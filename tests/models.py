@@ -91,6 +91,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
         self.data = make_dataset(n)
         self.shuffle = shuffle
         self.epoch, self.position = 0, 0
+        self.samples_read = 0  # in this process (pipeline stages that receive their batches read none)
 
     def _order(self) -> list[int]:
         n = len(self.data)
@@ -107,6 +108,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
             order = self._order()
         while self.position < len(order):
             self.position += 1
+            self.samples_read += 1
             yield self.data[order[self.position - 1]]
 
     def state_dict(self) -> dict[str, int]:

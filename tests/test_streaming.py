@@ -144,6 +144,8 @@ def test_a_chain_of_resumes_across_layouts_trains_the_same_samples(tmp_path: Pat
             phase["spot_checkpoint"]["snapshot_every_n_train_steps"] = 1
         results.update(run_scenarios(world, [phase], tmp_path / f"phase{i}", timeout=300))
     assert [(r["restored_step"], r["restored_tier"]) for r in results["stream-2"]] == [(3, "storage")]
+    reads = {(r["stage_rank"], r["samples_read"] > 0) for r in results["stream-1"] + results["stream-3"]}
+    assert reads == {(0, True), (1, False)}, "only first stages read the stream; the others receive its batches"
     assert {(r["restored_step"], r["restored_tier"]) for r in results["stream-3"]} == {(7, "storage")}
     assert {r["restored_kind"] for r in results["stream-3"]} == {"shares"}, "a checkpoint of snapshot files"
     assert results["stream-2"][0]["restored_kind"] != "shares", "phase 1 wrote DCP shards"

@@ -78,7 +78,7 @@ from lightning_spot.runtime.process import (
     threads_set_by_user,
 )
 from lightning_spot.runtime.schedules import resolve_schedule
-from lightning_spot.streaming import is_stream, stream_dataloader
+from lightning_spot.streaming import is_stream, stage_feed, stream_dataloader
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -653,8 +653,10 @@ class SpotPipelineStrategy(ParallelStrategy):
             "progress": (lambda: epoch_loop.batch_progress.current.processed) if epoch_loop else None,  # type: ignore[attr-defined]
             "world_size": layout.grid.world_size,
         }
-        if is_stream(dataloader):
-            return stream_dataloader(dataloader, **share)
+        if is_stream(dataloader):  # read on the first stage only (but under torchft: each pipeline rank its own)
+            ctx = self._engine().ctx
+            group = ctx.pp_group if self._fault_tolerance is None and not layout.is_mixed else None
+            return stage_feed(stream_dataloader(dataloader, **share), group, reads=ctx.pp_rank == 0)
         return shard_dataloader(dataloader, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **share)
 
     # ------------------------------------------------------------- checkpoints

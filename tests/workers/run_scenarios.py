@@ -173,6 +173,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
         "pipeline": strategy.engine.ctx.dp_rank,
+        "stage_rank": strategy.engine.ctx.pp_rank,
+        "samples_read": getattr(getattr(loader, "dataset", None), "samples_read", None),  # (a test stream's count)
         "microbatches": strategy.engine.microbatches,
         "offload_levels": list(strategy.layout_choice.offload) if strategy.layout_choice else [],
         "reduced_during_backward": strategy.engine.cross.launched_early if strategy.engine.cross else None,

@@ -26,17 +26,20 @@ from lightning_spot.streaming.fixed_layout import FixedLayoutLoader, fixed_layou
 from lightning_spot.streaming.global_stream import GlobalStreamLoader
 from lightning_spot.streaming.litdata_shards import LITDATA_VERSION, ShardedStreamLoader, is_litdata
 from lightning_spot.streaming.modes import peek_batch, stream_dataloader
+from lightning_spot.streaming.stage_feed import StageFeed, stage_feed
 
 __all__ = [
     "LITDATA_VERSION",
     "FixedLayoutLoader",
     "GlobalStreamLoader",
     "ShardedStreamLoader",
+    "StageFeed",
     "check_stream",
     "fixed_layout",
     "is_fixed_layout",
     "is_litdata",
     "is_stream",
     "peek_batch",
+    "stage_feed",
     "stream_dataloader",
 ]

@@ -94,18 +94,26 @@ class GlobalStreamLoader:
             self._next = int(pending["global_batches_done"])
         else:
             self._next = 0
-        self._positions = {}
+        self._positions = {self._next: copy.deepcopy(self.source.state_dict())}
         source = iter(self.loader)
         while True:
-            self._positions[self._next] = copy.deepcopy(self.source.state_dict())
-            for old in [i for i in self._positions if i < self._next - _KEPT]:
-                del self._positions[old]
             try:
                 batch = next(source)
             except StopIteration:
                 return
             self._next += 1
+            self._positions[self._next] = copy.deepcopy(self.source.state_dict())  # (the position before the next)
+            for old in [i for i in self._positions if i < self._next - _KEPT]:
+                del self._positions[old]
             yield self._share(batch)
+
+    def mirror(self) -> dict[str, Any]:
+        """What :meth:`state_dict` answers from, for a stage that receives the batches instead of reading them."""
+        return {"_positions": self._positions, "_next": self._next, "_pending": None}
+
+    def take_mirror(self, fields: dict[str, Any]) -> None:
+        """Take :meth:`mirror` of the loader that read the batches (another stage of this pipeline)."""
+        self.__dict__.update(fields)
 
     def _share(self, batch: Any) -> Any:
         rows = batch_rows(batch)
@@ -132,7 +140,7 @@ class GlobalStreamLoader:
         done = int(self.progress())
         if done in self._positions:
             position = self._positions[done]
-        elif done == self._next:  # nothing read ahead
+        elif not self._positions and done == self._next:  # never read
             position = copy.deepcopy(self.source.state_dict())
         else:
             raise RuntimeError(f"the stream's position after {done} global batches was not kept (read {self._next})")

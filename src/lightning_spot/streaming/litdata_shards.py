@@ -196,6 +196,17 @@ class ShardedStreamLoader:
                 del self._positions[old]
             yield batch
 
+    def mirror(self) -> dict[str, Any]:
+        """What :meth:`state_dict` and ``len`` answer from, for a stage that receives the batches instead."""
+        fields = ("_positions", "_next", "_ended", "_template")
+        return {**{k: getattr(self, k) for k in fields}, "_pending": None, "epoch": self.inner.current_epoch}
+
+    def take_mirror(self, fields: dict[str, Any]) -> None:
+        """Take :meth:`mirror` of the loader that read the batches (another stage of this pipeline)."""
+        fields = dict(fields)
+        self.inner.current_epoch = fields.pop("epoch")
+        self.__dict__.update(fields)
+
     def state_dict(self) -> dict[str, Any]:
         if self.progress is None or not self._positions:
             return dict(self._pending or {})
@@ -222,3 +233,5 @@ class ShardedStreamLoader:
                 f"batch_size={self.batch_size}. Keep batch_size={saved} to continue the same training."
             )
         self._pending = state
+        if state.get("litdata") is not None:  # (the first layout: Lightning asks len() before the pass starts)
+            self._template = state["litdata"]
