@@ -34,7 +34,9 @@ def litdata_loader(directory: str, batch_size: int, shuffle: bool = True, num_wo
     return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers)
 
 
-def sample_ids(xs: torch.Tensor, n: int) -> list[int]:
-    """The indices in ``make_dataset(n)`` of the samples whose inputs are the rows of ``xs``, sorted."""
+def sample_ids(xs: torch.Tensor, n: int, ordered: bool = False) -> list[int]:
+    """The indices in ``make_dataset(n)`` of the samples whose inputs are the rows of ``xs``: sorted, or in the
+    rows' order (``ordered``)."""
     inputs = make_dataset(n).tensors[0]
-    return sorted(int((inputs == row).all(dim=1).nonzero()[0]) for row in xs)
+    ids = [int((inputs == row).all(dim=1).nonzero()[0]) for row in xs]
+    return ids if ordered else sorted(ids)

@@ -118,6 +118,17 @@ class StreamDataset(torch.utils.data.IterableDataset):
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+class OrderedPasses(torch.utils.data.IterableDataset):
+    """:func:`make_dataset`'s samples, pass ``k`` (the ``k``-th ``iter()``) in the order ``passes[k]``."""
+
+    def __init__(self, n: int, passes: list[list[int]]) -> None:
+        self.data, self.passes, self.epoch = make_dataset(n), passes, 0
+
+    def __iter__(self) -> Any:
+        order, self.epoch = self.passes[self.epoch], self.epoch + 1
+        return iter([self.data[i] for i in order])
+
+
 class ReplicaStream(StreamDataset):
     """Replica ``rank`` of ``replicas``'s part of :class:`StreamDataset`'s global batches of ``global_batch``
     samples (its rows of each, in order): a per-replica stream, as ``split_dataset_by_node`` makes."""
@@ -162,8 +173,11 @@ def make_loader(
     padded: str = "",
     stream: bool | str = False,
     litdata: str = "",
+    passes: list[list[int]] | None = None,
     **kwargs: Any,
 ) -> DataLoader:
+    if passes:  # make_dataset(n)'s samples, pass k in the order passes[k] (a LitData run's, for its reference)
+        return DataLoader(OrderedPasses(n, passes), batch_size=batch_size, **kwargs)
     if litdata:  # a LitData StreamingDataLoader over tests.litdata_data.write_litdata's chunks (sharded mode)
         from tests.litdata_data import litdata_loader
 

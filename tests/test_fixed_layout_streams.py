@@ -98,6 +98,19 @@ def test_replicas_resume_their_own_streams_from_a_merged_or_own_state() -> None:
     assert _same(own.steps(2), reference[7:9])
 
 
+def test_a_resume_at_a_pass_end_begins_the_next_pass() -> None:
+    """A checkpoint after a pass's last batch (5 global batches per pass), resumed twice in a row."""
+    reference = _global_batches(15)
+    job = Replicas(2)
+    assert _same(job.steps(5), reference[:5])
+    end = job.merged()
+    assert end["replicas"]["0"]["global_batches_done"] == 5
+    second = Replicas(2, state=end)  # (Lightning's count goes on: a stream without len ends its epoch when it stops)
+    assert _same(second.steps(5), reference[5:10]), "the next pass, in its own order"
+    third = Replicas(2, state=second.merged())
+    assert _same(third.steps(5), reference[10:15])
+
+
 def test_a_resume_onto_another_width_or_worker_count_names_the_modes_that_allow_it() -> None:
     job = Replicas(2)
     job.steps(2)

@@ -28,11 +28,14 @@ class Job:
     """D replicas read as Lightning's fit loop reads: one batch ahead of the one trained, the count of batches
     trained in the pass starting again at 0 when a pass ends (Lightning knows the pass's length)."""
 
-    def __init__(self, shards: str, replicas: int, workers: int = 0, state: dict | None = None) -> None:
+    def __init__(
+        self, shards: str, replicas: int, workers: int = 0, state: dict | None = None, n: int = N, batch: int = BATCH
+    ) -> None:
+        self.n = n
         self.trained = int(state["global_batches_done"]) if state else 0
         self.loaders = [
             stream_dataloader(
-                litdata_loader(shards, BATCH, num_workers=workers),
+                litdata_loader(shards, batch, num_workers=workers),
                 dp_rank=r,
                 dp_size=replicas,
                 divisor=replicas,
@@ -49,14 +52,14 @@ class Job:
         self.its = [iter(loader) for loader in self.loaders]
         self.ahead = [next(it, None) for it in self.its]
 
-    def step(self) -> list[int]:
+    def step(self, ordered: bool = False) -> list[int]:
         if self.ahead[0] is None:  # Lightning's next epoch
             self.trained = 0
             self._begin()
         batch = torch.cat([share[0] for share in self.ahead])
         self.ahead = [next(it, None) for it in self.its]
         self.trained += 1
-        return sample_ids(batch, N)
+        return sample_ids(batch, self.n, ordered)
 
     def steps(self, count: int) -> list[list[int]]:
         return [self.step() for _ in range(count)]
@@ -152,3 +155,21 @@ def test_a_chain_of_resumes_across_layouts_and_workers_trains_like_one_process(t
     assert {(r["restored_step"], r["restored_kind"]) for r in results["litdata-3"]} == {(7, "shares")}
     reference = reference_run({**common, "trainer": {"max_steps": 12}})
     assert_same_params(merged_state(results["litdata-3"]), reference)
+
+
+@pytest.mark.slow
+def test_the_survivors_of_a_lost_node_resume_litdata_from_memory(tmp_path: Path) -> None:
+    """Two nodes train P2xD2 on LitData's stream with snapshots every 2 steps; one node is SIGKILLed; the
+    survivors resume from memory on P2xD1 (D 2 -> 1) and train the global batches of the uninterrupted P2xD2 run."""
+    from tests.parity import assert_same_params, merged_state, reference_run
+    from tests.test_snapshots import STEPS, _two_nodes_lose_one
+
+    data = write_litdata(tmp_path / "data", 80)
+    finals = _two_nodes_lose_one(
+        tmp_path, run=str(tmp_path / "run"), loader={"batch_size": 16, "litdata": data, "shuffle": True}
+    )
+    d2 = Job(data, 2, n=80, batch=16)  # the passes of P2xD2 uninterrupted, each batch in its replicas' row order
+    passes = [[i for _ in range(5) for i in d2.step(ordered=True)] for _ in range(-(-STEPS // 5))]
+    whole = {"batch_size": 16, "n": 80, "passes": passes}
+    reference = reference_run({"model": {"scheduler": True}, "loader": whole, "trainer": {"max_steps": STEPS}})
+    assert_same_params(merged_state(finals), reference)

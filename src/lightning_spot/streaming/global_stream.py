@@ -108,12 +108,19 @@ class GlobalStreamLoader:
             yield self._share(batch)
 
     def mirror(self) -> dict[str, Any]:
-        """What :meth:`state_dict` answers from, for a stage that receives the batches instead of reading them."""
-        return {"_positions": self._positions, "_next": self._next, "_pending": None}
+        """What :meth:`state_dict` answers from, for a stage that receives the batches instead of reading them: the
+        batches read and the newest two positions (the others were sent with the batches before)."""
+        return {"next": self._next, "positions": {k: v for k, v in self._positions.items() if k >= self._next - 1}}
 
-    def take_mirror(self, fields: dict[str, Any]) -> None:
-        """Take :meth:`mirror` of the loader that read the batches (another stage of this pipeline)."""
-        self.__dict__.update(fields)
+    def take_mirror(self, fields: dict[str, Any], fresh: bool) -> None:
+        """Take :meth:`mirror` of the loader that read the batches (``fresh``: the first of a pass)."""
+        self._pending = None
+        if fresh:
+            self._positions = {}
+        self._positions.update(fields["positions"])
+        self._next = fields["next"]
+        for old in [i for i in self._positions if i < self._next - _KEPT]:
+            del self._positions[old]
 
     def _share(self, batch: Any) -> Any:
         rows = batch_rows(batch)

@@ -197,15 +197,24 @@ class ShardedStreamLoader:
             yield batch
 
     def mirror(self) -> dict[str, Any]:
-        """What :meth:`state_dict` and ``len`` answer from, for a stage that receives the batches instead."""
-        fields = ("_positions", "_next", "_ended", "_template")
-        return {**{k: getattr(self, k) for k in fields}, "_pending": None, "epoch": self.inner.current_epoch}
+        """What :meth:`state_dict` and ``len`` answer from, for a stage that receives the batches instead: the
+        batches read, the newest two positions (the others came before), the pass's end and LitData's epoch."""
+        positions = {k: v for k, v in self._positions.items() if k >= self._next - 1}
+        return {"next": self._next, "positions": positions, "ended": self._ended, "epoch": self.inner.current_epoch}
 
-    def take_mirror(self, fields: dict[str, Any]) -> None:
-        """Take :meth:`mirror` of the loader that read the batches (another stage of this pipeline)."""
-        fields = dict(fields)
-        self.inner.current_epoch = fields.pop("epoch")
-        self.__dict__.update(fields)
+    def take_mirror(self, fields: dict[str, Any], fresh: bool) -> None:
+        """Take :meth:`mirror` of the loader that read the batches (``fresh``: the first of a pass)."""
+        self._pending = None
+        if fresh:
+            self._positions = {}
+        self._positions.update(fields["positions"])
+        self._next, self._ended = fields["next"], fields["ended"]
+        self.inner.current_epoch = fields["epoch"]
+        for old in [i for i in self._positions if i < self._next - 4]:
+            del self._positions[old]
+        newest = self._positions.get(self._next, {}).get("litdata")
+        if newest is not None:
+            self._template = newest
 
     def state_dict(self) -> dict[str, Any]:
         if self.progress is None or not self._positions:

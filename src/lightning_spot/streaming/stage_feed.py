@@ -33,9 +33,11 @@ class StageFeed:
                 yield batch
             broadcast_object((_END, self.loader.mirror()), self.group)
             return
+        fresh = True
         while True:
             batch, fields = broadcast_object(None, self.group)
-            self.loader.take_mirror(fields)
+            self.loader.take_mirror(fields, fresh)
+            fresh = False
             if isinstance(batch, str) and batch == _END:
                 return
             yield batch
