@@ -293,9 +293,7 @@ class SpotPipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """This process's data-parallel replica: how a per-replica stream splits its data (not the global rank).
-        While setup samples a batch to plan the layout, before it exists: one replica holding all the data."""
-        if self._layout is None:
+        if self._layout is None:  # (setup samples a batch before the layout exists: one replica, all the data)
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.layout.data_parallel, "rank": self.layout.dp_rank(self.global_rank)}
 
@@ -653,10 +651,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             "progress": (lambda: epoch_loop.batch_progress.current.processed) if epoch_loop else None,  # type: ignore[attr-defined]
             "world_size": layout.grid.world_size,
         }
-        if is_stream(dataloader):  # read on the first stage only (but under torchft: each pipeline rank its own)
-            ctx = self._engine().ctx
-            group = ctx.pp_group if self._fault_tolerance is None and not layout.is_mixed else None
-            return stage_feed(stream_dataloader(dataloader, **share), group, reads=ctx.pp_rank == 0)
+        if is_stream(dataloader):  # read on the first stage only (every stage under torchft or mixed depths)
+            fed, ctx = self._fault_tolerance is None and not layout.is_mixed, self._engine().ctx
+            return stage_feed(stream_dataloader(dataloader, **share), ctx.pp_group if fed else None, ctx.pp_rank == 0)
         return shard_dataloader(dataloader, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **share)
 
     # ------------------------------------------------------------- checkpoints
