@@ -83,6 +83,10 @@ def test_replicas_read_their_shards_and_resume_onto_other_layouts_and_worker_cou
     state = first.state()
     assert state["global_batches_done"] == 3 and state["litdata"]["dataset"]["sample_in_epoch"] == 3 * BATCH
 
+    same = Job(shards, 2, state=state)  # LitData's own resume (the layout that wrote the state)
+    assert same.steps(6) == reference[3:9], "across the pass's end"
+    assert Job(shards, 2, state=same.state()).steps(2) == reference[9:11]
+
     one = Job(shards, 1, state=state)
     trained += one.steps(4)
     three = Job(shards, 3, workers=2, state=one.state())
@@ -96,6 +100,19 @@ def test_replicas_read_their_shards_and_resume_onto_other_layouts_and_worker_cou
 
     again = Job(shards, 1, state=end)  # from the end of the first pass: the second pass in the first layout's order
     assert again.steps(2) == reference[8:10]
+    assert Job(shards, 2, state=end).steps(2) == reference[8:10]
+
+
+def test_litdata_resumes_on_the_layout_and_workers_that_wrote_the_state_by_its_own_replay(shards: str) -> None:
+    """The same D and worker count: LitData's own resume (no canonical list of the pass), mid-pass and at its end."""
+    reference = Job(shards, 2, workers=2).steps(10)
+    first = Job(shards, 2, workers=2)
+    first.steps(3)
+    state = first.state()
+    assert "resume_mode" not in state["litdata"]["dataset"]
+    second = Job(shards, 2, workers=2, state=state)
+    assert second.steps(5) == reference[3:8]
+    assert Job(shards, 2, workers=2, state=second.state()).steps(2) == reference[8:10]
 
 
 def test_a_layout_litdata_cannot_share_equally_is_refused(shards: str) -> None:

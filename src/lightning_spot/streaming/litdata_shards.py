@@ -141,17 +141,26 @@ class ShardedStreamLoader:
         return (samples // local) // replicas
 
     def _load(self, litdata_state: dict[str, Any]) -> None:
-        """Resume LitData at ``litdata_state``'s position through its elastic path (on the same layout too: one
-        path), which follows the first layout's order whatever the present replicas and workers."""
+        """Resume LitData at ``litdata_state``'s position: on the layout and worker count that wrote it, LitData's
+        own resume (it replays each worker's prefix); else its elastic path, the first layout's order restriped
+        onto the present replicas and workers (it lists the pass's items in every worker: ~2 us per item)."""
         state = copy.deepcopy(litdata_state)
-        state["num_samples_yielded"] = state["dataset"]["num_samples_yielded"] = 0  # the job's: sample_in_epoch
-        state["latest_worker_idx"] = 0
-        state["dataset"]["resume_mode"] = "elastic"
-        state["dataset"]["current_epoch"] = state["current_epoch"]  # (stale with workers: the loader's is right)
+        ds = state["dataset"]
+        ds["current_epoch"] = state["current_epoch"]  # (stale with workers: the loader's is right)
         self.dataset.current_epoch = state["current_epoch"]  # (LitData sets it in the workers' copies only)
-        state["dataset"]["drop_last"] = False  # (LitData would drop a pass's last workers x batch; __len__ cuts it)
-        self.dataset.set_drop_last(False)
         self._template = copy.deepcopy(state)
+        same = ds.get("resume_mode") != "elastic" and (ds["world_size"], ds["num_workers"], ds["batch_size"]) == (
+            self._layout()
+        )
+        if same and ds["sample_in_epoch"] == 0:  # a pass's start, in LitData's own order for this layout
+            self.inner.current_epoch, self.inner.restore = state["current_epoch"] - 1, False
+            self.dataset.set_drop_last(True)
+            return
+        if not same:
+            state["num_samples_yielded"] = ds["num_samples_yielded"] = 0  # the job's position: sample_in_epoch
+            state["latest_worker_idx"] = 0
+            ds["resume_mode"], ds["drop_last"] = "elastic", False  # (its drop_last: a pass's last workers x batch;
+        self.dataset.set_drop_last(ds["drop_last"])  # __len__ cuts the pass instead)
         with replica_environment(self.dp_size, self.dp_rank):
             self.inner.load_state_dict(state)
 
@@ -160,8 +169,8 @@ class ShardedStreamLoader:
         if self._template is None:
             return {"litdata": None, "epoch": epoch}
         state = copy.deepcopy(self._template)
-        state["current_epoch"] = epoch
-        state["dataset"].update(current_epoch=epoch, sample_in_epoch=0)
+        state["current_epoch"], state["num_samples_yielded"], state["latest_worker_idx"] = epoch, 0, 0
+        state["dataset"].update(current_epoch=epoch, sample_in_epoch=0, num_samples_yielded=0)
         return {"litdata": state}
 
     def __iter__(self) -> Iterator[Any]:
