@@ -103,6 +103,7 @@ def test_replicas_read_their_shards_and_resume_onto_other_layouts_and_worker_cou
     assert Job(shards, 2, state=end).steps(2) == reference[8:10]
 
 
+@pytest.mark.slow  # (~20 s: worker processes started for every pass of every replica)
 def test_litdata_resumes_on_the_layout_and_workers_that_wrote_the_state_by_its_own_replay(shards: str) -> None:
     """The same D and worker count: LitData's own resume (no canonical list of the pass), mid-pass and at its end."""
     reference = Job(shards, 2, workers=2).steps(10)
