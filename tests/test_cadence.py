@@ -88,3 +88,15 @@ def test_the_interruption_history_comes_from_the_event_names(tmp_path: Path) -> 
     exposure, interruptions = interruption_history(storage)
     assert interruptions == 2
     assert exposure == pytest.approx(130 + RUNNING_GAP_SECONDS + 30 + RUNNING_GAP_SECONDS)
+
+
+def test_no_snapshots_and_a_snapshot_interval_together_are_refused() -> None:
+    """They contradict each other: the interval used to win silently."""
+    from lightning_spot import SpotCheckpoint
+
+    with pytest.raises(ValueError, match=r"snapshots=False, snapshot_every_n_train_steps=.*drop snapshot_every_n"):
+        SpotCheckpoint(snapshots=False, snapshot_every_n_train_steps=5)
+    with pytest.raises(ValueError, match="snapshot_every_n_seconds"):
+        SpotCheckpoint(snapshots=False, snapshot_every_n_seconds=30)
+    assert not SpotCheckpoint(snapshots=False).cadence.snapshots
+    assert SpotCheckpoint(snapshot_every_n_train_steps=5).cadence.snapshots

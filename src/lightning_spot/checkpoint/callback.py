@@ -125,6 +125,12 @@ class SpotCheckpoint(L.Callback):
             raise ValueError(f"snapshot_every_n_train_steps must be >= 1, got {snapshot_every_n_train_steps}")
         if snapshot_every_n_seconds is not None and snapshot_every_n_seconds <= 0:
             raise ValueError(f"snapshot_every_n_seconds must be > 0, got {snapshot_every_n_seconds}")
+        if not snapshots and (snapshot_every_n_train_steps or snapshot_every_n_seconds):
+            asked = "snapshot_every_n_train_steps" if snapshot_every_n_train_steps else "snapshot_every_n_seconds"
+            raise ValueError(
+                f"SpotCheckpoint(snapshots=False, {asked}=...) asks for no snapshots and for snapshots at an interval: "
+                f"drop {asked} to train without snapshots, or snapshots=False to take them at that interval."
+            )
         self.snapshot_every_n_train_steps = snapshot_every_n_train_steps
         self.snapshot_every_n_seconds = snapshot_every_n_seconds
         #: snapshots asked for by an interval (their absence is an error) or by default (a warning)
@@ -134,7 +140,7 @@ class SpotCheckpoint(L.Callback):
             snapshot_seconds=snapshot_every_n_seconds,
             durable_steps=every_n_train_steps,
             durable_minutes=every_n_minutes,
-            snapshots=snapshots or self._snapshots_explicit,
+            snapshots=snapshots,
         )
         #: how many snapshot and save records the cadence has been given (each is timed once its writing is over)
         self._snapshots_observed = self._saves_observed = 0
