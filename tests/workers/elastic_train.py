@@ -54,7 +54,8 @@ def main() -> None:
         keep_last=config.get("keep_last", 3),
         heartbeat_seconds=0.5,
         preemption=watcher,
-        snapshots=config.get("snapshots", False),  # the tests of the durable tier alone say nothing of snapshots
+        # the tests of the durable tier alone say nothing of snapshots: none unless an interval is given
+        snapshots=config.get("snapshots", bool(config.get("snapshot_every") or config.get("snapshot_every_seconds"))),
         snapshot_every_n_train_steps=config.get("snapshot_every"),
         snapshot_every_n_seconds=config.get("snapshot_every_seconds"),
         snapshot_dir=os.environ.get("SPOT_TEST_SNAPSHOT_DIR", config.get("snapshot_dir")),  # one per "node"
