@@ -6,7 +6,7 @@ Mode "global stream" (the default): every data-parallel replica reads the same u
 global batches (the user's DataLoader ``batch_size``) and keeps its share of each, with the same slice arithmetic
 as map-style data (``lightning_spot.data``). The stream's state does not depend on the layout, so a resume onto
 any P x D continues at the right sample. The price: every replica reads the whole stream (D times the reading
-of one), and every stage of a replica reads it too.
+of one; in every mode only a pipeline's first stage reads, ``stage_feed`` sends the batches to the others).
 
 Mode "sharded" (a LitData ``StreamingDataset``, ``litdata_shards``): each replica reads only its own shard, LitData
 being told the replica index and D; resumes go through LitData's elastic path, so global batch k is the same set of

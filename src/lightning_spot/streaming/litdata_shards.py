@@ -6,9 +6,10 @@ is therefore rebuilt with LitData's environment set to (replica index, D) — ne
 local batch of ``batch_size / D``, so that the D local batches of a step make up one global batch.
 
 Resuming: every replica's state carries the number of samples the *whole job* took in the pass
-(``sample_in_epoch``: replicas run in lockstep, so any replica's state will do), and every resume goes through
-LitData's elastic path (its "canonical" order of the first layout's stream, restriped onto the present replicas and
-workers). Global batch ``k`` of a pass is then the same set of samples on every layout and worker count. A new pass
+(``sample_in_epoch``: replicas run in lockstep, so any replica's state will do). On the layout and worker count
+that wrote a state, LitData's own replay resumes it; on any other, LitData's elastic path (its "canonical" order of
+the first layout's stream, restriped onto the present replicas and workers). Global batch ``k`` of a pass is then
+the same set of samples on every layout and worker count. A new pass
 on a layout other than the first also follows the first layout's order (LitData alone would reshuffle it for the
 present layout). Where LitData cannot be exact: with ``drop_last`` (forced here: replicas must stay in lockstep), the
 few samples of a pass that do not fill ``num_workers x batch_size`` on every replica can differ between layouts.
@@ -159,8 +160,9 @@ class ShardedStreamLoader:
         if not same:
             state["num_samples_yielded"] = ds["num_samples_yielded"] = 0  # the job's position: sample_in_epoch
             state["latest_worker_idx"] = 0
-            ds["resume_mode"], ds["drop_last"] = "elastic", False  # (its drop_last: a pass's last workers x batch;
-        self.dataset.set_drop_last(ds["drop_last"])  # __len__ cuts the pass instead)
+            # (LitData's elastic drop_last would drop a pass's last workers x batch samples; __len__ cuts the pass)
+            ds["resume_mode"], ds["drop_last"] = "elastic", False
+        self.dataset.set_drop_last(ds["drop_last"])
         with replica_environment(self.dp_size, self.dp_rank):
             self.inner.load_state_dict(state)
 

@@ -1,4 +1,5 @@
-"""Which resume mode reads a stream: LitData's ``StreamingDataset`` is sharded, any other stateful stream is global."""
+"""Which resume mode reads a stream: LitData's ``StreamingDataset`` is sharded, a per-replica stream keeps a fixed
+layout, any other stateful stream is global."""
 
 from __future__ import annotations
 
