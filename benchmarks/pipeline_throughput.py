@@ -32,6 +32,7 @@ Usage::
     python benchmarks/pipeline_throughput.py --layouts P2xD2,P1xD4 --steps 30 --json results.json
     python benchmarks/pipeline_throughput.py --impl hand --layouts P4xD1
     python benchmarks/pipeline_throughput.py --repeats 3                     # median of 3 runs per job
+    SPOT_BENCH_PROFILE=/tmp/prof python benchmarks/pipeline_throughput.py ...  # + a cProfile of every rank
 
 The workers run in the environment users have: nothing sets ``OMP_NUM_THREADS``. The strategy sizes
 its thread pools itself (``lightning_spot.runtime.process``); the hand-written loop calls
@@ -375,7 +376,16 @@ def _result(times: list[float], global_batch: int, loss: float) -> dict[str, Any
 
 def worker() -> None:
     job = json.loads(os.environ[JOB_ENV])
-    result = run_hand(job) if job["impl"] == "hand" else run_strategy(job)
+    profile_dir = os.environ.get("SPOT_BENCH_PROFILE")
+    if profile_dir:  # a cProfile of every rank's whole job, in PROFILE_DIR/<impl>-<layout>-rank<R>.prof
+        import cProfile
+
+        profiler = cProfile.Profile()
+        result = profiler.runcall(run_hand if job["impl"] == "hand" else run_strategy, job)
+        tag = f"{job['impl']}-P{job['P']}xD{job['D']}-rank{os.environ['RANK']}"
+        profiler.dump_stats(str(Path(profile_dir) / f"{tag}.prof"))
+    else:
+        result = run_hand(job) if job["impl"] == "hand" else run_strategy(job)
     if result is not None:
         Path(job["result"]).write_text(json.dumps(result))
 

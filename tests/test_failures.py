@@ -93,3 +93,32 @@ def test_a_frozen_peer_is_given_up_after_the_step_timeout(tmp_path: Path) -> Non
     # the worker's step_timeout is 3 s: given up after it, well before the collective timeout (10 minutes)
     assert exits.times[0] is not None and exits.times[0] - frozen_at > 3.0
     assert "no progress for" in exits.logs[0] and "step_timeout" in exits.logs[0]
+
+
+@pytest.mark.timeout(200)
+def test_lightnings_sigterm_stop_on_one_rank_ends_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    """Without SpotCheckpoint, Lightning's own SIGTERM stop: rank 1 alone is signalled (Lightning broadcasts only
+    rank 0's flag, and blocks every step's start for it); the strategy's agreement ends every rank after the same
+    batch, within seconds."""
+    exits, signalled_at = run_job(tmp_path, "sigterm")
+    stopped = [json.loads((tmp_path / "sigterm" / f"stopped-{rank}.json").read_text()) for rank in range(2)]
+    assert [s["error"] for s in stopped] == ["SIGTERMException"] * 2, exits.logs
+    assert stopped[0]["step"] == stopped[1]["step"] in (4, 5), stopped  # signalled during step 3's batch start
+    for rank, when in enumerate(exits.times):
+        assert when is not None and when - signalled_at < STOP_WITHIN, (rank, exits.codes, exits.logs[rank][-3000:])
+
+
+def test_a_lost_peer_is_recognised_inside_the_error_that_wraps_it() -> None:
+    """torch's pipeline stage wraps a DDP all-reduce's lost-peer error in "Failed to run stage backward": the
+    peer's failure is still recognised, so that this rank shows one line, not a traceback."""
+    from lightning_spot.fault.watch import _is_lost_peer
+
+    try:
+        try:
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+        except RuntimeError as inner:
+            raise RuntimeError("\n        Failed to run stage backward:\n        Stage output: ...") from inner
+    except RuntimeError as wrapped:
+        assert _is_lost_peer(wrapped)
+    assert not _is_lost_peer(RuntimeError("Failed to run stage backward")), "an error of its own"
+    assert not _is_lost_peer(ValueError("boom"))

@@ -64,6 +64,7 @@ from lightning_spot.planning.choose import (
     shared_sample_batch,
 )
 from lightning_spot.planning.memory import PlanPlace
+from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
@@ -222,6 +223,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._timeout = timeout
         self._step_timeout = step_timeout
         self._watch: Optional[JobWatch] = None
+        self._sigterm: Optional[SigtermAgreement] = None
         self._fault_tolerance = resolve_fault_tolerance(fault_tolerance)
         #: this pipeline's torchft replica group (``fault_tolerance="torchft"``, once fitting starts)
         self.replicas: Optional[ReplicaGroup] = None
@@ -364,6 +366,12 @@ class SpotPipelineStrategy(ParallelStrategy):
             return nullcontext()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return self._watch.step(kind, f"{kind} at global step {trainer.global_step}" if trainer else kind)
+
+    @override
+    def on_train_start(self) -> None:  # Lightning's per-batch SIGTERM broadcast, without the lockstep
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and self._sigterm is None and self._fault_tolerance is None:
+            self._sigterm = SigtermAgreement.install(trainer)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -838,6 +846,9 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._sigterm is not None:
+            self._sigterm.uninstall()
+            self._sigterm = None
         if self._watch is not None:
             self._watch.stop()
             self._watch = None

@@ -4,8 +4,9 @@ python tests/workers/fail_job.py KIND OUT_DIR
 
 KIND: ``step`` (training_step raises on the last stage at step 3), ``callback`` (a callback raises on rank 1 at
 step 3), ``upload`` (rank 1 may not write checkpoint data: the save of step 2 fails there), ``freeze`` (rank 1
-stops itself with SIGSTOP at step 4: a node that vanished without closing its sockets). The failing rank writes
-``OUT_DIR/failed.json`` (rank, time) just before it fails.
+stops itself with SIGSTOP at step 4: a node that vanished without closing its sockets), ``sigterm`` (no
+``SpotCheckpoint``: rank 1 alone gets SIGTERM at step 3, Lightning's own stop; every rank writes the step it ended
+at in ``OUT_DIR/stopped-RANK.json``). The failing rank writes ``OUT_DIR/failed.json`` (rank, time) just before it fails.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class FailOnRank(L.Callback):
         if RANK == FAILING_RANK and KIND == "freeze" and trainer.global_step == 4:
             mark_failure()
             os.kill(os.getpid(), signal.SIGSTOP)
+        if RANK == FAILING_RANK and KIND == "sigterm" and trainer.global_step == 3:
+            mark_failure()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if KIND == "sigterm":
+            stopped = {"step": trainer.global_step, "error": type(exception).__name__}
+            (OUT / f"stopped-{RANK}.json").write_text(json.dumps(stopped))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if RANK == FAILING_RANK and KIND == "callback" and trainer.global_step == 3:
@@ -74,7 +83,8 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[FailOnRank(), checkpoint(dirpath=dirpath, every_n_train_steps=2, save_on_train_end=False)],
+        callbacks=[FailOnRank()]
+        + ([] if KIND == "sigterm" else [checkpoint(dirpath=dirpath, every_n_train_steps=2, save_on_train_end=False)]),
     )
     trainer.fit(model, make_loader(batch_size=8, n=256))
 

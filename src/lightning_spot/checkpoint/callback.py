@@ -41,7 +41,7 @@ from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotError, SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import Staging, split_checkpoint
-from lightning_spot.preemption.coordinate import max_over_ranks
+from lightning_spot.preemption.coordinate import PostedMax
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
@@ -161,6 +161,8 @@ class SpotCheckpoint(L.Callback):
         self._error: Optional[BaseException] = None
         self._last_step = -1
         self._checked_step = -1
+        #: the step's agreement, posted at its start (see :meth:`_post_agreement`)
+        self._agreement: Optional[PostedMax] = None
         self._last_time = time.monotonic()
         self._train_start = 0.0
         self._train_seconds = 0.0
@@ -313,6 +315,7 @@ class SpotCheckpoint(L.Callback):
         # a forward may change buffers: snapshots copy them at once, the rest before the next optimizer step
         self._buffer_names = frozenset(name for name, _ in pl_module.named_buffers())
         self._last_step = self._checked_step = trainer.global_step
+        self._agreement = None
         if self.watcher is not None:
             self.watcher.start()
             self._undo_sigterm = take_over_sigterm(trainer, self.watcher)  # its notices are agreed per step below
@@ -351,6 +354,21 @@ class SpotCheckpoint(L.Callback):
         if self.snapshotter is not None:  # the last snapshot's parameters and optimizer state are copied
             self.snapshotter.wait_copied()
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._agreement is None:  # read at the step's end: no rank waits for the others at its start
+            self._agreement = self._post_agreement(trainer)
+
+    def _post_agreement(self, trainer: L.Trainer) -> Optional[PostedMax]:
+        """Post this rank's notice, times since the last saves and intervals: every rank decides alike on the
+        largest values (clocks and measured costs differ between ranks)."""
+        snap_every, durable_every = self.cadence.snapshot_every(), self.cadence.durable_every()
+        if snap_every is None and durable_every is None and self.watcher is None:
+            return None
+        now = time.monotonic()
+        notice = self.watcher.notice if self.watcher is not None else None
+        values = [notice is not None, now - self._last_snapshot_time, snap_every or 0.0, now - self._last_time]
+        return PostedMax([*values, durable_every or 0.0], trainer.strategy.root_device)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         if step == self._checked_step:  # only at optimizer-step boundaries (not inside an accumulation window)
@@ -360,21 +378,10 @@ class SpotCheckpoint(L.Callback):
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
         late = snap_late = False
         self._observe_costs(trainer)
-        snap_every, durable_every = self.cadence.snapshot_every(), self.cadence.durable_every()
-        if snap_every is not None or durable_every is not None or self.watcher is not None:
+        agreement, self._agreement = self._agreement or self._post_agreement(trainer), None
+        if agreement is not None:
             notice = self.watcher.notice if self.watcher is not None else None
-            now = time.monotonic()
-            # clocks and measured costs differ between ranks: all decide alike on the largest values
-            seen, snap_elapsed, snap_every, elapsed, durable_every = max_over_ranks(
-                [
-                    float(notice is not None),
-                    now - self._last_snapshot_time,
-                    snap_every or 0.0,
-                    now - self._last_time,
-                    durable_every or 0.0,
-                ],
-                trainer.strategy.root_device,
-            )
+            seen, snap_elapsed, snap_every, elapsed, durable_every = agreement.result()
             late = durable_every > 0 and elapsed >= durable_every
             snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every
             if seen:

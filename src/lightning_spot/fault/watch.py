@@ -225,9 +225,16 @@ def _one_line(error: BaseException) -> str:
 
 
 def _is_lost_peer(error: BaseException) -> bool:
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _LOST_PEER)
+    """Whether ``error``, or one it wraps (torch's "Failed to run stage backward" wraps a DDP all-reduce's), is a
+    collective that lost its peer."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, getattr(dist, "DistError", ())):
+            return True
+        if isinstance(cause, RuntimeError) and any(w in str(cause).lower() for w in _LOST_PEER):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def _end_uncaught(error: BaseException, say: Callable[[], None] | None, linger: float) -> None:

@@ -22,11 +22,25 @@ def agree(flags: Sequence[bool], device: torch.device) -> list[bool]:
 
 def max_over_ranks(values: Sequence[float], device: torch.device) -> list[float]:
     """Each value's largest over all ranks, on every rank (one small all-reduce on ``device``, in float64)."""
-    if world_size() == 1:
-        return list(values)
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+    return PostedMax(values, device).result()
+
+
+class PostedMax:
+    """:func:`max_over_ranks` in two halves: posted now (no rank waits for the others here), read later.
+
+    posted = PostedMax([notice, elapsed], device)   # at a step's start, on every rank
+    notice, elapsed = posted.result()                # at its end: every rank has posted by then
+    """
+
+    def __init__(self, values: Sequence[float], device: torch.device) -> None:
+        self._values = torch.tensor(list(values), dtype=torch.float64, device=device)
+        self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, async_op=True) if world_size() > 1 else None
+
+    def result(self) -> list[float]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._values.tolist()
 
 
 def gather(notice: Notice | None) -> list[Notice | None]:

@@ -1,4 +1,4 @@
-"""Take over Lightning's own SIGTERM handling while a :class:`PreemptionWatcher` watches SIGTERM.
+"""Take over Lightning's own SIGTERM handling: for a :class:`PreemptionWatcher`, or with a non-blocking agreement.
 
 Lightning broadcasts rank 0's "SIGTERM received" flag over every rank before each training batch (a collective
 on the critical path of every step: ~0.9 ms per step on a 2-process CPU pipeline). Once the watcher's handler
@@ -14,14 +14,21 @@ becomes the watcher's notice.
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from lightning_spot.preemption.notice import Notice
 from lightning_spot.preemption.watcher import PreemptionWatcher
 
 _METHOD = "_broadcast_sigterm_tensor"
+log = logging.getLogger(__name__)
 
 
 def take_over_sigterm(trainer: Any, watcher: PreemptionWatcher) -> Callable[[], None]:
@@ -37,3 +44,97 @@ def take_over_sigterm(trainer: Any, watcher: PreemptionWatcher) -> Callable[[], 
         loop.__dict__.pop(_METHOD, None)
 
     return undo
+
+
+class SigtermAgreement:
+    """Lightning's SIGTERM stop, agreed by every rank without holding any of them at a step's start.
+
+    Lightning broadcasts rank 0's flag before every training batch and from inside its signal handler: a
+    blocking collective at every step's start, which keeps all ranks in lockstep (the last stage cannot start
+    its update before the first stage's last backward is done; ~5% of a short CPU pipeline step). Here a
+    SIGTERM on any rank sets a flag of this object's own (Lightning's handler is replaced); each step's start
+    posts a non-blocking all-reduce (MAX) of the flags, waited for after the step's optimizer step (an
+    optimizer step post-hook), when every rank has posted it. If any rank was signalled, every rank then sets
+    Lightning's ``received_sigterm`` and Lightning ends every rank at the end of that same batch.
+
+        agreement = SigtermAgreement.install(trainer)   # None when another agreement is in place
+        ...
+        agreement.uninstall()
+    """
+
+    def __init__(self, trainer: Any, optimizers: list[Any]) -> None:
+        self.trainer = trainer
+        self.signalled = False
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._loop = trainer.fit_loop.epoch_loop
+        self._loop.__dict__[_METHOD] = self.post
+        self._hooks = [opt.register_step_post_hook(lambda *_: self.settle()) for opt in optimizers]
+        connector = trainer._signal_connector
+        if connector.received_sigterm:  # caught by Lightning's handler already: agreed like any other
+            self.signalled, connector.received_sigterm = True, False
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        #: the handlers Lightning composed with its own (one that was installed before it): still called
+        self._others = [h for h in getattr(self._previous, "signal_handlers", []) if not _is_notifier(h)]
+
+    @classmethod
+    def install(cls, trainer: Any) -> SigtermAgreement | None:
+        """Take over from Lightning's per-batch broadcast unless something already did (``SpotCheckpoint``'s
+        watcher), the handler is not Lightning's, or this is not the main thread of a distributed run."""
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None or not hasattr(loop, _METHOD) or _METHOD in vars(loop):
+            return None
+        if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
+            return None
+        if threading.current_thread() is not threading.main_thread() or not _lightnings(
+            signal.getsignal(signal.SIGTERM)
+        ):
+            return None
+        return cls(trainer, list(trainer.optimizers))
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        log.info("lightning-spot: SIGTERM received; every rank stops at the end of the next training batch")
+        launcher = self.trainer.strategy.launcher
+        if launcher is not None and not self.signalled:  # as Lightning's handler: its child processes too
+            launcher.kill(signum)
+        self.signalled = True
+        for handler in self._others:
+            handler = signal.getsignal(handler) if isinstance(handler, int) else handler
+            if callable(handler):
+                handler(signum, frame)
+
+    def post(self) -> None:
+        """At a training batch's start: post this rank's flag (the last batch's agreement is settled first)."""
+        self.settle()
+        flag = torch.tensor([float(self.signalled)], device=self.trainer.strategy.root_device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+
+    def settle(self) -> None:
+        """Wait for the posted agreement; if any rank was signalled, every rank stops after this batch."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work, flag = pending
+        work.wait()
+        if flag.item() > 0:
+            self.trainer._signal_connector.received_sigterm = True
+
+    def uninstall(self) -> None:
+        self._loop.__dict__.pop(_METHOD, None)
+        for hook in self._hooks:
+            hook.remove()
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == self._on_sigterm
+        ):
+            signal.signal(signal.SIGTERM, self._previous)
+        self._pending = None
+
+
+def _lightnings(handler: Any) -> bool:
+    """Whether ``handler`` is the one Lightning's signal connector installed for SIGTERM."""
+    handlers = getattr(handler, "signal_handlers", None)
+    return isinstance(handlers, list) and any(_is_notifier(h) for h in handlers)
+
+
+def _is_notifier(handler: Any) -> bool:
+    return getattr(handler, "__name__", "") == "_sigterm_notifier_fn"
