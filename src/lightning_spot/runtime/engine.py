@@ -332,7 +332,7 @@ class PipelineEngine:
         # fp16: a micro-batch's scaled loss is divided by the step's micro-batches, so that the backward's fp16
         # values are as large as one process's on the whole batch (the same overflows); multiplied back below
         divisor = self.runner.scale_divisor = self.layout.total_microbatches if self.runner.scaler is not None else 1
-        with self.runner.bind("training_step", "train", batch, args, kwargs), tracing, self._streaming(("train", m)):
+        with self.runner.bind("training_step", "train", batch, args, kwargs, m), tracing, self._streaming(("train", m)):
             program.step(idx, target=idx, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
         if self.spec.splits_backward and self.ctx.dp_group is not None and self.layout.data_parallel > 1:
@@ -387,7 +387,7 @@ class PipelineEngine:
         else:
             assert error is not None
             raise error
-        with self.runner.bind(fn_name, mode, batch, args, kwargs), self._streaming((mode, fn_name, m)):
+        with self.runner.bind(fn_name, mode, batch, args, kwargs, m), self._streaming((mode, fn_name, m)):
             program.eval(idx, target=idx, return_outputs=False)
             results = sorted(self.runner.results, key=lambda r: int(r[0][0])) if mode == "predict" else []
         extra = (

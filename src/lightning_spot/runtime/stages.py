@@ -74,6 +74,7 @@ class SpotStage(PipelineStage):
         saved = self._spot_runner.activation_offload
         if saved is not None:  # what this chunk's forward (and, on the last stage, loss) saves is filed under it
             saved.key = (self.stage_index, fwd_chunk_id)
+        self._spot_runner.chunk = fwd_chunk_id  # which rows of the batch the received activations stand for
         with self._spot_runner.clock.compute("forward", microbatch=fwd_chunk_id, stage=self.stage_index):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 

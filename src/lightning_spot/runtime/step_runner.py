@@ -2,11 +2,12 @@
 
     runner = StepRunner(module, num_stages=4, capture=LogCapture())
     with runner.bind("training_step", "train", batch, args, kwargs):
-        outputs = runner.stage_forward(stage, (activation, sample_indices))   # stages but the last
-        loss = runner.loss_fn(outputs, sample_indices)                       # the last stage
+        outputs = runner.stage_forward(stage, (activation,))       # stages but the first and last
+        loss = runner.loss_fn(outputs, sample_indices)             # the last stage
 
 A stage's input is the micro-batch's sample indices (first stage) or the previous stage's
-activations plus those indices; its forward replays the user's step function up to the end of the
+activations (the rows they stand for follow from the micro-batch's index, :attr:`StepRunner.chunk`,
+so that only activations travel between stages); its forward replays the user's step function up to the end of the
 stage's layers (see ``partition.stage_run``). On the last stage, the schedule's ``loss_fn`` replays
 the whole step function from the received activation on, so ``self.log`` and the loss come from
 unchanged user code.
@@ -113,6 +114,10 @@ class StepRunner:
         self.scale_divisor = 1
         self._train_steps = 0
         self._warned_unweighted = False
+        #: the micro-batch the stage about to run works on (set by the stage), and the step's micro-batches
+        self.chunk = 0
+        self.microbatches = 1
+        self._rows_cache: dict[tuple[int, int, int], Tensor] = {}
 
     @contextlib.contextmanager
     def inferring(self) -> Iterator[None]:
@@ -124,8 +129,10 @@ class StepRunner:
             self._inferring -= 1
 
     @contextlib.contextmanager
-    def bind(self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Iterator[None]:
-        self.fn_name, self.mode, self.batch = fn_name, mode, batch
+    def bind(
+        self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any], microbatches: int = 1
+    ) -> Iterator[None]:
+        self.fn_name, self.mode, self.batch, self.microbatches = fn_name, mode, batch, microbatches
         if self.activation_offload is not None and mode == "train":
             self.activation_offload.new_step()
         self.local_size = batch_size_of(batch)
@@ -156,10 +163,12 @@ class StepRunner:
         return getattr(self.module, self.fn_name)(micro_batch, *self.step_args, **self.step_kwargs)
 
     def stage_forward(self, stage: int, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        idx = args[-1]
-        acts = args[:-1]
-        if self._inferring:
-            idx = torch.arange(idx.numel(), device=idx.device)
+        if stage == 0:  # the schedule's input: the micro-batch's rows of the local batch
+            idx, acts = args[-1], args[:-1]
+            if self._inferring:
+                idx = torch.arange(idx.numel(), device=idx.device)
+        else:  # the previous stage's activations; the rows follow from the micro-batch's index (not sent along)
+            idx, acts = self._rows(0 if self._inferring else self.chunk), args
         if stage == self.last_stage:
             # the last stage's work happens in loss_fn, where the step's result is available
             return tuple(t.view_as(t) for t in (*acts, idx))
@@ -176,7 +185,16 @@ class StepRunner:
                     f"`{self.fn_name}` finished without running the layers of pipeline stage {stage}. The step must "
                     f"call `self(x)` (or the layer sequence) and `forward` must run every layer of the sequence."
                 )
-        return (*_as_tensors(out, f"the last layer of stage {stage}"), idx.clone())
+        return _as_tensors(out, f"the last layer of stage {stage}")
+
+    def _rows(self, chunk: int) -> Tensor:
+        """Micro-batch ``chunk``'s rows of the local batch, as torch's schedules split the first stage's input."""
+        key = (self.local_size, self.microbatches, chunk)
+        rows = self._rows_cache.get(key)
+        if rows is None:
+            rows = torch.arange(self.local_size, device=self.device).tensor_split(self.microbatches)[chunk]
+            self._rows_cache[key] = rows
+        return rows
 
     def loss_fn(self, output: Any, target: Tensor) -> Tensor:
         outs = output if isinstance(output, tuple) else (output,)
