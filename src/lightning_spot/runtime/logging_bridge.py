@@ -152,10 +152,13 @@ class LastStageShare:
         self.device = device
         #: the names of the last logged values shared in full, and (whether the value was None, options) of each
         self._known: tuple[tuple[str, ...], tuple[tuple[bool, dict[str, Any]], ...]] | None = None
+        #: the last values this rank (the last stage) sent without waiting
+        self._sending: Any = None
 
     def __call__(self, payload: Any) -> Any:
         if self.group is None:
             return payload
+        self.flush()
         return broadcast_object(payload, self.group, group_src=self.src)
 
     def logged(self, payload: dict[str, tuple[Any, dict[str, Any]]] | None) -> dict[str, tuple[Any, dict[str, Any]]]:
@@ -169,18 +172,30 @@ class LastStageShare:
             return payload
         if self._known is not None:
             keys, shape = self._known
+            self.flush()
             flat = torch.zeros(len(keys) + 1, dtype=torch.float64)
             if payload is not None and tuple(payload) == keys and _shape_of(payload) == shape:
                 flat[0] = 1.0
                 flat[1:] = torch.tensor([0.0 if v is None else float(v) for v, _ in payload.values()])
-            flat = flat.to(self.device)
-            dist.broadcast(flat, group=self.group, group_src=self.src)
-            received = flat.tolist()
+                received = flat.tolist()
+                # the last stage does not wait for the others to take the values (the first stage may still be in
+                # the step's last backward): it goes on to its update; the send is waited for before the next share
+                self._sending = dist.broadcast(flat.to(self.device), group=self.group, group_src=self.src, async_op=True)
+            else:
+                flat = flat.to(self.device)
+                dist.broadcast(flat, group=self.group, group_src=self.src)
+                received = flat.tolist()
             if received[0] == 1.0:  # the values of the names and options every rank knows
                 return {k: (None if none else v, o) for k, v, (none, o) in zip(keys, received[1:], shape)}
         payload = broadcast_object(payload, self.group, group_src=self.src)
         self._known = (tuple(payload), _shape_of(payload))
         return payload
+
+    def flush(self) -> None:
+        """Wait until the last values this rank sent without waiting have been sent."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.wait()
 
 
 def _shape_of(payload: dict[str, tuple[Any, dict[str, Any]]]) -> tuple[tuple[bool, dict[str, Any]], ...]:
