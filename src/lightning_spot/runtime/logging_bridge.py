@@ -180,7 +180,9 @@ class LastStageShare:
                 received = flat.tolist()
                 # the last stage does not wait for the others to take the values (the first stage may still be in
                 # the step's last backward): it goes on to its update; the send is waited for before the next share
-                self._sending = dist.broadcast(flat.to(self.device), group=self.group, group_src=self.src, async_op=True)
+                self._sending = dist.broadcast(
+                    flat.to(self.device), group=self.group, group_src=self.src, async_op=True
+                )
             else:
                 flat = flat.to(self.device)
                 dist.broadcast(flat, group=self.group, group_src=self.src)
