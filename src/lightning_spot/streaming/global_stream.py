@@ -18,9 +18,7 @@ from torch.utils.data import DataLoader
 from lightning_spot.data import explain_indivisible_batch, replica_slice, valid_global_batches
 from lightning_spot.layout import LayoutError
 from lightning_spot.streaming.contract import check_stream
-
-#: positions kept for global batches read but not yet trained (Lightning reads one ahead)
-_KEPT = 4
+from lightning_spot.streaming.positions import PositionLog
 
 
 def batch_rows(batch: Any) -> int:
@@ -74,8 +72,7 @@ class GlobalStreamLoader:
         self.world_size = world_size
         self.progress = progress
         self.batch_size = loader.batch_size
-        self._positions: dict[int, Any] = {}  # global batch index in this pass -> stream position before it
-        self._next = 0  # index of the next global batch to read
+        self._log = PositionLog()  # the stream's position before each of the pass's last global batches
         self._pending: dict[str, Any] | None = None
 
     def _position_source(self, loader: DataLoader) -> Any:
@@ -91,36 +88,28 @@ class GlobalStreamLoader:
         if self._pending is not None:  # (saved after a pass's last batch, Lightning starts its next epoch itself)
             pending, self._pending = self._pending, None
             self.source.load_state_dict(pending["stream"])
-            self._next = int(pending["global_batches_done"])
+            done = int(pending["global_batches_done"])
         else:
-            self._next = 0
-        self._positions = {self._next: copy.deepcopy(self.source.state_dict())}
+            done = 0
+        self._log.restart(done, copy.deepcopy(self.source.state_dict()))
         source = iter(self.loader)
         while True:
             try:
                 batch = next(source)
             except StopIteration:
                 return
-            self._next += 1
-            self._positions[self._next] = copy.deepcopy(self.source.state_dict())  # (the position before the next)
-            for old in [i for i in self._positions if i < self._next - _KEPT]:
-                del self._positions[old]
+            self._log.record(copy.deepcopy(self.source.state_dict()))  # (the position before the next)
             yield self._share(batch)
 
     def mirror(self) -> dict[str, Any]:
         """What :meth:`state_dict` answers from, for a stage that receives the batches instead of reading them: the
         batches read and the newest two positions (the others were sent with the batches before)."""
-        return {"next": self._next, "positions": {k: v for k, v in self._positions.items() if k >= self._next - 1}}
+        return self._log.mirror()
 
     def take_mirror(self, fields: dict[str, Any], fresh: bool) -> None:
         """Take :meth:`mirror` of the loader that read the batches (``fresh``: the first of a pass)."""
         self._pending = None
-        if fresh:
-            self._positions = {}
-        self._positions.update(fields["positions"])
-        self._next = fields["next"]
-        for old in [i for i in self._positions if i < self._next - _KEPT]:
-            del self._positions[old]
+        self._log.take(fields, fresh)
 
     def _share(self, batch: Any) -> Any:
         rows = batch_rows(batch)
@@ -145,12 +134,13 @@ class GlobalStreamLoader:
         if self.progress is None:
             return {}
         done = int(self.progress())
-        if done in self._positions:
-            position = self._positions[done]
-        elif not self._positions and done == self._next:  # never read
+        log = self._log
+        if done in log.positions:
+            position = log.positions[done]
+        elif not log.positions and done == log.next:  # never read
             position = copy.deepcopy(self.source.state_dict())
         else:
-            raise RuntimeError(f"the stream's position after {done} global batches was not kept (read {self._next})")
+            raise RuntimeError(f"the stream's position after {done} global batches was not kept (read {log.next})")
         return {
             "mode": "global stream",
             "global_batches_done": done,

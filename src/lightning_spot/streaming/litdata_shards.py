@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from lightning_spot.data import explain_indivisible_batch
 from lightning_spot.layout import LayoutError
+from lightning_spot.streaming.positions import PositionLog
 
 #: the LitData release whose resume fields and environment override this mode is written (and tested) against
 LITDATA_VERSION = "0.2.76"
@@ -117,8 +118,7 @@ class ShardedStreamLoader:
                 collate_fn=collate,
                 pin_memory=loader.pin_memory,
             )
-        self._positions: dict[int, dict[str, Any]] = {}  # global batches trained in this pass -> our state
-        self._next = 0  # global batches read in this pass
+        self._log = PositionLog()  # our state before each of the pass's last global batches
         self._ended = False  # this pass's last batch was read
         self._pending: dict[str, Any] | None = None
         self._template: dict[str, Any] | None = None  # LitData's latest state: it knows the first layout
@@ -188,53 +188,48 @@ class ShardedStreamLoader:
             self.inner.current_epoch = int(pending["epoch"]) - 1  # (LitData counts the new pass itself)
             self.inner.restore = False  # (left set when a resumed pass was cut at __len__)
             self.dataset.set_drop_last(True)
-        self._next, self._ended = int(pending["global_batches_done"]), False
-        self._positions = {self._next: {k: v for k, v in pending.items() if k in ("litdata", "epoch")}}
+        self._ended = False
+        self._log.restart(
+            int(pending["global_batches_done"]), {k: v for k, v in pending.items() if k in ("litdata", "epoch")}
+        )
         source, end = iter(self.inner), len(self)
         while True:
             try:
-                if self._next >= end:
+                if self._log.next >= end:
                     raise StopIteration
                 with replica_environment(self.dp_size, self.dp_rank):
                     batch = next(source)
             except StopIteration:
                 self._ended = True
                 return
-            self._next += 1
             self._template = self.inner.state_dict()
-            self._positions[self._next] = {"litdata": copy.deepcopy(self._template)}
-            for old in [i for i in self._positions if i < self._next - 4]:
-                del self._positions[old]
+            self._log.record({"litdata": copy.deepcopy(self._template)})
             yield batch
 
     def mirror(self) -> dict[str, Any]:
         """What :meth:`state_dict` and ``len`` answer from, for a stage that receives the batches instead: the
         batches read, the newest two positions (the others came before), the pass's end and LitData's epoch."""
-        positions = {k: v for k, v in self._positions.items() if k >= self._next - 1}
-        return {"next": self._next, "positions": positions, "ended": self._ended, "epoch": self.inner.current_epoch}
+        return {**self._log.mirror(), "ended": self._ended, "epoch": self.inner.current_epoch}
 
     def take_mirror(self, fields: dict[str, Any], fresh: bool) -> None:
         """Take :meth:`mirror` of the loader that read the batches (``fresh``: the first of a pass)."""
         self._pending = None
-        if fresh:
-            self._positions = {}
-        self._positions.update(fields["positions"])
-        self._next, self._ended = fields["next"], fields["ended"]
+        self._log.take(fields, fresh)
+        self._ended = fields["ended"]
         self.inner.current_epoch = fields["epoch"]
-        for old in [i for i in self._positions if i < self._next - 4]:
-            del self._positions[old]
-        newest = self._positions.get(self._next, {}).get("litdata")
+        newest = self._log.positions.get(self._log.next, {}).get("litdata")
         if newest is not None:
             self._template = newest
 
     def state_dict(self) -> dict[str, Any]:
-        if self.progress is None or not self._positions:
+        log = self._log
+        if self.progress is None or not log.positions:
             return dict(self._pending or {})
         done = int(self.progress())
-        if done not in self._positions:
-            raise RuntimeError(f"LitData's position after {done} global batches was not kept (read {self._next})")
-        position = self._positions[done]
-        if done == self._next and (self._ended or done >= len(self)):  # the pass is over: a resume starts the next
+        if done not in log.positions:
+            raise RuntimeError(f"LitData's position after {done} global batches was not kept (read {log.next})")
+        position = log.positions[done]
+        if done == log.next and (self._ended or done >= len(self)):  # the pass is over: a resume starts the next
             position, done = self._pass_start(self.inner.current_epoch + 1), 0  # (as Lightning's count: knows len)
         return {"mode": "sharded", "global_batches_done": done, "global_batch_size": self.batch_size, **position}
 
