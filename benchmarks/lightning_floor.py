@@ -1,0 +1,100 @@
+"""Lightning's own cost per step, without any strategy: the MLP of ``pipeline_throughput.py`` (8 x (Linear
+512 + GELU), batch 64, Adam) in one process, trained by a plain ``Trainer(devices=1)`` and by a hand loop.
+
+    python benchmarks/lightning_floor.py [--steps 300] [--rounds 3]
+
+Prints the median step time of each (median over rounds, alternating) and their difference: the part of the
+strategy's overhead against a hand-written pipeline loop that any Lightning run has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, BATCH = 512, 64
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(WIDTH, WIDTH), nn.GELU())])
+
+
+def median_step_ms(starts: list[float], warmup: int = 20) -> float:
+    return statistics.median(b - a for a, b in zip(starts[warmup:], starts[warmup + 1 :])) * 1e3
+
+
+def hand(x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    starts = []
+    for s in range(steps):
+        starts.append(time.perf_counter())
+        rows = slice(s * BATCH, (s + 1) * BATCH)
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    starts.append(time.perf_counter())
+    return median_step_ms(starts)
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), 1e-3)
+
+
+class Starts(L.Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, *args: object) -> None:
+        self.starts.append(time.perf_counter())
+
+
+def lightning(x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+    starts = Starts()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[starts],
+    )
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    trainer.fit(Module(), loader)
+    return median_step_ms(starts.starts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as one of the pipeline benchmark's two processes on two cores
+    x, y = torch.randn(BATCH * args.steps, WIDTH), torch.randn(BATCH * args.steps, WIDTH)
+    results: dict[str, list[float]] = {"hand": [], "lightning": []}
+    for _ in range(args.rounds):
+        results["hand"].append(hand(x, y, args.steps))
+        results["lightning"].append(lightning(x, y, args.steps))
+    h, lit = statistics.median(results["hand"]), statistics.median(results["lightning"])
+    print(f"hand {h:.2f} ms/step, Lightning {lit:.2f} ms/step: Lightning's own {lit - h:.2f} ms/step ({lit / h:.3f}x)")
+
+
+if __name__ == "__main__":
+    main()
