@@ -376,16 +376,17 @@ def _result(times: list[float], global_batch: int, loss: float) -> dict[str, Any
 
 def worker() -> None:
     job = json.loads(os.environ[JOB_ENV])
+    run = run_hand if job["impl"] == "hand" else run_strategy
     profile_dir = os.environ.get("SPOT_BENCH_PROFILE")
     if profile_dir:  # a cProfile of every rank's whole job, in PROFILE_DIR/<impl>-<layout>-rank<R>.prof
         import cProfile
 
         profiler = cProfile.Profile()
-        result = profiler.runcall(run_hand if job["impl"] == "hand" else run_strategy, job)
+        result = profiler.runcall(run, job)
         tag = f"{job['impl']}-P{job['P']}xD{job['D']}-rank{os.environ['RANK']}"
         profiler.dump_stats(str(Path(profile_dir) / f"{tag}.prof"))
     else:
-        result = run_hand(job) if job["impl"] == "hand" else run_strategy(job)
+        result = run(job)
     if result is not None:
         Path(job["result"]).write_text(json.dumps(result))
 

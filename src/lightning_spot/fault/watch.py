@@ -216,10 +216,17 @@ class JobWatch:
         _exit(FAILED_EXIT_CODE, self.linger)
 
 
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it wraps (``raise ... from``), outermost first."""
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
 def _one_line(error: BaseException) -> str:
     """The error's type and first line; for an error that wraps another (``raise ... from``), the innermost one."""
-    while error.__cause__ is not None:
-        error = error.__cause__
+    error = _chain(error)[-1]
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
 
@@ -227,14 +234,11 @@ def _one_line(error: BaseException) -> str:
 def _is_lost_peer(error: BaseException) -> bool:
     """Whether ``error``, or one it wraps (torch's "Failed to run stage backward" wraps a DDP all-reduce's), is a
     collective that lost its peer."""
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, getattr(dist, "DistError", ())):
-            return True
-        if isinstance(cause, RuntimeError) and any(w in str(cause).lower() for w in _LOST_PEER):
-            return True
-        cause = cause.__cause__
-    return False
+    return any(
+        isinstance(cause, getattr(dist, "DistError", ()))
+        or (isinstance(cause, RuntimeError) and any(w in str(cause).lower() for w in _LOST_PEER))
+        for cause in _chain(error)
+    )
 
 
 def _end_uncaught(error: BaseException, say: Callable[[], None] | None, linger: float) -> None:
