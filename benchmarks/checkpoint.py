@@ -362,7 +362,8 @@ def part_b(
     from lightning_spot.checkpoint.durable.read import load_checkpoint
     from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
     from lightning_spot.checkpoint.durable.write import write_checkpoint
-    from lightning_spot.checkpoint.payload import optimizer_state, split_checkpoint
+    from lightning_spot.checkpoint.flat_optimizer import optimizer_state
+    from lightning_spot.checkpoint.payload import split_checkpoint
 
     def model_and_optimizer(seed: int) -> tuple[Any, Any]:
         torch.manual_seed(seed)

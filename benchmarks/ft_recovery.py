@@ -144,9 +144,10 @@ def main() -> None:
             for (step, a), g in zip(survivor["ended"], gaps):
                 if g > 2 * usual:
                     print(f"    long gap after step {step} at {a:.3f}: {g:.2f} s")
-        recoveries = []
+        recoveries, kill_times = [], []
         for marker in sorted(out.glob("died_group*"), key=lambda p: float(p.read_text())):
             killed = float(marker.read_text())
+            kill_times.append(killed)
             after = next(t for t in ends if t > killed)
             recoveries.append(after - killed)
             print(f"  {marker.name}: next committed step of pipeline 0 after {after - killed:.2f} s")
@@ -155,16 +156,21 @@ def main() -> None:
         stalls = []
         for heal in heals:
             # the survivor's steps that were under way while the joiner restored and ran its first step
-            around = [g for a, g in zip(ends, gaps) if a - usual <= heal["time"] <= a + g + usual]
-            stall = max(around, default=usual) - usual
-            stalls.append(stall)
+            around = [(a, g) for a, g in zip(ends, gaps) if a - usual <= heal["time"] <= a + g + usual]
+            longest = max(around, key=lambda ag: ag[1], default=(0.0, usual))
+            stall = longest[1] - usual
+            # a join in the step a kill was detected in: that step's wait is the kill's (counted above), not the join's
+            with_kill = any(longest[0] <= k <= longest[0] + longest[1] for k in kill_times)
+            if not with_kill:
+                stalls.append(stall)
             rate = heal["bytes"] / max(heal["restore_seconds"], 1e-9) / 2**20
             join = heal.get("join_seconds", 0.0)
             moved = heal["bytes"] / max(join, 1e-9) / 2**20
             print(f"  join of pipeline {heal['group']} rank {heal['rank']} at step {heal['step']}: restore "
                   f"{heal['restore_seconds'] * 1000:.0f} ms ({heal['bytes'] / 1024:.0f} KiB, {rate:.0f} MiB/s); joining "
                   f"quorum with the transfer {join:.2f} s (>= {moved:.0f} MiB/s); "
-                  f"pipeline 0 stalled {stall:.2f} s beyond its usual step")  # fmt: skip
+                  f"pipeline 0 stalled {stall:.2f} s beyond its usual step"
+                  f"{' (with a kill in that step: not counted as a join stall)' if with_kill else ''}")  # fmt: skip
         what = f"SIGSTOP (all-reduce timeout {args.ft_timeout:.0f} s)" if args.freeze else "kill"
         print(f"{what} -> survivors' next committed step: median {statistics.median(recoveries):.2f} s "
               f"(max {max(recoveries):.2f} s, {len(recoveries)} events)")  # fmt: skip

@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from lightning_spot._dist import broadcast_object, is_initialized
 from lightning_spot._units import parse_bytes
-from lightning_spot.checkpoint import payload
+from lightning_spot.checkpoint import flat_optimizer, payload
 from lightning_spot.checkpoint.durable.read import CheckpointError, load_checkpoint, load_snapshot, snapshot_needs
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.durable.write import write_checkpoint
@@ -683,7 +683,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        return payload.stored_names(payload.optimizer_state(self.lightning_module, optimizer), self._tied_aliases())
+        return payload.stored_names(
+            flat_optimizer.optimizer_state(self.lightning_module, optimizer), self._tied_aliases()
+        )
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@
 
 A Lightning checkpoint dict (``trainer._checkpoint_connector.dump_checkpoint()``) holds the
 rank's ``state_dict`` and flattened optimizer states (keyed by parameter name, see
-``SpotPipelineStrategy.optimizer_state``); tensors go to the shards, everything else (optimizer
+``flat_optimizer.optimizer_state``); tensors go to the shards, everything else (optimizer
 hyper-parameters, loops, callbacks, LR schedulers, precision state) to the JSON manifest.
 """
 
@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import logging
 import random
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch import Tensor
 
 from lightning_spot.checkpoint.jsonstate import decode, encode
 from lightning_spot.streaming.fixed_layout import replica_states
-
-FLAT_OPTIMIZER_STATE = StateDictOptions(flatten_optimizer_state_dict=True)
 
 log = logging.getLogger(__name__)
 
@@ -152,72 +148,6 @@ def stored_names(state: dict[str, Any], aliases: dict[str, str]) -> dict[str, An
     out: dict[str, Any] = {}
     for key, value in state.items():
         out.setdefault(stored_name(key, aliases), value)
-    return out
-
-
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state keyed by parameter name (flattened): readable by any layout.
-
-    The names are torch's (``get_optimizer_state_dict``, which the first call of each optimizer uses); later
-    calls flatten ``optimizer.state_dict()`` with the names it gave, as long as the parameters are the same
-    and every one has plain state (torch's own call checks the model's structure every time: ~1 ms per save).
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    names = _NAMES.get(optimizer)
-    if names is not None and names[0] == [id(p) for p in params] and _plain_state(optimizer, params):
-        return _flatten(optimizer.state_dict(), names[1])
-    flat = get_optimizer_state_dict(module, optimizer, options=FLAT_OPTIMIZER_STATE)
-    found = _names_of(flat, optimizer)
-    if found is not None:
-        _NAMES[optimizer] = ([id(p) for p in params], found)
-    return flat
-
-
-#: per optimizer: the ids of its parameters and the name torch gave each (in the same order)
-_NAMES: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list[int], list[str]]] = weakref.WeakKeyDictionary()
-
-
-def _plain_state(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> bool:
-    """Every parameter has state, of tensors and numbers only (what the fast path flattens as torch does)."""
-    state = optimizer.state
-    return all(
-        p in state and state[p] and all(isinstance(v, (Tensor, int, float)) for v in state[p].values()) for p in params
-    )
-
-
-def _names_of(flat: dict[str, Any], optimizer: torch.optim.Optimizer) -> list[str] | None:
-    """The name torch's flattened state gave each parameter: its ``param_groups.<name>.<key>`` entries come in the
-    parameters' order, one run of the group's keys each. ``None`` if they cannot be matched."""
-    entries = iter([k for k in flat if k.startswith("param_groups.")])
-    names: list[str] = []
-    for group in optimizer.param_groups:
-        suffixes = [f".{k}" for k in group if k != "params"]
-        if not suffixes:
-            return None
-        for _ in group["params"]:
-            run = [next(entries, "") for _ in suffixes]
-            if not run[0].endswith(suffixes[0]):
-                return None
-            name = run[0][len("param_groups.") : -len(suffixes[0])]
-            if run != [f"param_groups.{name}{x}" for x in suffixes]:
-                return None
-            names.append(name)
-    return names if next(entries, None) is None else None
-
-
-def _flatten(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` (state keyed by parameter index) flattened under ``names``, as torch does."""
-    out: dict[str, Any] = {}
-    for index, state in osd["state"].items():
-        prefix = f"state.{names[index]}."
-        for key, value in state.items():
-            out[prefix + str(key)] = value
-    for group in osd["param_groups"]:
-        values = [(k, v) for k, v in group.items() if k != "params"]
-        for index in group["params"]:
-            prefix = f"param_groups.{names[index]}."
-            for key, value in values:
-                out[prefix + key] = value
     return out
 
 

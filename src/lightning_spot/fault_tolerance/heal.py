@@ -4,9 +4,10 @@
     checkpoint = apply_stage_state(module, optimizers, aliases, state)  # on the joiner; loops left to Lightning
 
 The state is what a durable checkpoint of the stage holds (:func:`~lightning_spot.checkpoint.payload.split_checkpoint`:
-parameters and optimizer state under stored names, random state, Lightning's loops and callbacks), copied, so
-that the peer may go on training while it is sent. Stage ``k`` heals from stage ``k`` of a pipeline with the same
-cuts: names match one to one.
+parameters and optimizer state under stored names, random state, Lightning's loops and callbacks). The tensors are
+the live ones, not copies: torchft serves them until the peer's ``should_commit``, which waits for the transfer to
+end, and nothing changes them before that (the update comes after the commit; a GPU's are copied to the host by
+torchft's transport). Stage ``k`` heals from stage ``k`` of a pipeline with the same cuts: names match one to one.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ HEAL_URL = "torchft://peer"
 
 
 def stage_state(trainer: pl.Trainer) -> dict[str, Any]:
-    """This rank's training state as of now (copied to host memory), for a joining peer."""
+    """This rank's training state as of now, for a joining peer (its tensors: the live ones, see above)."""
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    payload = split_checkpoint(checkpoint, copy=True, with_lightning=True)
+    payload = split_checkpoint(checkpoint, copy=False, with_lightning=True)
     return {
         "tensors": payload.tensors,
         "optimizer_values": payload.optimizer_values,

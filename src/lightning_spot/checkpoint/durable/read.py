@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from lightning_spot._dist import broadcast_object, rank
@@ -31,11 +30,10 @@ from lightning_spot.checkpoint.durable import shares
 from lightning_spot.checkpoint.durable.shards import load_shards
 from lightning_spot.checkpoint.durable.storage import MANIFEST, Storage, join
 from lightning_spot.checkpoint.durable.write import FORMAT, rng_filename
+from lightning_spot.checkpoint.flat_optimizer import load_optimizer_state, optimizer_state
 from lightning_spot.checkpoint.jsonstate import decode
 from lightning_spot.checkpoint.memory.recall import Recall
 from lightning_spot.checkpoint.payload import (
-    FLAT_OPTIMIZER_STATE,
-    optimizer_state,
     restore_rng,
     stored_name,
     stored_names,
@@ -154,14 +152,7 @@ def apply_training_state(
     local_model = get_model_state_dict(module)
     set_model_state_dict(module, {k: tensors["model"][stored_name(k, aliases)] for k in local_model})
     for i, opt in enumerate(optimizers):
-        loaded = tensors[f"optimizer_{i}"]
-        state: dict[str, Any] = {
-            k: loaded[stored_name(k, aliases)]
-            if isinstance(v, torch.Tensor)
-            else optimizer_values[i].get(stored_name(k, aliases), v)
-            for k, v in optimizer_state(module, opt).items()
-        }
-        set_optimizer_state_dict(module, opt, state, options=FLAT_OPTIMIZER_STATE)
+        load_optimizer_state(module, opt, tensors[f"optimizer_{i}"], optimizer_values[i], aliases)
 
 
 def restore_training_state(
