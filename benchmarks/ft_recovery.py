@@ -13,6 +13,7 @@ Usage::
     python benchmarks/ft_recovery.py                                 # 3 pipelines of 1 stage, 5 kills
     python benchmarks/ft_recovery.py --groups 2 --stages 2 --kills 2
     python benchmarks/ft_recovery.py --overhead --groups 2 --stages 2     # per-step cost of the quorum
+    python benchmarks/ft_recovery.py --overhead --groups 2 --stages 2 --model gpt   # ... on the example GPT, P2xD2
 
 ``--freeze``: the one kill is a SIGSTOP (a node that vanished without closing its sockets): the others give it up
 when their all-reduce times out (``--ft-timeout``, ``TorchFT(timeout=...)``, 30 s by default; here 5 s) and the
@@ -48,7 +49,17 @@ def _median_step(out: Path, name: str) -> float:
 
 def overhead(args: argparse.Namespace) -> None:
     steps = 60
-    worker = [WORKER, "--stages", str(args.stages), "--steps", str(steps), "--width", str(args.width)]
+    worker = [
+        WORKER,
+        "--stages",
+        str(args.stages),
+        "--steps",
+        str(steps),
+        "--width",
+        str(args.width),
+        "--model",
+        args.model,
+    ]
     overlap = ["--overlap"] if args.overlap else []
     base = [sys.executable, "-m", "lightning_spot.cli", "run", "--lighthouse-port", "0"]
     ft = [*base, "--replica-groups", str(args.groups), "--nproc-per-node", str(args.stages)]
@@ -89,6 +100,9 @@ def main() -> None:
     parser.add_argument("--ft-timeout", type=float, default=5.0, help="--freeze: TorchFT(timeout=...)")
     parser.add_argument("--width", type=int, default=32, help="the model's width (longer steps, more state)")
     parser.add_argument("--overlap", action="store_true", help="--overhead: TorchFT(overlap=True)")
+    parser.add_argument(
+        "--model", choices=("tiny", "gpt"), default="tiny", help="--overhead: the test model or the example GPT"
+    )
     args = parser.parse_args()
     if args.overhead:
         overhead(args)

@@ -20,7 +20,8 @@ every pipeline ends at that step.
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
 ``--model finetune``: a transformers Llama fine-tuned on padded batches whose labels are -100 on prompts and padding
 (a loss averaged over a varying number of tokens), ``FINETUNE_SAMPLES`` samples so that each epoch ends with a
-short batch, StepLR per epoch; see :func:`finetune_scenario`.
+short batch, StepLR per epoch; see :func:`finetune_scenario`. ``--model gpt``: the example GPT (``examples/gpt``, its
+config's sizes: 4 layers of width 128, batches of 32 x 64 bytes, 4 micro-batches) on random bytes.
 Writes ``OUT_DIR/group{G}_rank{R}.pt`` (parameters, global step, pid, steps discarded, quorum changes, the step it
 took a peer's state at, and the wall-clock time each step ended).
 """
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--quorum-timeout", type=float, default=60.0, help="TorchFT(quorum_timeout=...)")
     parser.add_argument("--plain", action="store_true", help="no fault tolerance: all processes are one P x D job")
     parser.add_argument("--groups", type=int, default=1, help="kill only when this many pipelines are in the quorum")
-    parser.add_argument("--model", choices=("tiny", "finetune"), default="tiny")
+    parser.add_argument("--model", choices=("tiny", "finetune", "gpt"), default="tiny")
     parser.add_argument("--timeline", default=None, help="trace every step into this directory")
     parser.add_argument("--overlap", action="store_true", help="TorchFT(overlap=True)")
     args = parser.parse_args()
@@ -157,6 +158,14 @@ def main() -> None:
     if args.model == "finetune":
         scenario = finetune_scenario(args.steps)
         model, loader = make_model(**scenario["model"]), make_loader(**scenario["loader"])
+    elif args.model == "gpt":  # the example GPT as its config trains it (batch 32, 64 bytes), on random bytes
+        from examples.gpt.data import ByteWindows
+        from examples.gpt.model import TinyGPT
+
+        torch.manual_seed(7)
+        model = TinyGPT(n_layer=4, max_steps=args.steps)
+        data = torch.randint(0, 256, (32 * 64 * (args.steps + 1),), generator=torch.Generator().manual_seed(0))
+        loader = torch.utils.data.DataLoader(ByteWindows(data, block_size=64, stride=64), batch_size=32)
     else:  # StepLR per epoch: schedules must follow commits
         model, loader = make_model(seed=7, scheduler=True, width=args.width), make_loader(batch_size=BATCH, n=SAMPLES)
     trainer = L.Trainer(
@@ -164,7 +173,7 @@ def main() -> None:
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=SpotPipelineStrategy(
             pipeline_stages=args.stages,
-            microbatches=2,
+            microbatches=4 if args.model == "gpt" else 2,
             fault_tolerance=None
             if args.plain
             else TorchFT(timeout=args.ft_timeout, quorum_timeout=args.quorum_timeout, overlap=args.overlap),
