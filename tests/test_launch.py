@@ -55,6 +55,49 @@ def test_fresh_processes_start_new_interpreters(tmp_path: Path) -> None:
     assert len(runs) == 4 and not any(r["preloaded"] for r in runs.values())
 
 
+FAILING = """
+import os, pathlib, sys
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+pathlib.Path(sys.argv[1], f"rank{os.environ['RANK']}-attempt{attempt}").touch()
+if os.environ["RANK"] == "1" and sys.argv[2] == "error":
+    raise ValueError("a bug in training_step")
+if os.environ["RANK"] == "1" and sys.argv[2] == "peer" and attempt < 2:
+    sys.excepthook = lambda *exc: os._exit(69)  # what lightning_spot's failure handling sets for a lost peer
+    raise RuntimeError("Connection closed by peer")
+"""
+
+
+@pytest.mark.timeout(240)
+def test_an_error_is_restarted_max_failures_times_a_lost_peer_as_often_as_preemptions(tmp_path: Path) -> None:
+    """An exception of the job's code (exit code 1) is run again --max-failures times, then ends the job (torchrun
+    alone would run it --max-restarts times); a rank that exits because it lost a peer (69, set in sys.excepthook,
+    which forked workers now run as ``python script.py`` does) is restarted however small --max-failures is."""
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    cmd = [sys.executable, "-m", "lightning_spot_launch", "--standalone", "--nproc-per-node=2", "--max-restarts=5"]
+    runs: dict[str, subprocess.CompletedProcess[bytes]] = {}
+    for kind, budget in (("error", "1"), ("peer", "0")):
+        out = tmp_path / kind
+        out.mkdir()
+        run = [*cmd, f"--max-failures={budget}", str(script), str(out), kind]
+        runs[kind] = subprocess.run(run, env=env, capture_output=True, timeout=200)
+    error, peer = runs["error"], runs["peer"]
+    assert error.returncode != 0
+    assert sorted(p.name for p in (tmp_path / "error").glob("rank1-*")) == ["rank1-attempt0", "rank1-attempt1"]
+    assert "not restarting again (--max-failures 1)" in error.stderr.decode(), error.stderr.decode()[-3000:]
+    assert peer.returncode == 0, peer.stderr.decode()[-3000:]
+    assert sorted(p.name for p in (tmp_path / "peer").glob("rank1-*")) == [f"rank1-attempt{a}" for a in range(3)]
+
+
+def test_what_counts_as_an_error() -> None:
+    from lightning_spot_launch.failures import is_error
+
+    assert is_error([1]) and is_error([69, 1]) and is_error([2])
+    assert not is_error([75]) and not is_error([69]) and not is_error([-9, 69]) and not is_error([0, None])
+
+
 def test_a_node_that_left_is_not_waited_for() -> None:
     """Two nodes complete a round; one leaves (as after a notice); the other's next round completes within its
     last call instead of waiting 30 s for the leaver's heartbeats to expire (its join times out at 10 s)."""

@@ -9,8 +9,16 @@ torchrun's agent, with what a restart on spot capacity needs:
 
 A top-level package beside ``lightning_spot``, not inside it: importing ``lightning_spot`` imports Lightning (~3 s
 on small machines), and the agent of a node that joins should reach the rendezvous in ~1 s, as torchrun's does.
-The preemption code reads :data:`AGENT_PID_ENV` from here.
+The preemption and failure code read :data:`AGENT_PID_ENV` and the exit codes from here.
 """
 
 #: the agent's process id, in every worker's environment (a forked worker's parent is the fork server)
 AGENT_PID_ENV = "LIGHTNING_SPOT_AGENT_PID"
+
+#: a rank stopped by a preemption notice (every rank of the job alike): restarted
+PREEMPTED_EXIT_CODE = 75
+#: a rank stopped because a peer was lost (killed, frozen, its node gone): restarted, not an error of the job's code
+PEER_LOST_EXIT_CODE = 69
+#: a rank stopped by an error (its own, or another rank's that every rank stops for): restarted at most
+#: ``--max-failures`` times
+FAILED_EXIT_CODE = 1

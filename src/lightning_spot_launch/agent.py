@@ -3,8 +3,10 @@
     python -m lightning_spot_launch --nnodes 1:4 --nproc-per-node 2 --rdzv-backend c10d \\
         --rdzv-endpoint head:29400 train.py --my-arg 1
 
-Takes torchrun's flags, plus ``--preload MODULES`` (more modules for the fork server, e.g. ``transformers``)
-and ``--fresh-processes`` (start every worker as a new interpreter, as torchrun does).
+Takes torchrun's flags, plus ``--preload MODULES`` (more modules for the fork server, e.g. ``transformers``),
+``--max-failures N`` (restarts after errors of the job's code, see ``failures``; preemptions, lost peers and kills
+are restarted up to ``--max-restarts``) and ``--fresh-processes`` (start every worker as a new interpreter, as
+torchrun does).
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from lightning_spot_launch import AGENT_PID_ENV, rendezvous
+from lightning_spot_launch.failures import limit_error_restarts
 from lightning_spot_launch.forked import forked_entrypoint
+
+#: an error of the job's code is run again this many times (a transient one may pass), then ends the job
+DEFAULT_MAX_FAILURES = 2
 
 
 def main(argv: Sequence[str]) -> int:
@@ -26,6 +32,12 @@ def main(argv: Sequence[str]) -> int:
     parser = get_args_parser()
     parser.add_argument(
         "--preload", default="", help="comma-separated modules the fork server imports too (e.g. transformers)"
+    )
+    parser.add_argument(
+        "--max-failures",
+        type=int,
+        default=DEFAULT_MAX_FAILURES,
+        help="restarts after errors of the job's code (preemptions, lost peers and kills: up to --max-restarts)",
     )
     parser.add_argument(
         "--fresh-processes",
@@ -45,6 +57,7 @@ def main(argv: Sequence[str]) -> int:
     if config.rdzv_backend == "c10d":
         config.rdzv_backend = rendezvous.register()
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    limit_error_restarts(args.max_failures)
     entrypoint: Callable[..., None] | str
     if forked:
         extra = [m for m in args.preload.split(",") if m]

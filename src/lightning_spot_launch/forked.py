@@ -32,13 +32,26 @@ def run_script(script: str, *script_args: str) -> None:
     """Run ``script`` as ``python script.py args`` would: as ``__main__``, its directory first on the path."""
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    _as_python_does(lambda: runpy.run_path(script, run_name="__main__"))
 
 
 def run_module(module: str, *script_args: str) -> None:
     """Run ``module`` as ``python -m module args`` would."""
     sys.argv = [module, *script_args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    _as_python_does(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+def _as_python_does(run: Callable[[], object]) -> None:
+    """An exception that ends ``run`` goes to ``sys.excepthook``, as in an interpreter that runs a script (the
+    failure handling of lightning_spot sets its exit code there), and the process exits with code 1; without this,
+    multiprocessing's wrapper would take it and exit with 1 whatever the hook would have said."""
+    try:
+        run()
+    except SystemExit:
+        raise
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
 
 
 def forked_entrypoint(

@@ -6,7 +6,8 @@
 
 It runs torchrun's agent through ``python -m lightning_spot_launch`` (workers forked from a server that has
 imported torch and Lightning once; a node stopped by a notice leaves the rendezvous at once) and adds
-``--max-restarts`` (preemptions exit with code 75 and are restarted), a c10d rendezvous (or ``--standalone`` for
+``--max-restarts`` (preemptions exit with code 75, ranks that lost a peer 69: both are restarted; an error of the
+job's code (exit code 1) only ``--max-failures`` times), a c10d rendezvous (or ``--standalone`` for
 a fixed single node) whose heartbeat (``--keep-alive``) decides how soon a node that died is given up and whose
 ``--last-call`` how long a round waits for more nodes, a short monitor interval, and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that every restart gets a fresh rendezvous store.
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+
+from lightning_spot_launch.agent import DEFAULT_MAX_FAILURES
 
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 #: rendezvous heartbeat: a node that died is given up after 3 missed beats; each beat reads and writes the whole state
@@ -58,6 +61,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         "lightning_spot_launch",
         f"--nproc-per-node={args.nproc_per_node}",
         f"--max-restarts={args.max_restarts}",
+        f"--max-failures={args.max_failures}",
         f"--monitor-interval={args.monitor_interval}",
     ]
     if args.rdzv_endpoint is None and args.nnodes in ("1", "1:1"):
@@ -127,7 +131,15 @@ def main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (needed for several nodes)")
     parser.add_argument("--rdzv-id", default="lightning-spot", help="job id shared by all nodes")
-    parser.add_argument("--max-restarts", type=int, default=100, help="restarts after failures and preemptions")
+    parser.add_argument(
+        "--max-restarts", type=int, default=100, help="restarts after preemptions, lost peers and killed workers"
+    )
+    parser.add_argument(
+        "--max-failures",
+        type=int,
+        default=DEFAULT_MAX_FAILURES,
+        help="restarts after errors of the job's code (an exception in training_step, a callback...); then it ends",
+    )
     parser.add_argument(
         "--monitor-interval",
         type=float,

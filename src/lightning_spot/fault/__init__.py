@@ -1,6 +1,20 @@
 """Failures: one rank's error (or a frozen peer) stops every rank of the job at once, the error shown once."""
 
 from lightning_spot.fault.board import Failure, FailureBoard
-from lightning_spot.fault.watch import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, FAILED_EXIT_CODE, JobWatch
+from lightning_spot.fault.watch import (
+    DEFAULT_STEP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    FAILED_EXIT_CODE,
+    PEER_LOST_EXIT_CODE,
+    JobWatch,
+)
 
-__all__ = ["DEFAULT_STEP_TIMEOUT", "DEFAULT_TIMEOUT", "FAILED_EXIT_CODE", "Failure", "FailureBoard", "JobWatch"]
+__all__ = [
+    "DEFAULT_STEP_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "FAILED_EXIT_CODE",
+    "PEER_LOST_EXIT_CODE",
+    "Failure",
+    "FailureBoard",
+    "JobWatch",
+]

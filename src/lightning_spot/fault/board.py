@@ -24,11 +24,13 @@ _generation_lock = threading.Lock()
 
 @dataclass(frozen=True)
 class Failure:
-    """What failed first: on which rank, the error in one line, where (optional)."""
+    """What failed first: on which rank, the error in one line, where (optional), and whether it was a peer that
+    was lost (killed, frozen, its node gone) rather than an error of the job's code."""
 
     rank: int
     error: str
     where: str = ""
+    peer: bool = False
 
     def describe(self) -> str:
         return f"rank {self.rank} failed{' in ' + self.where if self.where else ''}: {self.error}"

@@ -9,10 +9,12 @@
 Three ways a rank leaves:
 
 * **It raised.** ``on_exception`` publishes the error on the :class:`FailureBoard` before Lightning tears down
-  (the first failure wins) and the rank exits with the traceback, as Python does (exit code 1).
+  (the first failure wins) and the rank exits with the traceback, as Python does (exit code 1; 69 when the
+  error was a collective that lost its peer).
 * **Another rank failed.** The watch thread sees the board, prints one line naming that rank and its error, gives
   the main thread :attr:`JobWatch.GRACE` seconds to end by itself (an error of its own: a closed connection),
-  then exits the process with :data:`FAILED_EXIT_CODE`, whatever it was waiting for (a collective on a peer
+  then exits the process (:data:`FAILED_EXIT_CODE`, or :data:`PEER_LOST_EXIT_CODE` when the first failure was a
+  lost or frozen peer), whatever it was waiting for (a collective on a peer
   that is gone, an NCCL kernel). An error this rank raised that is a consequence (a collective that lost its
   peer) prints that one line instead of its traceback.
 * **Its step made no progress.** A pipeline step running longer than its limit (``step_timeout``, or five times
@@ -20,7 +22,8 @@ Three ways a rank leaves:
   means a peer is frozen (a VM that vanished without closing its sockets) or gone; gloo's point-to-point
   receives have no timeout at all. The rank publishes that and exits.
 
-A preemption stop (exit code 75) is not a failure: every rank exits alike.
+A preemption stop (exit code 75) is not a failure: every rank exits alike. ``lightning-spot run`` restarts the
+job after preemptions and lost peers, and after errors only ``--max-failures`` times.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from lightning_spot.fault.board import Failure, FailureBoard
-from lightning_spot.preemption.notice import PREEMPTED_EXIT_CODE
+from lightning_spot_launch import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 #: a pipeline step's limit in seconds (or five times the median of the recent steps, if longer)
 DEFAULT_STEP_TIMEOUT = 60.0
-#: the exit code of a rank that stops because the job failed (a failure for torchrun, unlike 75)
-FAILED_EXIT_CODE = 1
+__all__ = ["DEFAULT_STEP_TIMEOUT", "DEFAULT_TIMEOUT", "FAILED_EXIT_CODE", "PEER_LOST_EXIT_CODE", "JobWatch"]
 #: words in the message of an error that a collective raises when its peer is gone
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout")
 
@@ -141,23 +143,24 @@ class JobWatch:
         self._handling = True
         if self.board is None:
             return
-        first = self._known or self.board.publish(Failure(self.rank, _one_line(error), self._failed_in))
-        if first is not None and first.rank != self.rank and (_is_lost_peer(error) or _one_line(error) == first.error):
-            _end_uncaught(error, lambda: self.say(self._line(first)), self.linger)  # a consequence: one line
-        elif first is None and _is_lost_peer(error):  # the store's host is gone too: some rank left first
+        lost = _is_lost_peer(error)
+        first = self._known or self.board.publish(Failure(self.rank, _one_line(error), self._failed_in, peer=lost))
+        if first is not None and first.rank != self.rank and (lost or _one_line(error) == first.error):
+            _end_uncaught(error, lambda: self.say(self._line(first)), self.linger, _exit_code(first))  # a consequence
+        elif first is None and lost:  # the store's host is gone too: some rank left first
             line = (
                 f"lightning-spot: rank {self.rank} stops: a peer left the job ({_one_line(error)[:200]}); the rank that "
                 f"failed first shows its error (none does: it was killed, e.g. out of memory, or its node was lost)"
             )
-            _end_uncaught(error, lambda: self.say(line), self.linger)
+            _end_uncaught(error, lambda: self.say(line), self.linger, PEER_LOST_EXIT_CODE)
         else:
-            if first is not None and _is_lost_peer(error):
+            if first is not None and lost:
                 log.error(
                     "lightning-spot: rank %d: a collective lost its peer and no other rank reported a failure: a peer "
                     "was killed, froze or lost its network (the collective timeout is SpotPipelineStrategy(timeout=...))",
                     self.rank,
                 )
-            _end_uncaught(error, None, self.linger)  # an error of its own: its traceback
+            _end_uncaught(error, None, self.linger, PEER_LOST_EXIT_CODE if lost else FAILED_EXIT_CODE)  # its traceback
 
     def _line(self, first: Failure) -> str:
         return f"lightning-spot: rank {self.rank} stops because {first.describe()} (its traceback is in rank {first.rank}'s output)"
@@ -191,7 +194,7 @@ class JobWatch:
         while time.monotonic() < deadline:
             if self._stop.wait(self.poll) or self._handling:
                 return  # the fit is ending by itself (an error of its own, or a closed connection)
-        _exit(FAILED_EXIT_CODE, self.linger)
+        _exit(_exit_code(first), self.linger)
 
     def say(self, line: str) -> None:
         """Print the line naming the first failure (once)."""
@@ -206,6 +209,7 @@ class JobWatch:
             f"no progress for {waited:.1f}s (limit {limit:.0f}s): a peer is frozen or gone "
             f"(SpotPipelineStrategy(step_timeout=...) sets the limit)",
             where,
+            peer=True,
         )
         board = self.board
         assert board is not None
@@ -213,7 +217,7 @@ class JobWatch:
         publisher.start()
         publisher.join(timeout=3.0)  # a frozen store host must not hold this rank
         self.say(f"lightning-spot: {failure.describe()}; stopping the job")
-        _exit(FAILED_EXIT_CODE, self.linger)
+        _exit(PEER_LOST_EXIT_CODE, self.linger)
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -241,10 +245,15 @@ def _is_lost_peer(error: BaseException) -> bool:
     )
 
 
-def _end_uncaught(error: BaseException, say: Callable[[], None] | None, linger: float) -> None:
+def _exit_code(first: Failure) -> int:
+    """How a rank that stops for ``first`` exits: a lost peer is restarted as such, an error counts as one."""
+    return PEER_LOST_EXIT_CODE if first.peer else FAILED_EXIT_CODE
+
+
+def _end_uncaught(error: BaseException, say: Callable[[], None] | None, linger: float, code: int) -> None:
     """If ``error`` ends the process uncaught: ``say()`` instead of its traceback (``None``: the traceback), then
-    exit with :data:`FAILED_EXIT_CODE` at once: the interpreter's shutdown can abort (SIGABRT) on a process group
-    whose peers are gone."""
+    exit with ``code`` at once: the interpreter's shutdown can abort (SIGABRT) on a process group whose peers are
+    gone."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -255,7 +264,7 @@ def _end_uncaught(error: BaseException, say: Callable[[], None] | None, linger: 
             previous(kind, value, tb)
         else:
             say()
-        _exit(FAILED_EXIT_CODE, linger)
+        _exit(code, linger)
 
     sys.excepthook = hook
 

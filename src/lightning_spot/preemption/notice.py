@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-#: Exit code of every rank after a coordinated stop for preemption (EX_TEMPFAIL: "try again").
-#: torchrun treats it as a worker failure and restarts the group (``--max-restarts``).
-PREEMPTED_EXIT_CODE = 75
+# the exit code of every rank after a coordinated stop for preemption (EX_TEMPFAIL: "try again"); torchrun treats it
+# as a worker failure and restarts the group (``--max-restarts``); defined where the launcher's agent reads it
+from lightning_spot_launch import PREEMPTED_EXIT_CODE
+
+__all__ = ["PREEMPTED_EXIT_CODE", "Notice"]
 
 
 @dataclass(frozen=True)
