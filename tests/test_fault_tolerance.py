@@ -314,7 +314,8 @@ def test_a_lighthouse_that_dies_mid_run_stops_every_pipeline_with_a_clear_error(
             procs += stack.enter_context(_running(1, argv, tmp_path / f"logs{group}", env))
         deadline = time.monotonic() + 120
         logs = [tmp_path / f"logs{g}" / "rank0.log" for g in range(2)]
-        while time.monotonic() < deadline and not any("2 pipelines train from step" in p.read_text() for p in logs):
+        together = ("2 pipelines train from step", "joined 2 pipelines")  # (a later join, or both in the first)
+        while time.monotonic() < deadline and not any(w in p.read_text() for p in logs for w in together):
             time.sleep(0.2)  # until both are in one quorum (the first says so)
         time.sleep(1.0)
         server.kill()  # the lighthouse's process dies

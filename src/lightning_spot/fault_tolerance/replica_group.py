@@ -131,6 +131,12 @@ class ReplicaGroup:
         finally:
             self._joining = False
         self._unused_quorum = True
+        log.warning(
+            "lightning-spot: pipeline %s joined %d pipelines at step %d",
+            self.settings.replica_group,
+            self.participants,
+            self.manager.current_step(),
+        )
 
     def prefetch(self) -> None:
         """Ask for the next step's quorum now (after the update of a committed step), so that the round trip to the
