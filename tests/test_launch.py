@@ -67,6 +67,7 @@ if os.environ["RANK"] == "1" and sys.argv[2] == "peer" and attempt < 2:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_error_is_restarted_max_failures_times_a_lost_peer_as_often_as_preemptions(tmp_path: Path) -> None:
     """An exception of the job's code (exit code 1) is run again --max-failures times, then ends the job (torchrun
