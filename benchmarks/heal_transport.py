@@ -58,6 +58,9 @@ def _transport(kind: str) -> Any:
 
 
 def _worker(rank: int, port: int, mib: int, rounds: int, out: Any) -> None:
+    from http.server import BaseHTTPRequestHandler
+
+    BaseHTTPRequestHandler.log_message = lambda *args: None  # type: ignore[method-assign]  # (a line per request)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     store = dist.distributed_c10d._get_default_store()
