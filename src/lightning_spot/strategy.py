@@ -68,13 +68,14 @@ from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
-from lightning_spot.runtime.grads import clip_grad_norm_global
+from lightning_spot.runtime.grads import global_norm_clipping
 from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
 from lightning_spot.runtime.loss_scale import coordinated_scaler
 from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload, offload_levels
 from lightning_spot.runtime.process import (
     ThreadSetup,
     destroy_process_group_at_exit,
+    elastic_world,
     set_up_threads,
     threads_set_by_user,
 )
@@ -318,25 +319,10 @@ class SpotPipelineStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _adopt_elastic_world(self) -> None:
-        """Under torchrun, take this node's process count and the node count from the environment.
-
-        After an elastic restart the group may be smaller or larger than the Trainer's
-        ``devices`` x ``num_nodes``; the environment (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) is what is true.
-        """
-        env = os.environ
-        if not (self.cluster_environment and self.cluster_environment.creates_processes_externally):
-            return
-        if "LOCAL_WORLD_SIZE" not in env or "WORLD_SIZE" not in env or not self.parallel_devices:
-            return
-        local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
-        devices = self.parallel_devices
-        if len(devices) != local:
-            kind = devices[0].type
-            self.parallel_devices = (
-                [torch.device(kind, i) for i in range(local)] if kind != "cpu" else [torch.device("cpu")] * local
-            )
-        if world % local == 0:
-            self.num_nodes = world // local
+        """Under torchrun, take this node's process count and the node count from the environment."""
+        if self.cluster_environment and self.cluster_environment.creates_processes_externally and self.parallel_devices:
+            self.parallel_devices, nodes = elastic_world(list(self.parallel_devices))
+            self.num_nodes = nodes or self.num_nodes
 
     @override
     def setup_environment(self) -> None:
@@ -541,20 +527,10 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     def _route_gradient_clipping(self) -> None:
         """Clip by the global norm over all stages instead of each rank's local norm."""
-        engine = self.engine
-        assert engine is not None
-        mixed = engine.layout.is_mixed
-        group = torch.distributed.group.WORLD if mixed and is_initialized() else engine.ctx.pp_group
-        counts = engine.ctx.dp_rank == 0 or not mixed
-        duplicates = engine.ties.duplicates
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: Union[int, float]) -> None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_global(
-                params, float(clip_val), group, duplicates=duplicates, counts=counts, reduce_on=self.root_device
-            )
-
-        self.precision_plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        engine = self._engine()
+        self.precision_plugin.clip_grad_by_norm = global_norm_clipping(  # type: ignore[method-assign,assignment]
+            engine.layout.is_mixed, engine.ctx.pp_group, engine.ctx.dp_rank, engine.ties.duplicates, self.root_device
+        )
 
     @override
     def model_to_device(self) -> None:

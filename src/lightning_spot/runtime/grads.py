@@ -8,7 +8,8 @@ therefore taken aside after the step and added back in ``backward``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,22 @@ def all_reduce_mean(params: Sequence[Tensor], group: dist.ProcessGroup, bucket_b
             flat.div_(size)
             for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(synced)
+
+
+def global_norm_clipping(
+    mixed: bool, pp_group: dist.ProcessGroup | None, dp_rank: int, duplicates: Sequence[Tensor], reduce_on: torch.device
+) -> Callable[[Any, float], None]:
+    """Lightning's ``clip_grad_by_norm(optimizer, clip_val)`` by the norm over all stages (:func:`clip_grad_norm_global`)
+    instead of each rank's local norm: over the pipeline group, or the world with only pipeline 0 counting where
+    pipelines of ``mixed`` depths cut the model differently."""
+    group = dist.group.WORLD if mixed and dist.is_initialized() else pp_group
+    counts = dp_rank == 0 or not mixed
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_global(params, float(clip_val), group, duplicates=duplicates, counts=counts, reduce_on=reduce_on)
+
+    return clip_grad_by_norm
 
 
 def clip_grad_norm_global(

@@ -3,6 +3,7 @@
     setup = set_up_threads(local_processes=4)       # every rank, before any work; a user's choice wins
     setup.describe()                                 # "1 thread per process (2 CPUs / 4 processes on this node)"
     destroy_process_group_at_exit()                  # once, after the process group exists
+    devices, nodes = elastic_world(devices)          # under torchrun: the world the environment says
 
 Why threads matter: torch sizes each process's OpenMP team for the whole machine. When several
 ranks share a node's cores, every parallel op ends in a team barrier that waits for a thread the
@@ -20,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -137,3 +139,17 @@ def destroy_process_group_at_exit() -> None:
             time.sleep(0.2)  # let gloo's threads take the GIL and release what they hold
 
     atexit.register(destroy)
+
+
+def elastic_world(devices: list[torch.device]) -> tuple[list[torch.device], Optional[int]]:
+    """Under torchrun: this node's devices and the node count (``None``: unknown) from ``LOCAL_WORLD_SIZE`` and
+    ``WORLD_SIZE``. After an elastic restart the group may be smaller or larger than the Trainer's ``devices`` x
+    ``num_nodes``; the environment is what is true."""
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" not in env or "WORLD_SIZE" not in env or not devices:
+        return devices, None
+    local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+    if len(devices) != local:
+        kind = devices[0].type
+        devices = [torch.device(kind, i) for i in range(local)] if kind != "cpu" else [torch.device("cpu")] * local
+    return devices, (world // local if world % local == 0 else None)
