@@ -49,17 +49,8 @@ def _median_step(out: Path, name: str) -> float:
 
 def overhead(args: argparse.Namespace) -> None:
     steps = 60
-    worker = [
-        WORKER,
-        "--stages",
-        str(args.stages),
-        "--steps",
-        str(steps),
-        "--width",
-        str(args.width),
-        "--model",
-        args.model,
-    ]
+    worker = [WORKER, "--stages", str(args.stages), "--steps", str(steps), "--width", str(args.width),
+              "--model", args.model]  # fmt: skip
     overlap = ["--overlap"] if args.overlap else []
     base = [sys.executable, "-m", "lightning_spot.cli", "run", "--lighthouse-port", "0"]
     ft = [*base, "--replica-groups", str(args.groups), "--nproc-per-node", str(args.stages)]

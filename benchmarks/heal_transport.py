@@ -90,7 +90,7 @@ def _worker(rank: int, port: int, mib: int, rounds: int, out: Any) -> None:
     if rank == 1:
         out.put(seconds)
     for transport in transports.values():
-        transport.shutdown(wait=False) if hasattr(transport, "shutdown") else None
+        transport.shutdown(wait=False)
     dist.destroy_process_group()
 
 

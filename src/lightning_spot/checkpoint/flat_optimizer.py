@@ -121,12 +121,13 @@ def load_optimizer_state(
         first = entries[index] if group["params"] else {"param_groups": {}}
         groups.append({**{k: first["param_groups"].get(k, v) for k, v in group.items()}, "params": []})
         for _ in group["params"]:
-            if entries[index]["state"]:  # a second copy of a tied weight gets state of its own
-                own = id(entries[index]) not in taken
+            entry = entries[index]
+            if entry["state"]:
+                copy = id(entry) in taken  # a second copy of a tied weight on this rank: tensors of its own
                 state[index] = {
-                    k: v if own or not isinstance(v, Tensor) else v.clone() for k, v in entries[index]["state"].items()
+                    k: v.clone() if copy and isinstance(v, Tensor) else v for k, v in entry["state"].items()
                 }
-                taken.add(id(entries[index]))
+                taken.add(id(entry))
             groups[-1]["params"].append(index)
             index += 1
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from lightning_spot.fault.board import Failure, FailureBoard
 from lightning_spot_launch import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
+__all__ = ["DEFAULT_STEP_TIMEOUT", "DEFAULT_TIMEOUT", "FAILED_EXIT_CODE", "PEER_LOST_EXIT_CODE", "JobWatch"]
+
 log = logging.getLogger(__name__)
 
 #: the collective timeout's default: setup, saves and epoch boundaries wait at most this long for a peer (above
@@ -52,7 +54,6 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 #: a pipeline step's limit in seconds (or five times the median of the recent steps, if longer)
 DEFAULT_STEP_TIMEOUT = 60.0
-__all__ = ["DEFAULT_STEP_TIMEOUT", "DEFAULT_TIMEOUT", "FAILED_EXIT_CODE", "PEER_LOST_EXIT_CODE", "JobWatch"]
 #: words in the message of an error that a collective raises when its peer is gone
 _LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout")
 
@@ -143,16 +144,16 @@ class JobWatch:
         self._handling = True
         if self.board is None:
             return
-        lost = _is_lost_peer(error)
-        first = self._known or self.board.publish(Failure(self.rank, _one_line(error), self._failed_in, peer=lost))
-        if first is not None and first.rank != self.rank and (lost or _one_line(error) == first.error):
+        lost, line = _is_lost_peer(error), _one_line(error)
+        first = self._known or self.board.publish(Failure(self.rank, line, self._failed_in, peer=lost))
+        if first is not None and first.rank != self.rank and (lost or line == first.error):
             _end_uncaught(error, lambda: self.say(self._line(first)), self.linger, _exit_code(first))  # a consequence
         elif first is None and lost:  # the store's host is gone too: some rank left first
-            line = (
-                f"lightning-spot: rank {self.rank} stops: a peer left the job ({_one_line(error)[:200]}); the rank that "
+            said = (
+                f"lightning-spot: rank {self.rank} stops: a peer left the job ({line[:200]}); the rank that "
                 f"failed first shows its error (none does: it was killed, e.g. out of memory, or its node was lost)"
             )
-            _end_uncaught(error, lambda: self.say(line), self.linger, PEER_LOST_EXIT_CODE)
+            _end_uncaught(error, lambda: self.say(said), self.linger, PEER_LOST_EXIT_CODE)
         else:
             if first is not None and lost:
                 log.error(

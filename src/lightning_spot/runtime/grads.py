@@ -78,7 +78,7 @@ def global_norm_clipping(
     counts = dp_rank == 0 or not mixed
 
     def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
         clip_grad_norm_global(params, float(clip_val), group, duplicates=duplicates, counts=counts, reduce_on=reduce_on)
 
     return clip_grad_by_norm
