@@ -20,7 +20,8 @@ when their all-reduce times out (``--ft-timeout``, ``TorchFT(timeout=...)``, 30 
 lighthouse has dropped it (1 s without heartbeats). The frozen pipeline is killed at the end.
 
 ``--overhead``: no kills (``--overlap``: gradient buckets sent during the backward); the same steps with fault tolerance (G pipelines, one torchrun each) and without it (one
-P x D job of the same processes, gradients averaged by DDP), alternated, twice each; prints both median step times.
+P x D job of the same processes, gradients averaged by DDP), in ``--pairs`` pairs (4; who goes first alternates);
+prints both median step times and the ratio pair by pair.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def overhead(args: argparse.Namespace) -> None:
     ft = [*base, "--replica-groups", str(args.groups), "--nproc-per-node", str(args.stages)]
     plain = [*base, "--nproc-per-node", str(args.groups * args.stages)]
     times: dict[str, list[float]] = {"torchft": [], "plain": []}
-    for _ in range(2):
-        for kind, cmd in (("torchft", ft), ("plain", plain)):
+    for pair in range(args.pairs):
+        order = (("torchft", ft), ("plain", plain))
+        for kind, cmd in order if pair % 2 == 0 else reversed(order):  # (who goes first alternates too)
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "out"
                 extra = ["--plain"] if kind == "plain" else overlap
@@ -74,8 +76,10 @@ def overhead(args: argparse.Namespace) -> None:
                         "  torchft per step: " + ", ".join(f"{k} {v / steps * 1000:.1f} ms" for k, v in spent.items())
                     )
     ft_s, plain_s = statistics.median(times["torchft"]), statistics.median(times["plain"])
+    ratios = [a / b for a, b in zip(times["torchft"], times["plain"])]
     print(f"{args.groups} pipelines x {args.stages} stage(s), {steps} steps: median step with torchft "
-          f"{ft_s * 1000:.1f} ms, without {plain_s * 1000:.1f} ms: {ft_s / plain_s:.3f}x "
+          f"{ft_s * 1000:.1f} ms, without {plain_s * 1000:.1f} ms: {ft_s / plain_s:.3f}x; pair by pair "
+          f"{[round(r, 3) for r in ratios]}, median {statistics.median(ratios):.3f}x "
           f"(runs: {[round(t * 1000, 1) for t in times['torchft']]} vs {[round(t * 1000, 1) for t in times['plain']]} ms)")  # fmt: skip
 
 
@@ -91,6 +95,7 @@ def main() -> None:
     parser.add_argument("--ft-timeout", type=float, default=5.0, help="--freeze: TorchFT(timeout=...)")
     parser.add_argument("--width", type=int, default=32, help="the model's width (longer steps, more state)")
     parser.add_argument("--overlap", action="store_true", help="--overhead: TorchFT(overlap=True)")
+    parser.add_argument("--pairs", type=int, default=4, help="--overhead: runs with and without torchft, in turn")
     parser.add_argument(
         "--model", choices=("tiny", "gpt"), default="tiny", help="--overhead: the test model or the example GPT"
     )

@@ -14,7 +14,8 @@ every pipeline ends at that step.
 ``--freeze``: ``--die`` stops the process with SIGSTOP (a node that vanished without closing its sockets).
 ``--ft-timeout S``: ``TorchFT(timeout=S)``, how long the others' all-reduce waits for a silent peer.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
-``--overlap``: ``TorchFT(overlap=True)`` (gradient buckets sent during the backward).
+``--overlap``: ``TorchFT(overlap=True)`` (gradient buckets sent during the backward); ``--bucket-bytes N``: buckets
+of N bytes (the same on every pipeline: several on a tiny model).
 ``--timeline DIR``: PipelineTimeline of every step into DIR (``trace.json``).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
@@ -147,7 +148,12 @@ def main() -> None:
     parser.add_argument("--model", choices=("tiny", "finetune", "gpt"), default="tiny")
     parser.add_argument("--timeline", default=None, help="trace every step into this directory")
     parser.add_argument("--overlap", action="store_true", help="TorchFT(overlap=True)")
+    parser.add_argument("--bucket-bytes", type=int, default=None, help="gradient buckets this small (every pipeline)")
     args = parser.parse_args()
+    if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
+        from lightning_spot.fault_tolerance import early_buckets
+
+        early_buckets.BUCKET_BYTES = args.bucket_bytes
     started = args.out / "started"
     started.mkdir(parents=True, exist_ok=True)
     (started / f"group{GROUP}_rank{os.environ['RANK']}_{os.getpid()}").touch()

@@ -60,8 +60,6 @@ def attach(
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
-    for optimizer in trainer.strategy.optimizers:  # the next step's quorum, while Lightning finishes this one
-        optimizer.register_step_post_hook(lambda *_: group.prefetch())
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group

@@ -8,14 +8,15 @@
 
 Every pipeline cuts the model the same way, so this rank's buckets (fixed at construction, in reverse parameter
 order, a fixed byte size each) are the same tensors on stage k of every pipeline, and every pipeline launches them
-in the same order: bucket 0, 1, ... then the weights. A bucket goes out early, during the backward, when all its
+in the same order: bucket 0, 1, ..., the last one with the weight. A bucket goes out early, during the backward, when all its
 parameters have accumulated the step's ``m`` micro-batch gradients (a post-accumulate-grad hook counts them); it
 then carries ``scale`` times that sum, which the caller chooses so that it equals ``weight`` times this pipeline's
 final gradient (``samples / m`` for a loss averaged over samples, the reference count ``r`` for losses weighted by
 their items). A bucket that is not complete during the backward (unused parameters, tied copies — whose gradient
 is only whole after the pipeline summed its copies — or a step whose scale is not known yet, such as the first)
-carries ``weight`` times the final ``.grad`` instead. Either way each pipeline contributes ``weight x its mean
-gradient``; the weights' sum is reduced last, and the sum divided by it is the quorum's mean.
+carries ``weight`` times the final ``.grad`` instead, as the last bucket always does. Either way each pipeline
+contributes ``weight x its mean gradient``; the weights' sum rides in the last bucket, as one more number, and the
+sum divided by it is the quorum's mean.
 """
 
 from __future__ import annotations
@@ -53,16 +54,20 @@ class EarlyBuckets:
         *,
         tied: Sequence[Tensor] = (),
         allreduce: Callable[[Tensor], Any],
-        bucket_bytes: int = BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         during_backward: bool = True,
     ) -> None:
         self._allreduce = allreduce
         self.params = list(params)
         tied_ids = {id(p) for p in tied}
         ordered = list(reversed(params))  # the backward reaches the last parameters first
+        chunks = list(tensor_runs(ordered, lambda p: p, bucket_bytes or BUCKET_BYTES))
+        # the last bucket always goes after the step, with the weight: what the all-reduces carry must not depend
+        # on which buckets went out early (each pipeline's choice, and not on a joiner's first step); the backward
+        # finishes that bucket last, so little overlap is lost
         self.buckets = [
-            _Bucket(chunk, early=during_backward and not any(id(p) in tied_ids for p in chunk))
-            for chunk in tensor_runs(ordered, lambda p: p, bucket_bytes)
+            _Bucket(chunk, early=during_backward and i < len(chunks) - 1 and not any(id(p) in tied_ids for p in chunk))
+            for i, chunk in enumerate(chunks)
         ]
         self._bucket_of: dict[int, _Bucket] = {}
         for bucket in self.buckets:
@@ -103,10 +108,17 @@ class EarlyBuckets:
             self.launched_early += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket, scale: float) -> None:
+    def _launch(self, bucket: _Bucket, scale: float, weight: float | None = None) -> None:
+        """Send ``scale`` times the bucket's gradients; with ``weight``, that number rides along as one more
+        element (the weights' sum then needs no all-reduce of its own)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = [g.float() for g in grads]
+        if weight is not None:
+            grads.append(grads[0].new_zeros(1))
         # (out of place: a bucket of one tensor flattens to a view of its .grad, which the step changes afterwards)
-        bucket.flat = _flatten_dense_tensors([g.float() for g in grads]).mul(scale)
+        bucket.flat = _flatten_dense_tensors(grads).mul(scale)
+        if weight is not None:
+            bucket.flat[-1] = weight
         bucket.work = self._allreduce(bucket.flat)
 
     @torch.no_grad()
@@ -114,18 +126,24 @@ class EarlyBuckets:
         """After the step (``.grad`` final, ``weight`` what it is a mean over): send what has not gone out, wait
         for every bucket, and set ``.grad`` to the weighted mean over the quorum. Returns the weights' sum."""
         self._scale = None  # (no more early launches until the next arm)
-        for bucket in self.buckets[self._next :]:
-            self._launch(bucket, weight)
+        for bucket in self.buckets[self._next :]:  # the last one carries the weight (one round trip fewer)
+            self._launch(bucket, weight, weight=float(weight) if bucket is self.buckets[-1] else None)
         self._next = len(self.buckets)
-        total = torch.tensor([float(weight)])
-        weight_work = self._allreduce(total)
-        weight_work.wait()
-        summed = float(total[0])
+        if self.buckets:
+            last = self.buckets[-1]
+            last.work.wait()
+            assert last.flat is not None
+            summed = float(last.flat[-1])
+        else:  # a stage without trainable parameters
+            total = torch.tensor([float(weight)])
+            self._allreduce(total).wait()
+            summed = float(total[0])
         for bucket in self.buckets:
             bucket.work.wait()
             assert bucket.flat is not None
             if summed > 0:
-                means = _unflatten_dense_tensors(bucket.flat.div_(summed), bucket.params)
+                grads = bucket.flat[: sum(p.numel() for p in bucket.params)]
+                means = _unflatten_dense_tensors(grads.div_(summed), bucket.params)
                 for p, mean in zip(bucket.params, means):
                     p.grad = mean.to(p.dtype)
             bucket.flat = bucket.work = None

@@ -4,12 +4,12 @@
     group.join()                                   # at setup: the first quorum; may take a peer's state
     group.overlap(params, tied, loss_weights)      # the gradients to average (sent during the backward if asked)
     share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
-    closure = group.committed(closure, weight)     # optimizer_step: the optimizer steps only on a commit
-    group.prefetch()                               # after the update (an optimizer hook): the next quorum
+    closure = group.committed(closure, weight)     # optimizer_step: the optimizer steps only on a commit, and
+                                                   # the next quorum is asked for (it overlaps the update)
     group.shutdown()
 
 Every rank of the pipeline has a torchft ``Manager`` (stage ``k`` of every pipeline share one reconfigurable gloo
-group); rank 0's manager talks to the lighthouse. Quorums are synchronous — asked for right after the update, in
+group); rank 0's manager talks to the lighthouse. Quorums are synchronous — asked for right after the commit, in
 a thread, and waited for when the next step starts: a joiner heals before that step (a peer hands its state over
 only at a step boundary) and trains its share of it like any other replica.
 """
@@ -83,7 +83,7 @@ class ReplicaGroup:
         self._state_dict = state_dict
         #: set while this rank waits at a step boundary (its state is whole then: a peer may take it)
         self._boundary = threading.Event()
-        #: the next step's quorum, asked for right after the update (see :meth:`prefetch`)
+        #: the next step's quorum, asked for right after the commit (see :meth:`prefetch`)
         self._next_quorum: threading.Thread | None = None
         self._next_quorum_error: BaseException | None = None
         self._committed = False  # a step committed since the last prefetch
@@ -139,11 +139,12 @@ class ReplicaGroup:
         )
 
     def prefetch(self) -> None:
-        """Ask for the next step's quorum now (after the update of a committed step), so that the round trip to the
-        lighthouse overlaps the rest of this step (schedulers, callbacks, the next batch); the next
-        :meth:`begin_step` waits for it."""
+        """Ask for the next step's quorum now (a step has committed), so that the round trip to the lighthouse
+        overlaps the rest of this step (the update, schedulers, callbacks, the next batch); the next
+        :meth:`begin_step` waits for it. A peer that joins in it takes this rank's state only at that step
+        boundary (:meth:`_state_at_boundary`), after the update."""
         if self._next_quorum is not None or not self._committed:
-            return  # (torch calls optimizer.step() with no gradients to build an optimizer's state: not a step)
+            return
         self._committed = False
 
         def ask() -> None:
@@ -279,6 +280,7 @@ class ReplicaGroup:
                 result = closure()
                 if self.reduce_and_commit(weight()):
                     self._committed = True
+                    self.prefetch()  # the next quorum's round trip overlaps the update
                     return result
                 self.discarded += 1
                 self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
