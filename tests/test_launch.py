@@ -3,6 +3,7 @@ imported Lightning already; a node that leaves the rendezvous is not waited for.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -134,6 +135,11 @@ def test_a_node_that_left_is_not_waited_for() -> None:
     info = stay.next_rendezvous()  # raises RendezvousTimeoutError after 10 s if it waited for the leaver
     assert info.world_size == 1 and time.monotonic() - start < 8
     stay.shutdown()
+    # drop the handlers and their stores: the store's server threads outliving the test made a process forked
+    # later in this one (a DataLoader worker) hang when it exited, for 30 s
+    rendezvous._handlers.clear()
+    del stay, go
+    gc.collect()
 
 
 @pytest.mark.parametrize("flag", ["--fresh-processes", None])
