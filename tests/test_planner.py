@@ -214,3 +214,51 @@ def test_weights_are_streamed_only_when_nothing_else_fits() -> None:
         plan_layouts(
             model, world_size=2, global_batch=8, hardware=replace(tight, memory_bytes=2**30), offloads=OFFLOAD_CHOICES
         )
+
+
+def test_a_model_held_by_the_lightning_module_is_profiled_through_the_call_its_step_makes() -> None:
+    """``training_step`` calls ``self.net(x)`` (no ``self(...)``): the planner profiles ``net`` with the inputs the
+    step gives it; a layer 16x as wide is measured slower than the others. A step that calls neither is refused
+    with the sequence named."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_spot.partition.discovery import ModelContractError, discover
+    from lightning_spot.planning.profile import forward_call, profile_model, rooted
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 32)
+            wide = nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 32))
+            self.blocks = nn.Sequential(wide, *(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)))
+            self.head = nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.blocks(self.embed(x)))
+
+    class Holder(L.LightningModule):
+        def __init__(self, call: bool = True) -> None:
+            super().__init__()
+            self.net, self.call = Net(), call
+
+        def training_step(self, batch: tuple, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            out = self.net(x) if self.call else self.net.head(self.net.embed(x))
+            return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    module = Holder()
+    split = discover(module)
+    assert split.layers_path == "net.blocks"
+    batch = (torch.randint(0, 16, (64, 32)), torch.randint(0, 16, (64, 32)))
+    root, args, kwargs = forward_call(module, split, batch)
+    assert root == "net" and args[0].shape == (64, 32) and not kwargs
+    net, inner = rooted(module, split, root)
+    assert net is module.net and inner.layers_path == "blocks" and inner.first_modules == ("embed",)
+    profile = profile_model(net, inner, args, kwargs, device=torch.device("cpu"), samples=64, repeats=3)
+    wide, *narrow = (layer.forward_s + layer.backward_s for layer in profile.layers)
+    assert wide > 2 * max(narrow), [round(t * 1e3, 3) for t in (wide, *narrow)]
+    with pytest.raises(ModelContractError, match="net.blocks"):
+        forward_call(Holder(call=False), split, batch)

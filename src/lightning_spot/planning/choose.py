@@ -58,7 +58,7 @@ from lightning_spot.planning.mixed import (
     split_microbatches,
     total_microbatches,
 )
-from lightning_spot.planning.profile import ModelProfile, forward_inputs, profile_model
+from lightning_spot.planning.profile import ModelProfile, forward_call, profile_model, rooted
 from lightning_spot.runtime.schedules import resolve_schedule
 from lightning_spot.streaming import peek_batch
 
@@ -295,11 +295,10 @@ def choose_layout(
     if is_rank_zero:
         samples = max(1, min(global_batch, global_batch // world_size))
         try:
-            args, kwargs = forward_inputs(module, first_samples(batch, global_batch, samples))
+            root, args, kwargs = forward_call(module, split, first_samples(batch, global_batch, samples))
             args, kwargs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (args, kwargs))
             profile = profile_model(
-                module,
-                split,
+                *rooted(module, split, root),
                 args,
                 kwargs,
                 device=device,

@@ -205,20 +205,59 @@ def _measure(
 
 
 # ------------------------------------------------------------------------------------------------ shapes
-def forward_inputs(module: nn.Module, batch: Any, step: str = "training_step") -> tuple[tuple, dict]:
-    """The arguments the module's step passes to ``self(...)`` for ``batch`` (nothing is computed)."""
+def forward_call(
+    module: nn.Module, split: ModelSplit, batch: Any, step: str = "training_step"
+) -> tuple[str, tuple, dict]:
+    """Which forward the module's ``step`` calls on the way to the layer sequence, and with what: ``("", args,
+    kwargs)`` for ``self(...)``, ``("model", args, kwargs)`` for a step that calls ``self.model(**batch)`` (a
+    transformers model held by the LightningModule), the outermost ancestor of the sequence that it calls."""
     if has_loss_hook(module):
-        return loss_hook_inputs(module, batch), {}
+        return "", loss_hook_inputs(module, batch), {}
 
     def capture(*args: Any, **kwargs: Any) -> None:
-        raise StageExit((args, kwargs))
+        raise StageExit(("", args, kwargs))
 
-    with shadowed(module, forward=capture):
-        try:
+    parts = split.layers_path.split(".")
+    handles = []
+    for depth in range(1, len(parts)):  # the sequence's ancestors, outermost first (its pre-hook runs first)
+        path = ".".join(parts[:depth])
+
+        def called(mod: nn.Module, args: tuple, kwargs: dict, path: str = path) -> None:
+            raise StageExit((path, args, kwargs))
+
+        handles.append(module.get_submodule(path).register_forward_pre_hook(called, with_kwargs=True))
+    try:
+        with shadowed(module, forward=capture):
             run_step_quietly(module, batch, step)
-        except StageExit as stop:
-            return stop.output
-    raise ModelContractError(f"`{step}` never called `self(...)`, so there is no forward to profile.")
+    except StageExit as stop:
+        return stop.output
+    finally:
+        for handle in handles:
+            handle.remove()
+    raise ModelContractError(
+        f"`{step}` called neither `self(...)` nor a module that holds `{split.layers_path}`, so there is no "
+        f"forward to profile."
+    )
+
+
+def rooted(module: nn.Module, split: ModelSplit, root: str) -> tuple[nn.Module, ModelSplit]:
+    """The submodule ``root`` (see :func:`forward_call`) with ``split``'s paths relative to it, to profile as a
+    model of its own. Modules and parameters outside it (used by the step around its call) are not profiled."""
+    if not root:
+        return module, split
+    prefix = root + "."
+
+    def inside(names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n[len(prefix) :] for n in names if n.startswith(prefix))
+
+    return module.get_submodule(root), replace(
+        split,
+        layers_path=split.layers_path[len(prefix) :],
+        first_modules=inside(split.first_modules),
+        last_modules=inside(split.last_modules),
+        replicated_modules=inside(split.replicated_modules),
+        first_direct_params=inside(split.first_direct_params),
+    )
 
 
 def _layer_calls(meta_module: nn.Module, seq: nn.Module, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
@@ -244,12 +283,14 @@ def _to_meta(value: Any) -> Any:
     return tree_map(lambda t: t.to("meta") if isinstance(t, Tensor) else t, value)
 
 
-def profile_key(module: nn.Module, split: ModelSplit, args: tuple, device: torch.device, samples: int) -> str:
+def profile_key(
+    module: nn.Module, split: ModelSplit, args: tuple, device: torch.device, samples: int, kwargs: dict | None = None
+) -> str:
     """A cache key: model structure, parameter shapes, input shapes, device and micro-batch size."""
     h = hashlib.sha1()
     h.update(type(module).__qualname__.encode())
     h.update(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]).encode())
-    h.update(repr([(tuple(t.shape), str(t.dtype)) for t in _tensors(args)]).encode())
+    h.update(repr([(tuple(t.shape), str(t.dtype)) for t in _tensors((args, kwargs or {}))]).encode())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     h.update(f"{split.layers_path}|{name}|{samples}|{torch.__version__}|affine".encode())
     return h.hexdigest()[:16]
@@ -274,7 +315,7 @@ def profile_model(
     can tell the time that shrinks with the micro-batch from the time that does not.
     """
     forward_kwargs = forward_kwargs or {}
-    key = profile_key(module, split, forward_args, device, samples)
+    key = profile_key(module, split, forward_args, device, samples, forward_kwargs)
     cached = cache_dir / f"{key}.json" if cache_dir is not None else None
     if cached is not None and cached.is_file():
         return ModelProfile.from_json(cached.read_text())
