@@ -262,3 +262,29 @@ def test_a_model_held_by_the_lightning_module_is_profiled_through_the_call_its_s
     assert wide > 2 * max(narrow), [round(t * 1e3, 3) for t in (wide, *narrow)]
     with pytest.raises(ModelContractError, match="net.blocks"):
         forward_call(Holder(call=False), split, batch)
+
+
+def test_transformers_models_are_profiled_through_a_real_forward() -> None:
+    """``self.model(**batch).loss`` on padded batches (a Llama) and ``self.model(input_ids=..., labels=...)`` (a
+    GPT-2 with tied weights): their forwards cannot run on the meta device (masks call ``.item()``), so the profile
+    runs the model for real with its layers passing their input through, then times each layer alone (its KV
+    cache fresh for every run). Every layer and both ends get a time; the embeddings and the head are found."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from lightning_spot.partition.discovery import discover
+    from lightning_spot.planning.profile import forward_call, profile_model, rooted
+    from tests.hf_models import CausalLM, FineTune, padded_loader, token_loader
+
+    for module, batch, ends in (
+        (FineTune("llama"), next(iter(padded_loader("sft", 4))), ("model.embed_tokens", "lm_head")),
+        (CausalLM("gpt2", tied=True), next(iter(token_loader(4))), ("transformer.wte", "lm_head")),
+    ):
+        split = discover(module)
+        root, args, kwargs = forward_call(module, split, batch)
+        model, inner = rooted(module, split, root)
+        assert root == "model" and ends[0] in inner.first_modules and ends[1] in inner.last_modules, inner
+        profile = profile_model(model, inner, args, kwargs, device=torch.device("cpu"), samples=4, repeats=2)
+        assert len(profile.layers) == 4 and all(layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers)
+        assert profile.first.forward_s > 0 and profile.last.forward_s > 0 and profile.last.backward_s > 0
+        assert all(layer.saved_bytes > 0 for layer in profile.layers)

@@ -16,6 +16,7 @@ import copy
 import functools
 import hashlib
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -31,8 +32,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, loss_hook_inputs
 from lightning_spot.partition.run_order import run_step_quietly, shadowed
-from lightning_spot.partition.stage_run import SkippedLayer, StageExit, meta_copy
+from lightning_spot.partition.stage_run import SkippedLayer, StageExit, activation_parameter, meta_copy
 from lightning_spot.planning.hardware import sync_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -377,9 +380,25 @@ def _profile_once(
     progress: bool,
 ) -> ModelProfile:
 
-    meta = meta_copy(module)
-    meta_seq = meta.get_submodule(split.layers_path)
-    calls = _layer_calls(meta, meta_seq, _to_meta(forward_args), _to_meta(forward_kwargs))
+    try:  # shapes from a forward on the meta device: nothing allocated, nothing computed
+        meta = meta_copy(module)
+        calls = _layer_calls(
+            meta, meta.get_submodule(split.layers_path), _to_meta(forward_args), _to_meta(forward_kwargs)
+        )
+        outside = [
+            _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=b)
+            for b in (True, False)
+        ]
+    except Exception as err:  # a forward that needs real values (transformers' masks call .item()): run it
+        log.info("lightning-spot: the meta-device forward failed (%s); profiling through a real one", err)
+        layerless = _without_layers(module, split, device)
+        calls = _layer_calls(layerless, layerless.get_submodule(split.layers_path), forward_args, forward_kwargs)
+        outside = [
+            _profile_outside(
+                module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=b, real=layerless
+            )
+            for b in (True, False)
+        ]
     real_seq = module.get_submodule(split.layers_path)
     layers: list[LayerProfile] = []
     names = list(real_seq._modules)
@@ -397,14 +416,44 @@ def _profile_once(
         args, kwargs = calls[i]
         needs_grad = i > 0 or first_trainable
         real_args = (_real_like(args[0], device, requires_grad=needs_grad), *(_real_like(a, device) for a in args[1:]))
-        real_kwargs = {k: _real_like(v, device) for k, v in kwargs.items()}
-        call = functools.partial(layer, *real_args, **real_kwargs)
+        real_kwargs = tree_map(lambda v: _real_like(v, device), kwargs)  # (tuples of tensors too: rotary cos, sin)
+        call = _fresh_call(layer, real_args, real_kwargs)
         layers.append(_measure(call, list(layer.parameters()), device, repeats, autocast))
         del layer, call
 
-    first = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=True)
-    last = _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=False)
+    first, last = outside
     return ModelProfile(samples, str(device), layers, first, last)
+
+
+def _fresh_call(layer: nn.Module, args: tuple, kwargs: dict) -> Callable[[], Any]:
+    """``layer(*args, **kwargs)``, with a fresh copy of every argument that holds state (a transformers KV cache,
+    which a layer appends to: the next run would attend over the last one's keys and backward through its graph)."""
+
+    def stateful(value: Any) -> bool:
+        leaves, _ = tree_flatten(value)
+        return not all(isinstance(v, (Tensor, type(None), bool, int, float, str)) for v in leaves)
+
+    if not any(stateful(v) for v in (*args, *kwargs.values())):
+        return functools.partial(layer, *args, **kwargs)
+
+    def fresh(value: Any) -> Any:
+        return copy.deepcopy(value) if stateful(value) else value
+
+    return lambda: layer(*(fresh(a) for a in args), **{k: fresh(v) for k, v in kwargs.items()})
+
+
+def _without_layers(module: nn.Module, split: ModelSplit, device: torch.device) -> nn.Module:
+    """A real copy of ``module`` on ``device`` whose layers of the sequence pass their input through (for models
+    whose forward does not run on the meta device; only the modules beside the sequence are copied)."""
+    seq = module.get_submodule(split.layers_path)
+    saved = dict(seq._modules)
+    try:
+        for i, name in enumerate(split.layer_names):
+            layer = saved[name]
+            seq._modules[name] = SkippedLayer(split.layer_fqn(i), activation_parameter(type(layer).forward))
+        return _materialize(module, device)
+    finally:
+        seq._modules.update(saved)
 
 
 def _profile_outside(
@@ -418,21 +467,29 @@ def _profile_outside(
     calls: list[tuple[tuple, dict]],
     *,
     before: bool,
+    real: nn.Module | None = None,
 ) -> LayerProfile:
-    """Time the modules before the sequence (``before``) or after it (plus a loss proxy), on their own."""
+    """Time the modules before the sequence (``before``) or after it (plus a loss proxy), on their own: in a
+    meta copy of ``module`` where only they are real, or in ``real`` (:func:`_without_layers`), run for real."""
     owned = split.first_modules if before else split.last_modules
-    clone = meta_copy(module)
+    clone = meta_copy(module) if real is None else real
     params: list[Tensor] = []
     for fqn in owned:
+        if real is not None:
+            params += list(real.get_submodule(fqn).parameters())
+            continue
         *parents, leaf = fqn.split(".")
         parent = clone.get_submodule(".".join(parents)) if parents else clone
-        real = _materialize(module.get_submodule(fqn), device)
-        parent._modules[leaf] = real
-        params += list(real.parameters())
+        materialized = _materialize(module.get_submodule(fqn), device)
+        parent._modules[leaf] = materialized
+        params += list(materialized.parameters())
     seq = clone.get_submodule(split.layers_path)
     layer_list = [m for m in seq._modules.values() if m is not None]
     if before:
         for fqn in split.first_direct_params:  # loose parameters on the first stage
+            if real is not None:
+                params.append(real.get_parameter(fqn))
+                continue
             *parents, leaf = fqn.split(".")
             parent = clone.get_submodule(".".join(parents)) if parents else clone
             value = nn.Parameter(_real_like(module.get_parameter(fqn), device))
@@ -456,7 +513,7 @@ def _profile_outside(
         # the hidden state entering the modules after the sequence has the shape of the last layer's output
         hidden = _real_like(_last_output(layer_list[-1], calls[-1]), device, requires_grad=True)
         names = list(seq._modules)
-        for name in names:  # the layers themselves are not part of this measurement
+        for name in names if real is None else ():  # the layers themselves are not part of this measurement
             seq._modules[name] = SkippedLayer(name)
 
         clock: list[float] = []
@@ -467,10 +524,11 @@ def _profile_outside(
             return hidden
 
         handle = seq._modules[names[-1]].register_forward_hook(replace_output)  # type: ignore[union-attr]
-        meta_args = _to_meta(args)
+        # (in the meta copy what runs before the sequence costs nothing; in a real one it runs before the clock)
+        given_args, given_kwargs = (_to_meta(args), _to_meta(kwargs)) if real is None else (args, kwargs)
 
         def run() -> Any:
-            out = type(clone).forward(clone, *meta_args, **_to_meta(kwargs))
+            out = type(clone).forward(clone, *given_args, **given_kwargs)
             return sum(t.float().sum() for t in _tensors(out) if t.device.type != "meta")
 
     try:
