@@ -285,6 +285,8 @@ def test_transformers_models_are_profiled_through_a_real_forward() -> None:
         model, inner = rooted(module, split, root)
         assert root == "model" and ends[0] in inner.first_modules and ends[1] in inner.last_modules, inner
         profile = profile_model(model, inner, args, kwargs, device=torch.device("cpu"), samples=4, repeats=2)
-        assert len(profile.layers) == 4 and all(layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers)
+        assert len(profile.layers) == 4 and all(
+            layer.forward_s > 0 and layer.backward_s > 0 for layer in profile.layers
+        )
         assert profile.first.forward_s > 0 and profile.last.forward_s > 0 and profile.last.backward_s > 0
         assert all(layer.saved_bytes > 0 for layer in profile.layers)

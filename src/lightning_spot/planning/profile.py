@@ -450,6 +450,7 @@ def _without_layers(module: nn.Module, split: ModelSplit, device: torch.device) 
     try:
         for i, name in enumerate(split.layer_names):
             layer = saved[name]
+            assert layer is not None
             seq._modules[name] = SkippedLayer(split.layer_fqn(i), activation_parameter(type(layer).forward))
         return _materialize(module, device)
     finally:
