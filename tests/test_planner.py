@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -218,8 +220,8 @@ def test_weights_are_streamed_only_when_nothing_else_fits() -> None:
 
 def test_a_model_held_by_the_lightning_module_is_profiled_through_the_call_its_step_makes() -> None:
     """``training_step`` calls ``self.net(x)`` (no ``self(...)``): the planner profiles ``net`` with the inputs the
-    step gives it; a layer 16x as wide is measured slower than the others. A step that calls neither is refused
-    with the sequence named."""
+    step gives it; a layer 128x as wide is measured more than twice as slow as the others. A step that calls
+    neither is refused with the sequence named."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -232,7 +234,7 @@ def test_a_model_held_by_the_lightning_module_is_profiled_through_the_call_its_s
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(16, 32)
-            wide = nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 32))
+            wide = nn.Sequential(nn.Linear(32, 4096), nn.GELU(), nn.Linear(4096, 32))
             self.blocks = nn.Sequential(wide, *(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)))
             self.head = nn.Linear(32, 16)
 
@@ -290,3 +292,47 @@ def test_transformers_models_are_profiled_through_a_real_forward() -> None:
         )
         assert profile.first.forward_s > 0 and profile.last.forward_s > 0 and profile.last.backward_s > 0
         assert all(layer.saved_bytes > 0 for layer in profile.layers)
+
+
+def test_pipelines_that_decide_alone_take_the_simple_rules_not_measurements(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pipelines of a torchft job choose their layouts without talking to each other and must cut the model
+    alike: with ``measured=False`` nothing is profiled (the profile cache stays empty) and the cuts are even even
+    where one layer is 16x as wide; ``partition='balanced'`` says why it is not used."""
+    import torch
+    from torch import nn
+
+    from lightning_spot.partition.discovery import discover
+    from lightning_spot.planning.choose import Requested, choose_layout
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            wide = nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 32))
+            self.layers = nn.Sequential(wide, *(nn.Linear(32, 32) for _ in range(3)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self(batch).square().mean()
+
+    module = Model()
+    split = discover(module)
+    for partition in ("auto", "balanced"):
+        requested = Requested(2, "auto", "auto", partition, None, None, None)
+        choice = choose_layout(
+            module,
+            split,
+            requested,
+            (16, torch.randn(16, 32)),
+            world_size=2,
+            device=torch.device("cpu"),
+            autocast=contextlib.nullcontext,
+            cache_dir=tmp_path,
+            measured=False,
+        )
+        assert choice.layout.cuts == (2,) and choice.layout.microbatches == 4 and not choice.activation_checkpointing
+    assert not any(tmp_path.iterdir()), "nothing was profiled or measured"
+    assert "partition='balanced' is not used" in caplog.text

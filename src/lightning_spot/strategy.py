@@ -469,6 +469,7 @@ class SpotPipelineStrategy(ParallelStrategy):
                 cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
                 plan_places=self._plan_places(),
                 run_place=self._plan_places()[0] if self._run_url else None,
+                measured=self._fault_tolerance is None,  # torchft's pipelines decide alone: alike, not measured
             )
         module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
         describe_choice(choice)

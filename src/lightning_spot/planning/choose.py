@@ -264,8 +264,13 @@ def choose_layout(
     cache_dir: Path | None,
     plan_places: Sequence[PlanPlace] = (),
     run_place: PlanPlace | None = None,
+    measured: bool = True,
 ) -> LayoutChoice:
     """The layout to build on every rank (a collective call: all ranks get rank 0's decision).
+
+    ``measured=False``: what is left to choose follows the simple rules (even cuts, the default micro-batch count,
+    no activation checkpointing), never a measurement: several process groups that must build the same layout
+    without talking to each other (the pipelines of a torchft job) each decide alone.
 
     Profiles and hardware measurements are cached in ``cache_dir``; the plan is remembered in
     ``plan_places`` and kept at the next start-up unless a new one is clearly better (``memory``).
@@ -277,6 +282,13 @@ def choose_layout(
         plan_stages(split.num_layers, max(grid.pipeline_depths), stages_per_rank=requested.per_rank(requested.schedule))
     if not requested.wants_plan:
         return _settle(_fallback(requested), requested, split, world_size, None)
+    if not measured:
+        if requested.partition == "balanced":
+            log.warning(
+                "lightning-spot: partition='balanced' is not used here: each pipeline would cut the model by its own "
+                "measurements, and every pipeline must cut it alike; the cuts are even (give them as partition=[...])"
+            )
+        return _settle(_fallback(requested), requested, split, world_size, sample[0] if sample else None)
     is_rank_zero = rank() == 0
     if sample is None:
         return _settle(_fallback(requested), requested, split, world_size, None)
@@ -318,10 +330,8 @@ def choose_layout(
             else:
                 if draft.plan is not None:
                     memory.remember(key, Candidate(**draft.plan))
-                    measured = "reused" if reused else "measured now"
-                    draft.reason += (
-                        f" (hardware {measured}; plans kept in {', '.join(p.url for p in plan_places) or 'no place'})"
-                    )
+                    hardware_was = "reused" if reused else "measured now"
+                    draft.reason += f" (hardware {hardware_was}; plans kept in {', '.join(p.url for p in plan_places) or 'no place'})"
                 run_memory.write(decision_name(key, hosts), asdict(draft))
     draft = broadcast_object(draft)
     if isinstance(draft, Exception):
