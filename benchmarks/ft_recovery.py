@@ -14,6 +14,7 @@ Usage::
     python benchmarks/ft_recovery.py --groups 2 --stages 2 --kills 2
     python benchmarks/ft_recovery.py --overhead --groups 2 --stages 2     # per-step cost of the quorum
     python benchmarks/ft_recovery.py --overhead --groups 2 --stages 2 --model gpt   # ... on the example GPT, P2xD2
+    python benchmarks/ft_recovery.py --model finetune --kills 2     # kills and joins with a transformers Llama
 
 ``--freeze``: the one kill is a SIGSTOP (a node that vanished without closing its sockets): the others give it up
 when their all-reduce times out (``--ft-timeout``, ``TorchFT(timeout=...)``, 30 s by default; here 5 s) and the
@@ -97,7 +98,10 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="--overhead: TorchFT(overlap=True)")
     parser.add_argument("--pairs", type=int, default=4, help="--overhead: runs with and without torchft, in turn")
     parser.add_argument(
-        "--model", choices=("tiny", "gpt"), default="tiny", help="--overhead: the test model or the example GPT"
+        "--model",
+        choices=("tiny", "gpt", "finetune"),
+        default="tiny",
+        help="the test model, the example GPT, or a transformers Llama fine-tuned on padded batches",
     )
     args = parser.parse_args()
     if args.overhead:
@@ -115,7 +119,7 @@ def main() -> None:
             "--nproc-per-node", str(args.stages), "--lighthouse-port", "0", "--max-restarts", str(args.kills),
             WORKER, str(out), "--stages", str(args.stages), "--steps", str(steps),
             "--step-sleep", str(args.step_sleep), "--die", ",".join(kills), "--groups", str(args.groups),
-            "--width", str(args.width),
+            "--width", str(args.width), "--model", args.model,
         ]  # fmt: skip
         if args.freeze:
             cmd += ["--freeze", "--ft-timeout", str(args.ft_timeout)]
