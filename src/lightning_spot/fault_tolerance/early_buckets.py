@@ -111,8 +111,7 @@ class EarlyBuckets:
     def _launch(self, bucket: _Bucket, scale: float, weight: float | None = None) -> None:
         """Send ``scale`` times the bucket's gradients; with ``weight``, that number rides along as one more
         element (the weights' sum then needs no all-reduce of its own)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        grads = [g.float() for g in grads]
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in bucket.params]
         if weight is not None:
             grads.append(grads[0].new_zeros(1))
         # (out of place: a bucket of one tensor flattens to a view of its .grad, which the step changes afterwards)
@@ -142,7 +141,7 @@ class EarlyBuckets:
             bucket.work.wait()
             assert bucket.flat is not None
             if summed > 0:
-                grads = bucket.flat[: sum(p.numel() for p in bucket.params)]
+                grads = bucket.flat[:-1] if bucket is self.buckets[-1] else bucket.flat  # (less the weight)
                 means = _unflatten_dense_tensors(grads.div_(summed), bucket.params)
                 for p, mean in zip(bucket.params, means):
                     p.grad = mean.to(p.dtype)

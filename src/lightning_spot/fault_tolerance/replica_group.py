@@ -86,7 +86,6 @@ class ReplicaGroup:
         #: the next step's quorum, asked for right after the commit (see :meth:`prefetch`)
         self._next_quorum: threading.Thread | None = None
         self._next_quorum_error: BaseException | None = None
-        self._committed = False  # a step committed since the last prefetch
         self._unused_quorum = False
         self._joining = False
         self._first_step = True
@@ -143,9 +142,8 @@ class ReplicaGroup:
         overlaps the rest of this step (the update, schedulers, callbacks, the next batch); the next
         :meth:`begin_step` waits for it. A peer that joins in it takes this rank's state only at that step
         boundary (:meth:`_state_at_boundary`), after the update."""
-        if self._next_quorum is not None or not self._committed:
+        if self._next_quorum is not None:
             return
-        self._committed = False
 
         def ask() -> None:
             try:
@@ -279,7 +277,6 @@ class ReplicaGroup:
             while True:
                 result = closure()
                 if self.reduce_and_commit(weight()):
-                    self._committed = True
                     self.prefetch()  # the next quorum's round trip overlaps the update
                     return result
                 self.discarded += 1

@@ -380,25 +380,26 @@ def _profile_once(
     progress: bool,
 ) -> ModelProfile:
 
+    def ends(calls: list[tuple[tuple, dict]], real: nn.Module | None = None) -> list[LayerProfile]:
+        """The modules before and after the sequence (see :func:`_profile_outside`)."""
+        return [
+            _profile_outside(
+                module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=b, real=real
+            )
+            for b in (True, False)
+        ]
+
     try:  # shapes from a forward on the meta device: nothing allocated, nothing computed
         meta = meta_copy(module)
         calls = _layer_calls(
             meta, meta.get_submodule(split.layers_path), _to_meta(forward_args), _to_meta(forward_kwargs)
         )
-        outside = [
-            _profile_outside(module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=b)
-            for b in (True, False)
-        ]
+        outside = ends(calls)
     except Exception as err:  # a forward that needs real values (transformers' masks call .item()): run it
         log.info("lightning-spot: the meta-device forward failed (%s); profiling through a real one", err)
         layerless = _without_layers(module, split, device)
         calls = _layer_calls(layerless, layerless.get_submodule(split.layers_path), forward_args, forward_kwargs)
-        outside = [
-            _profile_outside(
-                module, split, forward_args, forward_kwargs, device, repeats, autocast, calls, before=b, real=layerless
-            )
-            for b in (True, False)
-        ]
+        outside = ends(calls, layerless)
     real_seq = module.get_submodule(split.layers_path)
     layers: list[LayerProfile] = []
     names = list(real_seq._modules)
