@@ -125,3 +125,9 @@ def test_a_lost_peer_is_recognised_inside_the_error_that_wraps_it() -> None:
         assert _is_lost_peer(wrapped)
     assert not _is_lost_peer(RuntimeError("Failed to run stage backward")), "an error of its own"
     assert not _is_lost_peer(ValueError("boom"))
+    # a collective's timeout (gloo's words) is a silent peer; the user's own timeout is an error, not restarted as one
+    gloo = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete"
+    assert _is_lost_peer(RuntimeError(gloo))
+    assert _is_lost_peer(RuntimeError("Application timeout caused pair closure"))
+    assert not _is_lost_peer(RuntimeError("feature store: request timeout after 3 retries"))
+    assert not _is_lost_peer(RuntimeError("the tokenizer service timed out"))

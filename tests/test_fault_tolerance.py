@@ -7,6 +7,7 @@ go, the final parameters must equal that run's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -31,7 +32,7 @@ from lightning_spot.layout import LayoutError
 from lightning_spot.observe.run_report import build_report
 from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
-from tests.workers.ft_train import finetune_scenario
+from tests.workers.ft_train import BATCH, FINETUNE_SAMPLES, SAMPLES, finetune_scenario
 
 pytest.importorskip("torchft")
 
@@ -48,7 +49,6 @@ def _hostname_resolves() -> bool:
 needs_hostname = pytest.mark.skipif(not _hostname_resolves(), reason="this machine's hostname does not resolve")
 
 WORKER = "tests/workers/ft_train.py"
-BATCH, SAMPLES = 12, 96  # as in the worker
 
 
 @pytest.fixture
@@ -322,6 +322,10 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
     assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
     last = steps - steps % 5
+    # the step run again counts once in the data consumed (an epoch: 8 batches of 12, then one of 8)
+    manifest = Storage(str(checkpoints)).read_json(f"{committed[-1]}/manifest.json")
+    epochs, batches = divmod(last, math.ceil(FINETUNE_SAMPLES / BATCH))
+    assert manifest["data"]["samples_consumed"] == epochs * FINETUNE_SAMPLES + batches * BATCH, manifest["data"]
     assert_same_params(load_full_state_dict(str(checkpoints)), ref if last == steps else _reference(last, "finetune"))
     # each pipeline's own history: the quorum changes and the step run again; the replacement resumed from a peer
     ft = build_report(Storage(str(checkpoints / "pipeline-0")))["fault_tolerance"]

@@ -54,8 +54,17 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 #: a pipeline step's limit in seconds (or five times the median of the recent steps, if longer)
 DEFAULT_STEP_TIMEOUT = 60.0
-#: words in the message of an error that a collective raises when its peer is gone
-_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout")
+#: words in the message of an error that a collective raises when its peer is gone or silent (gloo's, NCCL's watchdog);
+#: not a bare "timeout": an error of the user's code that mentions one is an error, not a lost peer, and is not
+#: restarted as one
+_LOST_PEER = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out waiting",  # gloo: "Timed out waiting 30000ms for recv operation to complete"
+    "timeout caused pair closure",  # gloo, the next operation on that pair
+    "before timing out",  # NCCL's watchdog: "... ran for 600019 milliseconds before timing out"
+)
 
 
 class JobWatch:

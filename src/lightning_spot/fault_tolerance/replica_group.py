@@ -269,9 +269,12 @@ class ReplicaGroup:
         finally:
             self.seconds[name] += time.perf_counter() - started
 
-    def committed(self, closure: Callable[[], Any], weight: Callable[[], float]) -> Callable[[], Any]:
+    def committed(
+        self, closure: Callable[[], Any], weight: Callable[[], float], forget: Callable[[], None] = lambda: None
+    ) -> Callable[[], Any]:
         """``closure`` (the step's forward and backward) run until its gradients commit; a step that does not
-        commit leaves nothing behind and is run again with the quorum that follows."""
+        commit leaves nothing behind (``forget()`` undoes what the closure counted) and is run again with the
+        quorum that follows."""
 
         def run() -> Any:
             while True:
@@ -280,6 +283,7 @@ class ReplicaGroup:
                     self.prefetch()  # the next quorum's round trip overlaps the update
                     return result
                 self.discarded += 1
+                forget()
                 self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
                 self._pg.abort()  # peers still inside this step's all-reduce with us fail now, not at a timeout
                 for p in self.buckets.params if self.buckets is not None else ():

@@ -366,6 +366,10 @@ class PipelineEngine:
         finally:
             weights.finish()
 
+    def forget_step(self) -> None:
+        """The last training step did not count (torchft runs it again): its samples are not consumed."""
+        self.samples_seen -= self.last_global_batch or 0
+
     def restore_grads(self, scale: float) -> None:
         """Add the gradients of the last :meth:`train_step` (times ``scale``) to ``.grad``."""
         if self._pending is None:
