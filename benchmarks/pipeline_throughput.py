@@ -381,6 +381,7 @@ def worker() -> None:
     if profile_dir:  # a cProfile of every rank's whole job, in PROFILE_DIR/<impl>-<layout>-rank<R>.prof
         import cProfile
 
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
         profiler = cProfile.Profile()
         result = profiler.runcall(run, job)
         tag = f"{job['impl']}-P{job['P']}xD{job['D']}-rank{os.environ['RANK']}"
