@@ -129,6 +129,19 @@ class OrderedPasses(torch.utils.data.IterableDataset):
         return iter([self.data[i] for i in order])
 
 
+class TrainedCount:
+    """The global batches a test's replicas trained in the pass, which their stream loaders read as Lightning's count
+    (``progress=``). The loaders hold this object, not the test's: a reference cycle through the test's object
+    would leave their DataLoader workers to Python's cycle collector, which shuts each worker down only after 5 s
+    (the worker queues are finalised before the iterator) -- in whatever test happens to run then."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def __call__(self) -> int:
+        return self.value
+
+
 class ReplicaStream(StreamDataset):
     """Replica ``rank`` of ``replicas``'s part of :class:`StreamDataset`'s global batches of ``global_batch``
     samples (its rows of each, in order): a per-replica stream, as ``split_dataset_by_node`` makes."""

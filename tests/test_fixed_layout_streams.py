@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from lightning_spot.layout import LayoutError
 from lightning_spot.streaming import FixedLayoutLoader, fixed_layout, is_fixed_layout, stream_dataloader
 from lightning_spot.streaming.fixed_layout import merge_replica_states, replica_states
-from tests.models import ReplicaStream, StreamDataset
+from tests.models import ReplicaStream, StreamDataset, TrainedCount
 
 N, BATCH = 40, 8  # 5 global batches per pass
 
@@ -31,7 +31,7 @@ class Replicas:
     """D replicas' per-replica loaders, read as Lightning reads: one batch ahead, a new pass after StopIteration."""
 
     def __init__(self, d: int, workers: int = 0, state: dict | None = None, stateful: bool = False) -> None:
-        self.trained = int(state["global_batches_done"]) if state and "global_batches_done" in state else 0
+        self.count = TrainedCount(int(state["global_batches_done"]) if state and "global_batches_done" in state else 0)
         if state and "replicas" in state:
             self.trained = int(next(iter(state["replicas"].values()))["global_batches_done"])
         self.loaders = [self._loader(r, d, workers, stateful) for r in range(d)]
@@ -47,7 +47,15 @@ class Replicas:
             plain: DataLoader = StatefulDataLoader(stream, batch_size=BATCH // d, num_workers=workers)
         else:
             plain = fixed_layout(DataLoader(stream, batch_size=BATCH // d, num_workers=workers))
-        return stream_dataloader(plain, dp_rank=r, dp_size=d, divisor=d, progress=lambda: self.trained)
+        return stream_dataloader(plain, dp_rank=r, dp_size=d, divisor=d, progress=self.count)
+
+    @property
+    def trained(self) -> int:
+        return self.count.value
+
+    @trained.setter
+    def trained(self, value: int) -> None:
+        self.count.value = value
 
     def _begin(self) -> None:
         self.its = [iter(loader) for loader in self.loaders]

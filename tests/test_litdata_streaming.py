@@ -15,6 +15,7 @@ from lightning_spot.streaming import ShardedStreamLoader, peek_batch, stream_dat
 pytest.importorskip("litdata")
 
 from tests.litdata_data import litdata_loader, sample_ids, write_litdata
+from tests.models import TrainedCount
 
 N, BATCH = 96, 12  # 8 global batches per pass; 12 splits into 1, 2, 3 or 4 replicas
 
@@ -32,14 +33,14 @@ class Job:
         self, shards: str, replicas: int, workers: int = 0, state: dict | None = None, n: int = N, batch: int = BATCH
     ) -> None:
         self.n = n
-        self.trained = int(state["global_batches_done"]) if state else 0
+        self.count = TrainedCount(int(state["global_batches_done"]) if state else 0)
         self.loaders = [
             stream_dataloader(
                 litdata_loader(shards, batch, num_workers=workers),
                 dp_rank=r,
                 dp_size=replicas,
                 divisor=replicas,
-                progress=lambda: self.trained,
+                progress=self.count,
             )
             for r in range(replicas)
         ]
@@ -47,6 +48,14 @@ class Job:
             if state:
                 loader.load_state_dict(state)
         self._begin()
+
+    @property
+    def trained(self) -> int:
+        return self.count.value
+
+    @trained.setter
+    def trained(self, value: int) -> None:
+        self.count.value = value
 
     def _begin(self) -> None:
         self.its = [iter(loader) for loader in self.loaders]
