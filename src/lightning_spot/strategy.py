@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -225,6 +226,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         self._step_timeout = step_timeout
         self._watch: Optional[JobWatch] = None
         self._sigterm: Optional[SigtermAgreement] = None
+        #: the stream loaders made for Lightning (it cannot shut their DataLoaders' workers down itself)
+        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
         self._fault_tolerance = resolve_fault_tolerance(fault_tolerance)
         #: this pipeline's torchft replica group (``fault_tolerance="torchft"``, once fitting starts)
         self.replicas: Optional[ReplicaGroup] = None
@@ -639,7 +642,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         }
         if is_stream(dataloader):  # read on the first stage only (every stage under torchft or mixed depths)
             fed, ctx = self._fault_tolerance is None and not layout.is_mixed, self._engine().ctx
-            return stage_feed(stream_dataloader(dataloader, **share), ctx.pp_group if fed else None, ctx.pp_rank == 0)
+            stream = stage_feed(stream_dataloader(dataloader, **share), ctx.pp_group if fed else None, ctx.pp_rank == 0)
+            self._streams.add(stream)  # (their workers are shut down at teardown)
+            return stream
         return shard_dataloader(dataloader, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **share)
 
     # ------------------------------------------------------------- checkpoints
@@ -835,6 +840,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         if self.replicas is not None:
             self.replicas.shutdown()
             self.replicas = None
+        for stream in list(self._streams):
+            stream.close()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

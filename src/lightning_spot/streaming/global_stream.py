@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_spot.data import explain_indivisible_batch, replica_slice, valid_global_batches
 from lightning_spot.layout import LayoutError
-from lightning_spot.streaming.contract import check_stream
+from lightning_spot.streaming.contract import check_stream, release_workers
 from lightning_spot.streaming.positions import PositionLog
 
 
@@ -100,6 +100,10 @@ class GlobalStreamLoader:
                 return
             self._log.record(copy.deepcopy(self.source.state_dict()))  # (the position before the next)
             yield self._share(batch)
+
+    def close(self) -> None:
+        """The end of the fit: the wrapped loader's worker processes are shut down now."""
+        release_workers(self.loader)
 
     def mirror(self) -> dict[str, Any]:
         """What :meth:`state_dict` answers from, for a stage that receives the batches instead of reading them: the

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from lightning_spot.data import explain_indivisible_batch
 from lightning_spot.layout import LayoutError
+from lightning_spot.streaming.contract import release_workers
 from lightning_spot.streaming.positions import PositionLog
 
 #: the LitData release whose resume fields and environment override this mode is written (and tested) against
@@ -205,6 +206,10 @@ class ShardedStreamLoader:
             self._template = self.inner.state_dict()
             self._log.record({"litdata": copy.deepcopy(self._template)})
             yield batch
+
+    def close(self) -> None:
+        """The end of the fit: LitData's worker processes are shut down now."""
+        release_workers(self.inner)
 
     def mirror(self) -> dict[str, Any]:
         """What :meth:`state_dict` and ``len`` answer from, for a stage that receives the batches instead: the

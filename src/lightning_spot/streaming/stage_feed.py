@@ -53,6 +53,9 @@ class StageFeed:
     def batch_size(self) -> Any:
         return self.loader.batch_size
 
+    def close(self) -> None:
+        self.loader.close()
+
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()
 
