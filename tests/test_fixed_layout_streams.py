@@ -4,6 +4,7 @@ a change."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +184,13 @@ def test_a_fit_shuts_the_workers_of_its_stream_loaders_down(tmp_path: Path) -> N
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(make_model(), loader)
+    env, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        trainer.fit(make_model(), loader)
+    finally:  # the strategy sized this process's thread pool (OMP_NUM_THREADS): later tests' processes must not see it
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
     assert len(workers) == 2 and not any(w.is_alive() for w in workers)
     assert loader._iterator is None
 
