@@ -34,7 +34,7 @@ class Replicas:
     def __init__(self, d: int, workers: int = 0, state: dict | None = None, stateful: bool = False) -> None:
         self.count = TrainedCount(int(state["global_batches_done"]) if state and "global_batches_done" in state else 0)
         if state and "replicas" in state:
-            self.trained = int(next(iter(state["replicas"].values()))["global_batches_done"])
+            self.count.value = int(next(iter(state["replicas"].values()))["global_batches_done"])
         self.loaders = [self._loader(r, d, workers, stateful) for r in range(d)]
         for loader in self.loaders:
             loader.load_state_dict(state or {})
@@ -50,25 +50,17 @@ class Replicas:
             plain = fixed_layout(DataLoader(stream, batch_size=BATCH // d, num_workers=workers))
         return stream_dataloader(plain, dp_rank=r, dp_size=d, divisor=d, progress=self.count)
 
-    @property
-    def trained(self) -> int:
-        return self.count.value
-
-    @trained.setter
-    def trained(self, value: int) -> None:
-        self.count.value = value
-
     def _begin(self) -> None:
         self.its = [iter(loader) for loader in self.loaders]
         self.ahead = [next(it, None) for it in self.its]
 
     def step(self) -> torch.Tensor:
         if self.ahead[0] is None:
-            self.trained = 0
+            self.count.value = 0
             self._begin()
         batch = torch.cat([share[0] for share in self.ahead])
         self.ahead = [next(it, None) for it in self.its]
-        self.trained += 1
+        self.count.value += 1
         return batch
 
     def steps(self, count: int) -> list[torch.Tensor]:
@@ -102,7 +94,7 @@ def test_replicas_resume_their_own_streams_from_a_merged_or_own_state() -> None:
     own = Replicas(2)
     own.loaders[0].load_state_dict(again.loaders[0].state_dict())  # a snapshot: each rank its own
     own.loaders[1].load_state_dict(again.loaders[1].state_dict())
-    own.trained = 2
+    own.count.value = 2
     own._begin()
     assert _same(own.steps(2), reference[7:9])
 

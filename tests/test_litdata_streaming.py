@@ -49,25 +49,17 @@ class Job:
                 loader.load_state_dict(state)
         self._begin()
 
-    @property
-    def trained(self) -> int:
-        return self.count.value
-
-    @trained.setter
-    def trained(self, value: int) -> None:
-        self.count.value = value
-
     def _begin(self) -> None:
         self.its = [iter(loader) for loader in self.loaders]
         self.ahead = [next(it, None) for it in self.its]
 
     def step(self, ordered: bool = False) -> list[int]:
         if self.ahead[0] is None:  # Lightning's next epoch
-            self.trained = 0
+            self.count.value = 0
             self._begin()
         batch = torch.cat([share[0] for share in self.ahead])
         self.ahead = [next(it, None) for it in self.its]
-        self.trained += 1
+        self.count.value += 1
         return sample_ids(batch, self.n, ordered)
 
     def steps(self, count: int) -> list[list[int]]:
