@@ -197,7 +197,8 @@ class FineTune(L.LightningModule):
 
     ``loss="mean"``: a hand-written causal-LM loss instead, a cross-entropy averaged over the labels that are not
     -100 (a mean over a varying count nobody declares); ``loss="counted"``: the same, returned with its count.
-    ``scheduler``: the learning rate halves after every epoch (StepLR).
+    ``scheduler``: the learning rate halves after every epoch (StepLR). ``epoch_mean``: the model's loss is logged
+    as the epoch's mean too.
     """
 
     def __init__(
@@ -208,6 +209,7 @@ class FineTune(L.LightningModule):
         lr: float = 1e-2,
         loss: str = "model",
         scheduler: bool = False,
+        epoch_mean: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -218,6 +220,8 @@ class FineTune(L.LightningModule):
         if self.hparams.loss == "model":
             loss = self.model(**batch).loss
             self.log("train_loss", loss)
+            if self.hparams.epoch_mean:  # the epoch's mean as well (``train_loss_epoch``)
+                self.log("train_loss_epoch", loss, on_step=False, on_epoch=True)
             return loss
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         labels = batch["labels"][:, 1:]

@@ -51,6 +51,16 @@ def _loader(scenario: dict[str, Any], key: str = "loader") -> DataLoader:
     return make_loader(**kwargs)
 
 
+class EpochMetrics(L.Callback):
+    """The logged values at each training epoch's end (epoch means among them)."""
+
+    def __init__(self) -> None:
+        self.values: list[dict[str, float]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.values.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
 def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The same scenario as plain single-process Lightning training (strategy='auto', 1 CPU)."""
     model_kwargs = dict(scenario.get("model", {}))
@@ -69,7 +79,8 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
             from lightning.pytorch.callbacks import ModelCheckpoint
 
             best = ModelCheckpoint(dirpath=tmp, save_top_k=-1, **options)
-        callbacks: list[L.Callback] = [best] if best is not None else []
+        epochs = EpochMetrics()
+        callbacks: list[L.Callback] = [epochs, *([best] if best is not None else [])]
         if "overflow" in scenario:
             callbacks.append(Overflow(**scenario["overflow"]))
         plugins = []
@@ -86,7 +97,7 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
             devices=1,
             logger=False,
             enable_checkpointing=best is not None,
-            callbacks=callbacks or None,
+            callbacks=callbacks,
             plugins=plugins or None,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -98,6 +109,7 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
         "state_dict": model.state_dict(),
         "initial": start,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "epoch_metrics": epochs.values,
     }
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:

@@ -153,10 +153,11 @@ def test_early_buckets_carry_the_weighted_mean_whether_sent_during_the_backward_
             assert torch.allclose(p.grad, want.grad, atol=1e-6)
 
 
-def test_buckets_sent_after_the_step_carry_the_weight_in_the_last_one() -> None:
+def test_buckets_sent_after_the_step_carry_the_weight_and_the_logged_sums_in_the_last_one() -> None:
     """TorchFT(overlap=False), the default: every bucket goes after the step and the last one carries the
-    pipeline's weight as one more number — one all-reduce per bucket, none for the weights — and the gradients
-    are the whole batch's, as with the weight reduced on its own."""
+    pipeline's weight and its logged sums (riders) after the gradients — one all-reduce per bucket, none for the
+    weights or the logs — and the gradients are the whole batch's, as with the weight reduced on its own. A stage
+    without parameters sends its weight and riders alone."""
     import threading
 
     from torch import nn
@@ -182,8 +183,13 @@ def test_buckets_sent_after_the_step_carry_the_weight_in_the_last_one() -> None:
             buckets = EarlyBuckets(list(model.parameters()), allreduce=counted, bucket_bytes=32, during_backward=False)
             buckets.arm(1, None)
             torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-            assert buckets.reduce(float(rows.stop - rows.start)) == 10.0
+            riders = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]) * (rows.stop - rows.start)
+            assert buckets.reduce(float(rows.stop - rows.start), riders) == 10.0
             assert calls[me] == len(buckets.buckets) >= 3
+            assert riders.tolist() == [[10.0, 20.0, 30.0], [40.0, 50.0, 60.0]]
+            bare = EarlyBuckets([], allreduce=reduce)  # (a stage without trainable parameters)
+            riders = torch.tensor([float(rows.start)])
+            assert bare.reduce(2.0, riders) == 4.0 and riders.tolist() == [7.0]
         except Exception as err:  # (reported below, from the test's thread)
             errors.append(err)
 
@@ -319,6 +325,13 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
         assert_same_params(got["state_dict"], ref)
     for g in range(2):
         assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
+    # logged values: the whole global batch's (summed over the quorum), each step logged once (the step run again
+    # once: epoch means as one process's); pipeline 0 trained every epoch from its start
+    for name, got in results.items():
+        assert got["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], rel=1e-4), name
+    means = [e["train_loss_epoch"] for e in results["group0_rank0"]["epoch_metrics"]]
+    want = [e["train_loss_epoch"] for e in ref["epoch_metrics"]]
+    assert len(means) == len(want) >= 2 and means == pytest.approx(want, rel=2e-5), (means, want)
     committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
     assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
     last = steps - steps % 5

@@ -568,7 +568,7 @@ class SpotPipelineStrategy(ParallelStrategy):
     def _step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.replicas is not None:  # gradients averaged over the quorum; the update only when the step commits
             engine = self._engine()
-            closure = self.replicas.committed(closure, lambda: engine.runner.loss_weights.items, engine.forget_step)
+            closure = self.replicas.committed(closure, lambda: engine.runner.loss_weights.items, engine.keep_step)
         clock = self.engine.clock if self.engine is not None else None
         if clock is None or clock.timeline is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)

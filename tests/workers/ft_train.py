@@ -24,7 +24,7 @@ of N bytes (the same on every pipeline: several on a tiny model).
 short batch, StepLR per epoch; see :func:`finetune_scenario`. ``--model gpt``: the example GPT (``examples/gpt``, its
 config's sizes: 4 layers of width 128, batches of 32 x 64 bytes, 4 micro-batches) on random bytes.
 Writes ``OUT_DIR/group{G}_rank{R}.pt`` (parameters, global step, pid, steps discarded, quorum changes, the step it
-took a peer's state at, and the wall-clock time each step ended).
+took a peer's state at, the wall-clock time each step ended, the logged values at the end and at each epoch's end).
 """
 
 from __future__ import annotations
@@ -53,7 +53,14 @@ GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
 def finetune_scenario(steps: int) -> dict[str, Any]:
     """``--model finetune`` as a scenario of ``tests.parity.reference_run``."""
     return {
-        "model": {"cls": "FineTune", "family": "llama", "kind": "causal", "lr": 1e-3, "scheduler": True},
+        "model": {
+            "cls": "FineTune",
+            "family": "llama",
+            "kind": "causal",
+            "lr": 1e-3,
+            "scheduler": True,
+            "epoch_mean": True,
+        },
         "loader": {"batch_size": BATCH, "n": FINETUNE_SAMPLES, "padded": "sft"},
         "trainer": {"max_steps": steps},
     }
@@ -66,6 +73,8 @@ class Report(L.Callback):
         self.out, self.die, self.sleep, self.full, self.freeze = out, die, sleep, full, freeze
         self.end = tuple(end.split(":")) if end else None
         self.ended: list[tuple[int, float]] = []
+        #: the logged values at each epoch's end (epoch means)
+        self.epochs: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.ended.append((trainer.global_step, time.time()))
@@ -93,6 +102,9 @@ class Report(L.Callback):
                 marker.write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP if self.freeze else signal.SIGKILL)
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epochs.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         healed = trainer.strategy.restored_manifest or {}  # type: ignore[attr-defined]
         if healed.get("tier") == "peer":
@@ -115,6 +127,8 @@ class Report(L.Callback):
                 "ft_seconds": dict(replicas.seconds) if replicas else {},
                 "launched_early": replicas.buckets.launched_early if replicas and replicas.buckets else 0,
                 "healed_at": healed.get("step") if healed.get("tier") == "peer" else None,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                "epoch_metrics": self.epochs,
             },
             self.out / f"group{GROUP}_rank{trainer.global_rank}.pt",
         )

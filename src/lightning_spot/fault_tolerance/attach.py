@@ -19,6 +19,8 @@ from lightning_spot.fault_tolerance.heal import HEAL_URL, apply_stage_state, sta
 from lightning_spot.fault_tolerance.replica_group import ReplicaGroup
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.runtime.engine import PipelineEngine
+from lightning_spot.runtime.held_logs import HeldLogs
+from lightning_spot.runtime.logging_bridge import LastStageShare
 
 __all__ = ["HEAL_URL", "ReplicaGroup", "attach", "check_fits", "healed_checkpoint"]
 
@@ -60,6 +62,9 @@ def attach(
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
+    # logged values wait for the commit (a share of their own to the pipeline's other stages)
+    share = LastStageShare(engine.ctx.pp_group, engine.last_stage_rank, engine.ctx.device)
+    engine.held_logs = group.held_logs = HeldLogs(engine.module, share, engine.ctx.device, engine.holds_last)
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group

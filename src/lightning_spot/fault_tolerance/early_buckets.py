@@ -108,42 +108,63 @@ class EarlyBuckets:
             self.launched_early += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket, scale: float, weight: float | None = None) -> None:
+    def _launch(self, bucket: _Bucket, scale: float, weight: float | None = None, riders: Tensor | None = None) -> None:
         """Send ``scale`` times the bucket's gradients; with ``weight``, that number rides along as one more
-        element (the weights' sum then needs no all-reduce of its own)."""
+        element (the weights' sum then needs no all-reduce of its own), and ``riders`` after it."""
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in bucket.params]
-        if weight is not None:
-            grads.append(grads[0].new_zeros(1))
+        tail = _tail(weight, riders, grads[0].device if grads else torch.device("cpu"))
+        if tail is not None:
+            grads.append(tail)
         # (out of place: a bucket of one tensor flattens to a view of its .grad, which the step changes afterwards)
         bucket.flat = _flatten_dense_tensors(grads).mul(scale)
-        if weight is not None:
-            bucket.flat[-1] = weight
+        if tail is not None:
+            bucket.flat[-tail.numel() :] = tail
         bucket.work = self._allreduce(bucket.flat)
 
     @torch.no_grad()
-    def reduce(self, weight: float) -> float:
+    def reduce(self, weight: float, riders: Tensor | None = None) -> float:
         """After the step (``.grad`` final, ``weight`` what it is a mean over): send what has not gone out, wait
-        for every bucket, and set ``.grad`` to the weighted mean over the quorum. Returns the weights' sum."""
+        for every bucket, and set ``.grad`` to the weighted mean over the quorum. Returns the weights' sum.
+
+        ``riders``: numbers summed over the quorum in the same round trip (the step's logged sums), in place."""
         self._scale = None  # (no more early launches until the next arm)
+        extra = riders.numel() if riders is not None else 0
         for bucket in self.buckets[self._next :]:  # the last one carries the weight (one round trip fewer)
-            self._launch(bucket, weight, weight=float(weight) if bucket is self.buckets[-1] else None)
+            if bucket is self.buckets[-1]:
+                self._launch(bucket, weight, float(weight), riders)
+            else:
+                self._launch(bucket, weight)
         self._next = len(self.buckets)
         if self.buckets:
             last = self.buckets[-1]
             last.work.wait()
             assert last.flat is not None
-            summed = float(last.flat[-1])
+            tail = last.flat[-1 - extra :]
         else:  # a stage without trainable parameters
-            total = torch.tensor([float(weight)])
-            self._allreduce(total).wait()
-            summed = float(total[0])
+            alone = _tail(float(weight), riders, riders.device if riders is not None else torch.device("cpu"))
+            assert alone is not None
+            self._allreduce(alone).wait()
+            tail = alone
+        summed = float(tail[0])
+        if riders is not None:
+            riders.copy_(tail[1:].view_as(riders))
         for bucket in self.buckets:
             bucket.work.wait()
             assert bucket.flat is not None
             if summed > 0:
-                grads = bucket.flat[:-1] if bucket is self.buckets[-1] else bucket.flat  # (less the weight)
+                grads = bucket.flat[: -1 - extra] if bucket is self.buckets[-1] else bucket.flat  # (less the tail)
                 means = _unflatten_dense_tensors(grads.div_(summed), bucket.params)
                 for p, mean in zip(bucket.params, means):
                     p.grad = mean.to(p.dtype)
             bucket.flat = bucket.work = None
         return summed
+
+
+def _tail(weight: float | None, riders: Tensor | None, device: torch.device) -> Tensor | None:
+    """What the last bucket carries after the gradients: the weight, then the riders."""
+    if weight is None:
+        return None
+    parts = [torch.tensor([weight], device=device)]
+    if riders is not None:
+        parts.append(riders.detach().float().flatten().to(device))
+    return torch.cat(parts)

@@ -4,8 +4,9 @@
     group.join()                                   # at setup: the first quorum; may take a peer's state
     group.overlap(params, tied, loss_weights)      # the gradients to average (sent during the backward if asked)
     share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
-    closure = group.committed(closure, weight)     # optimizer_step: the optimizer steps only on a commit, and
-                                                   # the next quorum is asked for (it overlaps the update)
+    closure = group.committed(closure, weight, keep)  # optimizer_step: the optimizer steps only on a commit
+                                                   # (its logs are replayed then), and the next quorum is asked
+                                                   # for (it overlaps the update)
     group.shutdown()
 
 Every rank of the pipeline has a torchft ``Manager`` (stage ``k`` of every pipeline share one reconfigurable gloo
@@ -34,6 +35,7 @@ from lightning_spot.fault_tolerance.leave import LeaveOnSignal
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
 from lightning_spot.runtime.clock import StepClock
+from lightning_spot.runtime.held_logs import HeldLogs
 from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.step_runner import batch_size_of
 
@@ -102,6 +104,8 @@ class ReplicaGroup:
         #: the gradient buckets that go out during the backward (:meth:`overlap`), and what weights the losses
         self.buckets: EarlyBuckets | None = None
         self._loss_weights: LossWeights | None = None
+        #: the logged values of the step in flight: summed over the quorum with the gradients, logged on a commit
+        self.held_logs: HeldLogs | None = None
         #: traces the quorum and the all-reduce with the commit vote when a timeline records
         self.clock = clock
         #: seconds spent, over the run: in quorums, in the gradient all-reduce, in the commit vote
@@ -252,8 +256,12 @@ class ReplicaGroup:
         pipeline decides whether the step counts."""
         if self.buckets is None:
             raise RuntimeError("ReplicaGroup.overlap() gives the gradients to reduce; it was not called")
+        logs = self.held_logs.packed if self.held_logs is not None else None
         with self._span("all-reduce"):  # (the buckets that went out during the backward are waited for here)
-            self.buckets.reduce(weight)
+            # the step's logged sums ride with the gradients (the last stage's; the others have none)
+            self.buckets.reduce(weight, logs.sums if logs is not None and logs.names else None)
+            if logs is not None:
+                logs.reduce_extremes(lambda t, op: self.manager.allreduce(t, reduce_op=op).wait())
         with self._span("commit"):
             return bool(self.manager.should_commit())
 
@@ -270,20 +278,23 @@ class ReplicaGroup:
             self.seconds[name] += time.perf_counter() - started
 
     def committed(
-        self, closure: Callable[[], Any], weight: Callable[[], float], forget: Callable[[], None] = lambda: None
+        self, closure: Callable[[], Any], weight: Callable[[], float], keep: Callable[[], Callable[[], None]]
     ) -> Callable[[], Any]:
-        """``closure`` (the step's forward and backward) run until its gradients commit; a step that does not
-        commit leaves nothing behind (``forget()`` undoes what the closure counted) and is run again with the
-        quorum that follows."""
+        """``closure`` (the step's forward and backward) run until its gradients commit, its logged values
+        replayed then; a step that does not commit leaves nothing behind (``keep()``, called before it, returns
+        what undoes it) and is run again with the quorum that follows."""
 
         def run() -> Any:
             while True:
+                undo = keep()
                 result = closure()
                 if self.reduce_and_commit(weight()):
                     self.prefetch()  # the next quorum's round trip overlaps the update
+                    if self.held_logs is not None:
+                        self.held_logs.replay()
                     return result
                 self.discarded += 1
-                forget()
+                undo()
                 self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
                 self._pg.abort()  # peers still inside this step's all-reduce with us fail now, not at a timeout
                 for p in self.buckets.params if self.buckets is not None else ():

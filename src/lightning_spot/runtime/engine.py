@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -31,15 +31,18 @@ from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages, placement_of
 from lightning_spot.runtime.cross_pipeline import CrossPipelineSync
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
+from lightning_spot.runtime.held_logs import HELD, HeldLogs
 from lightning_spot.runtime.logging_bridge import (
     METRIC,
     LastStageShare,
     LogCapture,
     LogRecord,
+    PackedLogs,
+    group_reducer,
     reduce_records,
     replay,
 )
-from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
+from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric, copied_states, restore_states
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
@@ -135,6 +138,8 @@ class PipelineEngine:
         self.shared_metrics: dict[str, SharedMetric] = {}
         self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
         self.share = LastStageShare(ctx.pp_group, self.last_stage_rank, ctx.device)
+        #: torchft: training steps' logged values wait for the commit (``None``: logged at once)
+        self.held_logs: HeldLogs | None = None
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: Grads | None = None
         self._pending_factor = 1.0
@@ -350,7 +355,10 @@ class PipelineEngine:
         # losses that are means over items (tokens) count by their items: the gradients get the step's factor
         loss, factor = weights.settle(logged, self.layout.total_microbatches)
         self._pending_factor = factor * divisor
-        replay(self.module, logged, batch_size=global_batch, device=self.ctx.device, shown=self._shown)
+        if self.held_logs is not None:
+            self.held_logs.hold(logged, global_batch, self._shown)
+        else:
+            replay(self.module, logged, batch_size=global_batch, device=self.ctx.device, shown=self._shown)
         return torch.tensor(loss, device=self.ctx.device)
 
     @contextlib.contextmanager
@@ -366,9 +374,21 @@ class PipelineEngine:
         finally:
             weights.finish()
 
-    def forget_step(self) -> None:
-        """The last training step did not count (torchft runs it again): its samples are not consumed."""
-        self.samples_seen -= self.last_global_batch or 0
+    def keep_step(self) -> Callable[[], None]:
+        """What a training step changes besides its gradients, taken before it: the returned function puts it back
+        (torchft runs a step that did not commit again): the samples counted, the last stage's metric states, the
+        logged values held."""
+        samples = self.samples_seen
+        metrics = [(m, copied_states(m)) for m in self.metric_calls.metrics] if self.holds_last else []
+
+        def undo() -> None:
+            self.samples_seen = samples
+            for metric, kept in metrics:
+                restore_states(metric, kept)
+            if self.held_logs is not None:
+                self.held_logs.drop()
+
+        return undo
 
     def restore_grads(self, scale: float) -> None:
         """Add the gradients of the last :meth:`train_step` (times ``scale``) to ``.grad``."""
@@ -408,8 +428,17 @@ class PipelineEngine:
     def _share_logs(self, extra: list[LogRecord], training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:
         payload = None
         if self.holds_last:
-            payload = reduce_records(self.capture.records + extra, self.ctx.dp_group, self.ctx.device)
+            records, held = self.capture.records, self.held_logs
+            if held is not None and training:  # the user's values: summed over the quorum before the commit
+                held.packed = PackedLogs(records, self.ctx.device)
+                reducer = group_reducer(self.ctx.dp_group)
+                if reducer is not None:
+                    held.packed.reduce(reducer)
+                records = []
+            payload = reduce_records(records + extra, self.ctx.dp_group, self.ctx.device)
             payload.update(self._metric_values(training))
+            if held is not None and training:
+                payload[HELD] = (float(len(held.packed.names)) if held.packed is not None else 0.0, {})
         self.capture.clear()
         self.metric_calls.clear()
         return self.share.logged(payload)

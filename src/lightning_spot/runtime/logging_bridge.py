@@ -98,40 +98,85 @@ def _reduce_fx(options: dict[str, Any]) -> str:
     return _REDUCE.get(name.lower(), "mean")
 
 
+#: reduces a tensor in place over some processes with an operation (``dist.all_reduce`` over a group, torchft's)
+Reducer = Callable[[Tensor, Any], None]
+
+
+class PackedLogs:
+    """A step's records combined over micro-batches: per name a sum (weighted by samples or items for a mean), its
+    weight, its largest and smallest value; reduced over replicas in place, read once.
+
+        packed = PackedLogs(records, device)
+        packed.reduce(reducer)          # over replicas (any number of times: data-parallel, then a quorum)
+        values = packed.values()        # name -> (value, options)
+    """
+
+    def __init__(self, records: list[LogRecord], device: torch.device) -> None:
+        by_name: dict[str, list[LogRecord]] = {}
+        for r in records:
+            by_name.setdefault(r.name, []).append(r)
+        self.names = sorted(by_name)
+        self.options = [by_name[n][0].options for n in self.names]
+        self.fx = [_reduce_fx(o) for o in self.options]
+        sums, weights, maxes, mins = [], [], [], []
+        for n, fx in zip(self.names, self.fx):
+            rs = by_name[n]
+            values = torch.stack([r.value for r in rs]).to(device)
+            w = torch.stack([torch.as_tensor(r.weight, dtype=torch.float32).to(device) for r in rs])
+            # a weight of 0 (a loss over no items: NaN) adds nothing
+            sums.append(torch.where(w > 0, values * w, 0.0).sum() if fx == "mean" else values.sum())
+            weights.append(w.sum())
+            maxes.append(values.max())
+            mins.append(values.min())
+        empty = torch.zeros(0, device=device)
+        #: sums (row 0) and weights (row 1), summed over replicas
+        self.sums = torch.stack([torch.stack(sums), torch.stack(weights)]) if self.names else empty.reshape(2, 0)
+        self.hi = torch.stack(maxes) if self.names else empty
+        self.lo = torch.stack(mins) if self.names else empty
+
+    @property
+    def extremes(self) -> bool:
+        """Whether a name is reduced by its largest or smallest value (two more all-reduces)."""
+        return "max" in self.fx or "min" in self.fx
+
+    def reduce(self, reducer: Reducer) -> None:
+        """Combine with the other replicas' records (every replica logged the same names: they run the same code)."""
+        if not self.names:
+            return
+        reducer(self.sums, dist.ReduceOp.SUM)
+        self.reduce_extremes(reducer)
+
+    def reduce_extremes(self, reducer: Reducer) -> None:
+        """Only the largest and smallest values (the sums went another way: with a pipeline's gradients)."""
+        if self.extremes:
+            reducer(self.hi, dist.ReduceOp.MAX)
+            reducer(self.lo, dist.ReduceOp.MIN)
+
+    def values(self) -> dict[str, tuple[float, dict[str, Any]]]:
+        if not self.names:
+            return {}
+        reduced = {"mean": self.sums[0] / self.sums[1], "sum": self.sums[0], "max": self.hi, "min": self.lo}
+        pick = torch.stack([reduced[fx][i] for i, fx in enumerate(self.fx)])
+        host = pick.tolist()  # one device-to-host copy per step, whatever the number of logged names
+        return {n: (float(host[i]), self.options[i]) for i, n in enumerate(self.names)}
+
+
+def group_reducer(group: dist.ProcessGroup | None) -> Reducer | None:
+    """``dist.all_reduce`` over ``group``; ``None`` for no group or a group of one."""
+    if group is None or dist.get_world_size(group) <= 1:
+        return None
+    return lambda tensor, op: dist.all_reduce(tensor, op=op, group=group)
+
+
 def reduce_records(
     records: list[LogRecord], dp_group: dist.ProcessGroup | None, device: torch.device
 ) -> dict[str, tuple[float, dict[str, Any]]]:
-    """Combine records over micro-batches (weighted by sample count, or item count) and over ``dp_group``.
-
-    Every replica must have logged the same names (they run the same code).
-    """
-    by_name: dict[str, list[LogRecord]] = {}
-    for r in records:
-        by_name.setdefault(r.name, []).append(r)
-    names = sorted(by_name)
-    if not names:
-        return {}
-    sums, weights, maxes, mins = [], [], [], []
-    for n in names:
-        rs = by_name[n]
-        values = torch.stack([r.value for r in rs]).to(device)
-        w = torch.stack([torch.as_tensor(r.weight, dtype=torch.float32).to(device) for r in rs])
-        fx = _reduce_fx(rs[0].options)
-        # a weight of 0 (a loss over no items: NaN) adds nothing
-        sums.append(torch.where(w > 0, values * w, 0.0).sum() if fx == "mean" else values.sum())
-        weights.append(w.sum())
-        maxes.append(values.max())
-        mins.append(values.min())
-    packed = torch.stack([torch.stack(sums), torch.stack(weights)])
-    hi, lo = torch.stack(maxes), torch.stack(mins)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(packed, group=dp_group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=dp_group)
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=dp_group)
-    reduced = {"mean": packed[0] / packed[1], "sum": packed[0], "max": hi, "min": lo}
-    pick = torch.stack([reduced[_reduce_fx(by_name[n][0].options)][i] for i, n in enumerate(names)])
-    host = pick.tolist()  # one device-to-host copy per step, whatever the number of logged names
-    return {n: (float(host[i]), by_name[n][0].options) for i, n in enumerate(names)}
+    """Combine records over micro-batches (weighted by sample count, or item count) and over ``dp_group``."""
+    packed = PackedLogs(records, device)
+    reducer = group_reducer(dp_group)
+    if reducer is not None:
+        packed.reduce(reducer)
+    return packed.values()
 
 
 class LastStageShare:

@@ -41,13 +41,14 @@ class MetricCalls:
         self.group = group
         self.calls: dict[int, list[tuple[tuple, dict]]] = {}
         self._collecting = False
-        for sub in module.modules():
-            if isinstance(sub, Metric):
-                if holds_last:
-                    sub.process_group = group  # epoch values: reduced over the last stages only
-                else:  # never updated here: a compute() of its own must not wait for the last stages
-                    sub.sync_on_compute = sub._to_sync = False
-                sub.register_forward_pre_hook(self._called, with_kwargs=True)
+        #: the module's metrics (the user's: updated on the last stage)
+        self.metrics = [sub for sub in module.modules() if isinstance(sub, Metric)]
+        for sub in self.metrics:
+            if holds_last:
+                sub.process_group = group  # epoch values: reduced over the last stages only
+            else:  # never updated here: a compute() of its own must not wait for the last stages
+                sub.sync_on_compute = sub._to_sync = False
+            sub.register_forward_pre_hook(self._called, with_kwargs=True)
 
     def _called(self, metric: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._collecting:
@@ -83,7 +84,7 @@ class MetricCalls:
                 metric._update_count = 1
             return float(metric.compute())
         finally:
-            _restore_states(metric, kept)
+            restore_states(metric, kept)
 
 
 def _fresh_states(metric: Metric) -> dict[str, Any]:
@@ -97,7 +98,18 @@ def _fresh_states(metric: Metric) -> dict[str, Any]:
     return kept
 
 
-def _restore_states(metric: Metric, kept: dict[str, Any]) -> None:
+def copied_states(metric: Metric) -> dict[str, Any]:
+    """Copies of ``metric``'s states and counters, for :func:`restore_states` (a step that is run again)."""
+    kept: dict[str, Any] = {
+        attr: value.detach().clone() if isinstance(value, Tensor) else list(value)
+        for attr, value in ((a, getattr(metric, a)) for a in metric._defaults)
+    }
+    kept.update(_update_count=metric._update_count, _computed=metric._computed, _forward_cache=metric._forward_cache)
+    return kept
+
+
+def restore_states(metric: Metric, kept: dict[str, Any]) -> None:
+    """Put back what :func:`copied_states` (or :func:`_fresh_states`) took."""
     for attr, value in kept.items():
         setattr(metric, attr, value)
 
