@@ -136,7 +136,7 @@ class PackedLogs:
 
     @property
     def extremes(self) -> bool:
-        """Whether a name is reduced by its largest or smallest value (two more all-reduces)."""
+        """Whether a name is reduced by its largest or smallest value (one more all-reduce)."""
         return "max" in self.fx or "min" in self.fx
 
     def reduce(self, reducer: Reducer) -> None:
@@ -147,10 +147,12 @@ class PackedLogs:
         self.reduce_extremes(reducer)
 
     def reduce_extremes(self, reducer: Reducer) -> None:
-        """Only the largest and smallest values (the sums went another way: with a pipeline's gradients)."""
+        """Only the largest and smallest values (the sums went another way: with a pipeline's gradients), in one
+        all-reduce: the largest of the values and of their negatives."""
         if self.extremes:
-            reducer(self.hi, dist.ReduceOp.MAX)
-            reducer(self.lo, dist.ReduceOp.MIN)
+            both = torch.cat([self.hi, -self.lo])
+            reducer(both, dist.ReduceOp.MAX)
+            self.hi, self.lo = both[: len(self.names)], -both[len(self.names) :]
 
     def values(self) -> dict[str, tuple[float, dict[str, Any]]]:
         if not self.names:
