@@ -198,7 +198,7 @@ class FineTune(L.LightningModule):
     ``loss="mean"``: a hand-written causal-LM loss instead, a cross-entropy averaged over the labels that are not
     -100 (a mean over a varying count nobody declares); ``loss="counted"``: the same, returned with its count.
     ``scheduler``: the learning rate halves after every epoch (StepLR). ``epoch_mean``: the model's loss is logged
-    as the epoch's mean too.
+    as the epoch's mean too, and the labelled tokens through a ``torchmetrics.SumMetric`` (on steps and epochs).
     """
 
     def __init__(
@@ -215,13 +215,19 @@ class FineTune(L.LightningModule):
         self.save_hyperparameters()
         torch.manual_seed(0)
         self.model = fine_tune_model(family, kind, tied)
+        if epoch_mean:
+            import torchmetrics
+
+            self.tokens = torchmetrics.SumMetric()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
         if self.hparams.loss == "model":
             loss = self.model(**batch).loss
             self.log("train_loss", loss)
-            if self.hparams.epoch_mean:  # the epoch's mean as well (``train_loss_epoch``)
+            if self.hparams.epoch_mean:  # the epoch's mean as well, and a metric object: labelled tokens
                 self.log("train_loss_epoch", loss, on_step=False, on_epoch=True)
+                self.tokens((batch["labels"] != -100).sum())
+                self.log("tokens", self.tokens, on_step=True, on_epoch=True)
             return loss
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         labels = batch["labels"][:, 1:]

@@ -28,6 +28,7 @@ ROWS = {
     "_units": 0,
     "_version": 0,
     "_warnings": 0,
+    "_metric_states": 0,
 }
 
 

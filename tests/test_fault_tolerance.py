@@ -327,11 +327,14 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
         assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
     # logged values: the whole global batch's (summed over the quorum), each step logged once (the step run again
     # once: epoch means as one process's); pipeline 0 trained every epoch from its start
+    # (and a torchmetrics.SumMetric of the labelled tokens, on steps and epochs)
     for name, got in results.items():
         assert got["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], rel=1e-4), name
-    means = [e["train_loss_epoch"] for e in results["group0_rank0"]["epoch_metrics"]]
-    want = [e["train_loss_epoch"] for e in ref["epoch_metrics"]]
-    assert len(means) == len(want) >= 2 and means == pytest.approx(want, rel=2e-5), (means, want)
+        assert got["metrics"]["tokens_step"] == ref["metrics"]["tokens_step"], name
+    for key in ("train_loss_epoch", "tokens_epoch"):
+        means = [e[key] for e in results["group0_rank0"]["epoch_metrics"]]
+        want = [e[key] for e in ref["epoch_metrics"]]
+        assert len(means) == len(want) >= 2 and means == pytest.approx(want, rel=2e-5), (key, means, want)
     committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
     assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
     last = steps - steps % 5

@@ -69,3 +69,28 @@ def test_without_a_run_the_registration_rule_applies_and_a_misplaced_module_is_n
         runner.loss_fn((acts, torch.arange(4)), torch.arange(4))
     assert "Module `head` was placed on the first stage but runs on stage 1" in str(err.value)
     assert "last_stage_modules" in str(err.value)
+
+
+def test_a_step_run_to_find_where_modules_go_leaves_the_metrics_as_they_were() -> None:
+    """Placement and profiling run the user's training step outside training: the torchmetrics it updates keep
+    their states (an epoch's value counted the placement run's batch on the rank that ran it)."""
+    import lightning as L
+    import torchmetrics
+
+    from lightning_spot.partition.run_order import run_step_quietly
+
+    class Counting(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            self.seen = torchmetrics.SumMetric()
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.seen(torch.tensor(float(len(batch))))
+            self.log("seen", self.seen)
+            return self.layers(batch).sum()
+
+    module = Counting()
+    module.seen(torch.tensor(5.0))
+    run_step_quietly(module, torch.ones(3, 2))
+    assert float(module.seen.compute()) == 5.0 and module.seen._update_count == 1

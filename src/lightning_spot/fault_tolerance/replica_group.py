@@ -256,12 +256,12 @@ class ReplicaGroup:
         pipeline decides whether the step counts."""
         if self.buckets is None:
             raise RuntimeError("ReplicaGroup.overlap() gives the gradients to reduce; it was not called")
-        logs = self.held_logs.packed if self.held_logs is not None else None
+        held = self.held_logs
         with self._span("all-reduce"):  # (the buckets that went out during the backward are waited for here)
             # the step's logged sums ride with the gradients (the last stage's; the others have none)
-            self.buckets.reduce(weight, logs.sums if logs is not None and logs.names else None)
-            if logs is not None:
-                logs.reduce_extremes(lambda t, op: self.manager.allreduce(t, reduce_op=op).wait())
+            self.buckets.reduce(weight, held.riders() if held is not None else None)
+            if held is not None and held.packed is not None:
+                held.packed.reduce_extremes(lambda t, op: self.manager.allreduce(t, reduce_op=op).wait())
         with self._span("commit"):
             return bool(self.manager.should_commit())
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 
+from lightning_spot._metric_states import copied_states, restore_states
 from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError, PipelineLayout
 from lightning_spot.partition.cuts import plan_stages
@@ -42,7 +43,7 @@ from lightning_spot.runtime.logging_bridge import (
     reduce_records,
     replay,
 )
-from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric, copied_states, restore_states
+from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
@@ -380,6 +381,8 @@ class PipelineEngine:
         logged values held."""
         samples = self.samples_seen
         metrics = [(m, copied_states(m)) for m in self.metric_calls.metrics] if self.holds_last else []
+        if self.held_logs is not None:  # (the quorum's step states are added to these once the step commits)
+            self.held_logs.before = {id(m): kept for m, kept in metrics}
 
         def undo() -> None:
             self.samples_seen = samples
@@ -430,15 +433,15 @@ class PipelineEngine:
         if self.holds_last:
             records, held = self.capture.records, self.held_logs
             if held is not None and training:  # the user's values: summed over the quorum before the commit
-                held.packed = PackedLogs(records, self.ctx.device)
+                packed = PackedLogs(records, self.ctx.device)
                 reducer = group_reducer(self.ctx.dp_group)
                 if reducer is not None:
-                    held.packed.reduce(reducer)
-                records = []
-            payload = reduce_records(records + extra, self.ctx.dp_group, self.ctx.device)
-            payload.update(self._metric_values(training))
-            if held is not None and training:
-                payload[HELD] = (float(len(held.packed.names)) if held.packed is not None else 0.0, {})
+                    packed.reduce(reducer)
+                payload = reduce_records(extra, self.ctx.dp_group, self.ctx.device)
+                payload[HELD] = (held.hold_user(packed, self.metric_calls, self._metric_values(training)), {})
+            else:
+                payload = reduce_records(records + extra, self.ctx.dp_group, self.ctx.device)
+                payload.update(self._metric_values(training))
         self.capture.clear()
         self.metric_calls.clear()
         return self.share.logged(payload)

@@ -28,6 +28,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_sum
+
+from lightning_spot._metric_states import restore_states
 
 
 def _detached(value: Any) -> Any:
@@ -66,6 +69,17 @@ class MetricCalls:
         finally:
             self._collecting = False
 
+    def step_states(self, metric: Metric) -> tuple[int, dict[str, Tensor]]:
+        """(calls, states) of this step's calls on this rank alone: the metric's default states fed with them."""
+        calls = self.calls.get(id(metric), [])
+        kept = _fresh_states(metric)
+        try:
+            for args, kwargs in calls:
+                metric.update(*args, **kwargs)
+            return len(calls), {attr: getattr(metric, attr) for attr in metric._defaults}
+        finally:
+            restore_states(metric, kept)
+
     def step_value(self, metric: Metric) -> float | None:
         """The metric over every micro-batch of this step on the last stages of all pipelines (collective over
         them), or ``None`` if the step did not call it (Lightning then logs nothing for the step either)."""
@@ -87,6 +101,27 @@ class MetricCalls:
             restore_states(metric, kept)
 
 
+def summed_states(metric: Metric) -> bool:
+    """Whether every state of ``metric`` is a tensor that processes combine by summing (counts, sums: most
+    metrics), so that its states over several processes are the sums of theirs."""
+    return bool(metric._defaults) and all(
+        isinstance(default, Tensor) and metric._reductions.get(attr) is dim_zero_sum
+        for attr, default in metric._defaults.items()
+    )
+
+
+def value_with(metric: Metric, states: dict[str, Tensor]) -> float:
+    """``metric.compute()`` over the given states (its own set aside)."""
+    kept = _fresh_states(metric)
+    try:
+        for attr, value in states.items():
+            setattr(metric, attr, value)
+        metric._update_count = 1
+        return float(metric.compute())
+    finally:
+        restore_states(metric, kept)
+
+
 def _fresh_states(metric: Metric) -> dict[str, Any]:
     """Give ``metric`` default states (new objects) and return what it held, untouched, with its counters."""
     kept: dict[str, Any] = {attr: getattr(metric, attr) for attr in metric._defaults}
@@ -96,22 +131,6 @@ def _fresh_states(metric: Metric) -> dict[str, Any]:
         setattr(metric, attr, fresh)
     metric._update_count, metric._computed = 0, None
     return kept
-
-
-def copied_states(metric: Metric) -> dict[str, Any]:
-    """Copies of ``metric``'s states and counters, for :func:`restore_states` (a step that is run again)."""
-    kept: dict[str, Any] = {
-        attr: value.detach().clone() if isinstance(value, Tensor) else list(value)
-        for attr, value in ((a, getattr(metric, a)) for a in metric._defaults)
-    }
-    kept.update(_update_count=metric._update_count, _computed=metric._computed, _forward_cache=metric._forward_cache)
-    return kept
-
-
-def restore_states(metric: Metric, kept: dict[str, Any]) -> None:
-    """Put back what :func:`copied_states` (or :func:`_fresh_states`) took."""
-    for attr, value in kept.items():
-        setattr(metric, attr, value)
 
 
 class SharedMetric(Metric):
