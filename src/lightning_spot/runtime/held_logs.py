@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -130,7 +130,7 @@ class HeldLogs:
             if flat is not None:
                 self.packed.sums.copy_(flat[:size].view_as(self.packed.sums))
             values, offset = self.packed.values(), size
-        quorum: dict[int, float | None] = {}
+        quorum: dict[int, tuple[float, dict[str, Tensor]]] = {}  # each summed metric's calls and step states
         for step in self._steps:
             assert flat is not None
             calls = float(flat[offset])
@@ -145,9 +145,11 @@ class HeldLogs:
                 for attr, value in summed.items():
                     setattr(step.metric, attr, before[attr] + value)
                 step.metric._computed = None
-            quorum[id(step.metric)] = value_with(step.metric, summed) if calls else None
-        for name, (value, options) in self._metrics.items():
-            metric = self.module.get_submodule(options[METRIC])
-            on_step = options.get("on_step", True)  # (training's default)
-            values[name] = (quorum.get(id(metric), value) if on_step else None, options)
+            quorum[id(step.metric)] = (calls, summed)
+        for name, (local, options) in self._metrics.items():
+            metric = cast(Metric, self.module.get_submodule(options[METRIC]))
+            if options.get("on_step", True) and id(metric) in quorum:  # (on steps: training's default)
+                calls, summed = quorum[id(metric)]
+                local = value_with(metric, summed) if calls else None
+            values[name] = (local, options)
         return values
