@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.fork_server import FRESH, ForkedProcess, fork_server
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -32,7 +34,7 @@ class WorkerFailure(AssertionError):
         self.logs = logs
 
 
-def _kill(procs: Sequence[subprocess.Popen]) -> None:
+def _kill(procs: Sequence[subprocess.Popen | ForkedProcess]) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -49,12 +51,12 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
 @contextmanager
 def _running(
     world_size: int, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None
-) -> Iterator[list[subprocess.Popen]]:
+) -> Iterator[list[subprocess.Popen | ForkedProcess]]:
     """``python *argv`` as ``world_size`` ranks, each leading its own session, output to rank<N>.log; whatever is
     still running on the way out is killed by process group and the logs are closed."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | ForkedProcess] = []
     files = []
     try:
         for rank in range(world_size):
@@ -71,7 +73,11 @@ def _running(
                 "PYTHONUNBUFFERED": "1",
                 **(env or {}),
             }
-            out = open(log_dir / f"rank{rank}.log", "w")
+            log = log_dir / f"rank{rank}.log"
+            if not FRESH:  # a fork of the session's preloaded interpreter (tests/fork_server.py)
+                procs.append(fork_server().spawn(argv, env=rank_env, cwd=REPO, log=log))
+                continue
+            out = open(log, "w")
             files.append(out)
             procs.append(
                 subprocess.Popen(
