@@ -81,6 +81,7 @@ def test_weighted_micro_batches_give_the_gradient_of_the_global_mean() -> None:
     (want,) = torch.autograd.grad(reference, w)
 
     replicas = [LossWeights(), LossWeights()]
+    replicas[1].leads = False  # (the second of the last stages' group: the reference is added once)
     for weights in replicas:
         weights.reference = 4.0  # any reference count gives the same result
         weights.start()
@@ -94,6 +95,8 @@ def test_weighted_micro_batches_give_the_gradient_of_the_global_mean() -> None:
     assert value == pytest.approx(reference.item(), rel=1e-6)
     assert torch.allclose(grad * factor, want, atol=1e-6)
     assert replicas[0].reference == pytest.approx(13 / 4)
+    fx = {r.options["reduce_fx"] for weights in replicas for r in weights.records()}
+    assert fx == {"sum"}, "every record is a sum: one all-reduce over the last stages per step, none for a maximum"
 
 
 def test_equal_counts_multiply_by_exactly_one() -> None:

@@ -41,6 +41,8 @@ class LossWeights:
         self.reference: float | None = None
         #: the last stages of all pipelines (where the first reference is agreed), on a rank holding one
         self.group = group
+        #: whether this rank is the first of ``group`` (or there is none): the one that adds the reference to the sums
+        self.leads = group is None or dist.get_rank(group) == 0
         self._parts: list[tuple[Tensor, Tensor | None, int]] = []
         #: what the last step's gradient is a mean over: its samples, or its items when losses came with counts
         self.items = 0.0
@@ -89,8 +91,13 @@ class LossWeights:
             LogRecord(LOSS, total, 1.0, _SUM),
             LogRecord(ITEMS, items, 1.0, _SUM),
             LogRecord(WEIGHTED, torch.tensor(float(with_counts), device=total.device), 1.0, _SUM),
-            LogRecord(REFERENCE, torch.tensor(self.reference or 0.0, device=total.device), 1.0, {"reduce_fx": "max"}),
+            LogRecord(REFERENCE, torch.tensor(self._reference_share(), device=total.device), 1.0, _SUM),
         ]
+
+    def _reference_share(self) -> float:
+        """What this rank adds to the summed reference: every last stage holds the same one, so only the first of
+        ``group`` gives it (a sum travels with the others; a maximum would take an all-reduce of its own)."""
+        return (self.reference or 0.0) if self.leads else 0.0
 
     def settle(self, logged: dict[str, tuple[float, dict]], total: int) -> tuple[float, float]:
         """(the step's loss, the factor for its gradients) from the reduced sums, which are removed from
