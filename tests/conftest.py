@@ -1,4 +1,4 @@
-"""Shared fixtures: a real S3-compatible server (moto's standalone server) on 127.0.0.1."""
+"""Shared fixtures: a real S3-compatible server (moto's standalone server) on 127.0.0.1, forked workers."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ from typing import Any
 import pytest
 
 from tests.distributed import free_port
+from tests.fork_server import stop_fork_server, use_forks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forked_workers() -> Iterator[None]:
+    """Workers of the jobs tests launch are forks of one preloaded interpreter (tests/fork_server.py)."""
+    use_forks()
+    try:
+        yield
+    finally:
+        use_forks(False)
+        stop_fork_server()
 
 
 @pytest.fixture(scope="session", autouse=True)

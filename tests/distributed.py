@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.fork_server import FRESH, ForkedProcess, fork_server
+from tests.fork_server import ForkedProcess, fork_server, forking
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def _running(
                 **(env or {}),
             }
             log = log_dir / f"rank{rank}.log"
-            if not FRESH:  # a fork of the session's preloaded interpreter (tests/fork_server.py)
+            if forking():  # a fork of the test session's preloaded interpreter (tests/fork_server.py)
                 procs.append(fork_server().spawn(argv, env=rank_env, cwd=REPO, log=log))
                 continue
             out = open(log, "w")

@@ -12,7 +12,8 @@ one server process that imports them (``PRELOAD``) and forks a worker per rank; 
 What a fork inherits that a new interpreter would set from its environment is set again in the worker (the thread
 pool from ``OMP_NUM_THREADS``, Lightning's rank for ``rank_zero_only``); string hashes stay the server's (ranks of a
 job hash alike, as workers of ``lightning-spot run``'s own fork server do). ``SPOT_TESTS_FRESH_PROCESSES=1`` starts
-new interpreters instead (``tests.distributed`` falls back to ``subprocess.Popen``).
+new interpreters instead (``tests.distributed`` falls back to ``subprocess.Popen``), as outside the test session
+(benchmarks time workers started as users start them).
 """
 
 from __future__ import annotations
@@ -45,8 +46,18 @@ PRELOAD = (
     "lightning_spot.checkpoint.callback",
     "tests.parity",
 )
-#: a new interpreter per worker instead of forks of the server
-FRESH = os.environ.get("SPOT_TESTS_FRESH_PROCESSES", "") not in ("", "0")
+_enabled = False
+
+
+def use_forks(enabled: bool = True) -> None:
+    """Fork workers from now on (the test session turns this on; benchmarks keep new interpreters, as users run)."""
+    global _enabled
+    _enabled = enabled
+
+
+def forking() -> bool:
+    """Whether workers are forks of the server (unless ``SPOT_TESTS_FRESH_PROCESSES=1`` asks for new interpreters)."""
+    return _enabled and os.environ.get("SPOT_TESTS_FRESH_PROCESSES", "") in ("", "0")
 
 
 # ============================================================================= the test process's side
@@ -128,12 +139,19 @@ _server: ForkServer | None = None
 
 
 def fork_server() -> ForkServer:
-    """The session's server (started on first use; stopped when the test process exits)."""
+    """The session's server (started on first use; stopped by :func:`stop_fork_server` or at exit)."""
     global _server
     if _server is None or _server.proc.poll() is not None:
         _server = ForkServer()
         atexit.register(_server.close)
     return _server
+
+
+def stop_fork_server() -> None:
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
 
 
 # ====================================================================================== the server's side
