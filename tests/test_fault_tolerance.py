@@ -354,7 +354,8 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     assert all(spans.count(name) >= 3 for name in ("quorum", "all-reduce", "commit")), spans
     assert results["group2_rank0"]["launched_early"] > 0 and results["group0_rank0"]["launched_early"] == 0
     died = int(next(out.glob("died_group2_step*")).name.rsplit("step", 1)[1])
-    assert (results["group2_rank0"]["healed_at"] or 0) > died, "the replacement must have joined mid-run"
+    # (a forked replacement starts within milliseconds: it may join at the boundary of the very step run again)
+    assert (results["group2_rank0"]["healed_at"] or 0) >= died > 0, "the replacement must have joined mid-run"
 
 
 @pytest.mark.slow
