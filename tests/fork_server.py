@@ -120,6 +120,7 @@ class ForkServer:
 
     def spawn(self, argv: Sequence[str], *, env: dict[str, str], cwd: Path | str, log: Path | str) -> ForkedProcess:
         """``python *argv`` (a script or ``-m module``), output (both streams) to ``log``, leading its own session."""
+        open(log, "w").close()  # there as soon as this returns (tests read it while the worker runs), as with Popen
         return ForkedProcess(self, self._ask("spawn", list(argv), dict(env), str(cwd), str(log)))
 
     def exit_code(self, pid: int) -> int | None:
