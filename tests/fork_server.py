@@ -35,17 +35,12 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
+from lightning_spot_launch.forked import PRELOAD as LAUNCHER_PRELOAD
+
 REPO = Path(__file__).resolve().parents[1]
-#: what the server imports once (the workers' heavy imports; none of them starts a thread or touches a GPU)
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "lightning.pytorch",
-    "lightning_spot",
-    "lightning_spot.strategy",
-    "lightning_spot.checkpoint.callback",
-    "tests.parity",
-)
+#: what the server imports once: what ``lightning-spot run``'s fork server preloads, and the tests' own helpers
+PRELOAD = (*LAUNCHER_PRELOAD, "tests.parity")
+
 _enabled = False
 
 
