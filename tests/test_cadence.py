@@ -100,3 +100,47 @@ def test_no_snapshots_and_a_snapshot_interval_together_are_refused() -> None:
         SpotCheckpoint(snapshots=False, snapshot_every_n_seconds=30)
     assert not SpotCheckpoint(snapshots=False).cadence.snapshots
     assert SpotCheckpoint(snapshot_every_n_train_steps=5).cadence.snapshots
+
+
+def run_cadence(step_seconds: list[float], monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The boundaries (1-based) at which an AgreementCadence posts, one rank, steps of the given durations."""
+    from lightning_spot.preemption import coordinate
+
+    now = [100.0]
+    monkeypatch.setattr(coordinate.time, "monotonic", lambda: now[0])
+    cadence = coordinate.AgreementCadence()
+    posted = []
+    for boundary, seconds in enumerate(step_seconds, 1):
+        if cadence.due():
+            posted.append(boundary)
+            cadence.agreed(cadence.proposal())  # one rank: its own proposal is the smallest
+        now[0] += seconds
+    return posted
+
+
+def test_agreements_thin_out_on_short_steps_and_stay_on_every_step_of_slow_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_spot.preemption.coordinate import AgreementCadence
+
+    # 10 ms steps: every boundary at first, then at most twice as far apart each time, up to MOST
+    assert run_cadence([0.01] * 40, monkeypatch) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert AgreementCadence.MOST == 8
+    # 0.1 s steps: two fit in the 0.25 s window
+    assert run_cadence([0.1] * 10, monkeypatch) == [1, 2, 4, 6, 8, 10]
+    # steps longer than the window: every boundary, as before
+    assert run_cadence([0.3] * 6, monkeypatch) == [1, 2, 3, 4, 5, 6]
+    # steps that slow down: the interval shrinks at the next agreement
+    assert run_cadence([0.01] * 8 + [0.5] * 8, monkeypatch) == [1, 2, 4, 8, 16]
+
+
+def test_every_rank_takes_the_smallest_proposal() -> None:
+    """The proposal is negated: the agreement's maximum is the smallest interval any rank proposed."""
+    from lightning_spot.preemption.coordinate import AgreementCadence
+
+    fast, slow = AgreementCadence(), AgreementCadence()
+    fast.every = slow.every = 4
+    agreed = max(-8.0, -2.0)  # one rank proposes 8, another 2
+    fast.agreed(agreed)
+    slow.agreed(agreed)
+    assert fast.every == slow.every == 2

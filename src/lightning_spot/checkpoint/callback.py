@@ -41,7 +41,7 @@ from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotError, SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import Staging, split_checkpoint
-from lightning_spot.preemption.coordinate import PostedMax
+from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
@@ -161,8 +161,9 @@ class SpotCheckpoint(L.Callback):
         self._error: Optional[BaseException] = None
         self._last_step = -1
         self._checked_step = -1
-        #: the step's agreement, posted at its start (see :meth:`_post_agreement`)
+        #: the step's agreement, posted at its start (see :meth:`_post_agreement`) on the boundaries of the cadence
         self._agreement: Optional[PostedMax] = None
+        self._agreement_cadence = AgreementCadence()
         self._last_time = time.monotonic()
         self._train_start = 0.0
         self._train_seconds = 0.0
@@ -315,7 +316,7 @@ class SpotCheckpoint(L.Callback):
         # a forward may change buffers: snapshots copy them at once, the rest before the next optimizer step
         self._buffer_names = frozenset(name for name, _ in pl_module.named_buffers())
         self._last_step = self._checked_step = trainer.global_step
-        self._agreement = None
+        self._agreement, self._agreement_cadence = None, AgreementCadence()
         if self.watcher is not None:
             self.watcher.start()
             self._undo_sigterm = take_over_sigterm(trainer, self.watcher)  # its notices are agreed per step below
@@ -355,19 +356,22 @@ class SpotCheckpoint(L.Callback):
             self.snapshotter.wait_copied()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._agreement is None:  # read at the step's end: no rank waits for the others at its start
+        # read at the step's end: no rank waits for the others at its start
+        if self._agreement is None and self._agreement_cadence.due():
             self._agreement = self._post_agreement(trainer)
 
     def _post_agreement(self, trainer: L.Trainer) -> Optional[PostedMax]:
-        """Post this rank's notice, times since the last saves and intervals: every rank decides alike on the
-        largest values (clocks and measured costs differ between ranks)."""
+        """Post this rank's notice, times since the last saves and intervals, and the cadence's proposal: every rank
+        decides alike on the largest values (clocks and measured costs differ between ranks)."""
         snap_every, durable_every = self.cadence.snapshot_every(), self.cadence.durable_every()
         if snap_every is None and durable_every is None and self.watcher is None:
             return None
         now = time.monotonic()
         notice = self.watcher.notice if self.watcher is not None else None
         values = [notice is not None, now - self._last_snapshot_time, snap_every or 0.0, now - self._last_time]
-        return PostedMax([*values, durable_every or 0.0], trainer.strategy.root_device)
+        return PostedMax(
+            [*values, durable_every or 0.0, self._agreement_cadence.proposal()], trainer.strategy.root_device
+        )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -378,10 +382,11 @@ class SpotCheckpoint(L.Callback):
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
         late = snap_late = False
         self._observe_costs(trainer)
-        agreement, self._agreement = self._agreement or self._post_agreement(trainer), None
+        agreement, self._agreement = self._agreement, None
         if agreement is not None:
             notice = self.watcher.notice if self.watcher is not None else None
-            seen, snap_elapsed, snap_every, elapsed, durable_every = agreement.result()
+            seen, snap_elapsed, snap_every, elapsed, durable_every, proposal = agreement.result()
+            self._agreement_cadence.agreed(proposal)
             late = durable_every > 0 and elapsed >= durable_every
             snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every
             if seen:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_spot.preemption.coordinate import AgreementCadence
 from lightning_spot.preemption.notice import Notice
 from lightning_spot.preemption.watcher import PreemptionWatcher
 
@@ -52,10 +53,12 @@ class SigtermAgreement:
     Lightning broadcasts rank 0's flag before every training batch and from inside its signal handler: a
     blocking collective at every step's start, which keeps all ranks in lockstep (the last stage cannot start
     its update before the first stage's last backward is done; ~5% of a short CPU pipeline step). Here a
-    SIGTERM on any rank sets a flag of this object's own (Lightning's handler is replaced); each step's start
+    SIGTERM on any rank sets a flag of this object's own (Lightning's handler is replaced); a batch's start
     posts a non-blocking all-reduce (MAX) of the flags, waited for after the step's optimizer step (an
     optimizer step post-hook), when every rank has posted it. If any rank was signalled, every rank then sets
-    Lightning's ``received_sigterm`` and Lightning ends every rank at the end of that same batch.
+    Lightning's ``received_sigterm`` and Lightning ends every rank at the end of that same batch. Not every
+    batch posts one: every batch while batches are slow, every k-th (k <= 8) once k batches take less than
+    0.25 s (:class:`~lightning_spot.preemption.coordinate.AgreementCadence`, agreed by all ranks).
 
         agreement = SigtermAgreement.install(trainer)   # None when another agreement is in place
         ...
@@ -66,6 +69,7 @@ class SigtermAgreement:
         self.trainer = trainer
         self.signalled = False
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self.cadence = AgreementCadence()
         self._loop = trainer.fit_loop.epoch_loop
         self._loop.__dict__[_METHOD] = self.post
         self._hooks = [opt.register_step_post_hook(lambda *_: self.settle()) for opt in optimizers]
@@ -103,9 +107,13 @@ class SigtermAgreement:
                 handler(signum, frame)
 
     def post(self) -> None:
-        """At a training batch's start: post this rank's flag (the last batch's agreement is settled first)."""
+        """At a training batch's start: post this rank's flag when the cadence says so (the last batch's agreement
+        is settled first)."""
         self.settle()
-        flag = torch.tensor([float(self.signalled)], device=self.trainer.strategy.root_device)
+        if not self.cadence.due():
+            return
+        values = [float(self.signalled), self.cadence.proposal()]
+        flag = torch.tensor(values, dtype=torch.float64, device=self.trainer.strategy.root_device)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
 
     def settle(self) -> None:
@@ -115,7 +123,9 @@ class SigtermAgreement:
             return
         work, flag = pending
         work.wait()
-        if flag.item() > 0:
+        signalled, proposal = flag.tolist()
+        self.cadence.agreed(proposal)
+        if signalled > 0:
             self.trainer._signal_connector.received_sigterm = True
 
     def uninstall(self) -> None:
