@@ -32,6 +32,7 @@ Usage::
     python benchmarks/pipeline_throughput.py --layouts P2xD2,P1xD4 --steps 30 --json results.json
     python benchmarks/pipeline_throughput.py --impl hand --layouts P4xD1
     python benchmarks/pipeline_throughput.py --repeats 3                     # median of 3 runs per job
+    python benchmarks/pipeline_throughput.py --hand-data loader              # the hand loop fetches through a DataLoader
     SPOT_BENCH_PROFILE=/tmp/prof python benchmarks/pipeline_throughput.py ...  # + a cProfile of every rank
 
 The workers run in the environment users have: nothing sets ``OMP_NUM_THREADS``. The strategy sizes
@@ -168,6 +169,7 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
 
     from examples.gpt.model import TinyGPT
     from lightning_spot.runtime.process import suggested_threads
@@ -246,12 +248,18 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     data = synthetic_dataset(job)
     B = job["batch_size"]
     local = B // D
+    rows = [list(range(step * B + dp_rank * local, step * B + (dp_rank + 1) * local)) for step in range(total)]
+    # --hand-data loader: every rank fetches its replica's rows through a DataLoader, as the strategy's ranks do
+    batches = iter(DataLoader(data, batch_sampler=rows)) if job.get("hand_data") == "loader" else None
     starts: list[float] = []
     last_loss = float("nan")
     for step in range(total):
         starts.append(time.perf_counter())
-        lo = step * B + dp_rank * local
-        x, y = data.tensors[0][lo : lo + local], data.tensors[1][lo : lo + local]
+        if batches is not None:
+            x, y = next(batches)
+        else:
+            lo = step * B + dp_rank * local
+            x, y = data.tensors[0][lo : lo + local], data.tensors[1][lo : lo + local]
         losses: list[torch.Tensor] = []
         if first and last:
             schedule.step(x, target=y, losses=losses)
@@ -434,6 +442,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", default=None, help=f"comma-separated PxD layouts (default {DEFAULT_LAYOUTS})")
     p.add_argument("--model", choices=("both", *MODELS), default="both", help="gpt, mlp or both (default)")
     p.add_argument("--impl", choices=("both", *IMPLS), default="both")
+    p.add_argument(
+        "--hand-data",
+        choices=("slice", "loader"),
+        default="slice",
+        help="how the hand-written loop gets its batches: slices of the data tensors (default), or a DataLoader on "
+        "every rank as the strategy's ranks use",
+    )
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--n-head", type=int, default=4)
@@ -571,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "steps": args.steps,
             "seed": args.seed,
+            "hand_data": args.hand_data,
             "result": str(tmp / f"{model}-P{P}xD{D}-{impl}.json"),
         }
         t0 = time.monotonic()
