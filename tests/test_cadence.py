@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_spot.checkpoint.cadence import (
     MIN_SECONDS,
@@ -113,7 +114,8 @@ def run_cadence(step_seconds: list[float], monkeypatch: pytest.MonkeyPatch) -> l
     for boundary, seconds in enumerate(step_seconds, 1):
         if cadence.due():
             posted.append(boundary)
-            cadence.agreed(cadence.proposal())  # one rank: its own proposal is the smallest
+            # one rank (no process group): its own proposal is the smallest
+            assert cadence.read(cadence.post([3.0], torch.device("cpu"))) == [3.0]
         now[0] += seconds
     return posted
 

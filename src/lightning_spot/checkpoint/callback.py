@@ -369,9 +369,7 @@ class SpotCheckpoint(L.Callback):
         now = time.monotonic()
         notice = self.watcher.notice if self.watcher is not None else None
         values = [notice is not None, now - self._last_snapshot_time, snap_every or 0.0, now - self._last_time]
-        return PostedMax(
-            [*values, durable_every or 0.0, self._agreement_cadence.proposal()], trainer.strategy.root_device
-        )
+        return self._agreement_cadence.post([*values, durable_every or 0.0], trainer.strategy.root_device)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -385,8 +383,7 @@ class SpotCheckpoint(L.Callback):
         agreement, self._agreement = self._agreement, None
         if agreement is not None:
             notice = self.watcher.notice if self.watcher is not None else None
-            seen, snap_elapsed, snap_every, elapsed, durable_every, proposal = agreement.result()
-            self._agreement_cadence.agreed(proposal)
+            seen, snap_elapsed, snap_every, elapsed, durable_every = self._agreement_cadence.read(agreement)
             late = durable_every > 0 and elapsed >= durable_every
             snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every
             if seen:

@@ -68,11 +68,10 @@ class AgreementCadence:
     most twice the current interval and at most :attr:`MOST`), negated: the agreement takes the largest value of
     each entry, so every rank gets the smallest proposal and all of them post on the same boundaries.
 
-        if cadence.due():                                             # at every boundary, on every rank
-            posted = PostedMax([notice, ..., cadence.proposal()], device)
+        if cadence.due():                                  # at every boundary, on every rank
+            posted = cadence.post([notice, ...], device)   # with this rank's proposal
         ...
-        *values, proposal = posted.result()
-        cadence.agreed(proposal)
+        notice, ... = cadence.read(posted)                 # the proposal taken off and agreed
     """
 
     #: seconds between two agreements once steps are short
@@ -90,6 +89,16 @@ class AgreementCadence:
         """Called once at every step boundary, alike on every rank: whether this one posts an agreement."""
         self._count += 1
         return self._count >= self.every
+
+    def post(self, values: Sequence[float], device: torch.device) -> PostedMax:
+        """(On a boundary that is due) post ``values`` with this rank's proposal for the next interval."""
+        return PostedMax([*values, self.proposal()], device)
+
+    def read(self, posted: PostedMax) -> list[float]:
+        """The values of :meth:`post`, each the largest over the ranks; the next interval is agreed on the way."""
+        *values, proposal = posted.result()
+        self.agreed(proposal)
+        return values
 
     def proposal(self) -> float:
         """(When posting) this rank's next interval, negated; measured from the steps since the last posting."""

@@ -21,10 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_spot.preemption.coordinate import AgreementCadence
+from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.notice import Notice
 from lightning_spot.preemption.watcher import PreemptionWatcher
 
@@ -68,7 +67,7 @@ class SigtermAgreement:
     def __init__(self, trainer: Any, optimizers: list[Any]) -> None:
         self.trainer = trainer
         self.signalled = False
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._pending: PostedMax | None = None
         self.cadence = AgreementCadence()
         self._loop = trainer.fit_loop.epoch_loop
         self._loop.__dict__[_METHOD] = self.post
@@ -110,21 +109,15 @@ class SigtermAgreement:
         """At a training batch's start: post this rank's flag when the cadence says so (the last batch's agreement
         is settled first)."""
         self.settle()
-        if not self.cadence.due():
-            return
-        values = [float(self.signalled), self.cadence.proposal()]
-        flag = torch.tensor(values, dtype=torch.float64, device=self.trainer.strategy.root_device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        if self.cadence.due():
+            self._pending = self.cadence.post([float(self.signalled)], self.trainer.strategy.root_device)
 
     def settle(self) -> None:
         """Wait for the posted agreement; if any rank was signalled, every rank stops after this batch."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        work, flag = pending
-        work.wait()
-        signalled, proposal = flag.tolist()
-        self.cadence.agreed(proposal)
+        (signalled,) = self.cadence.read(pending)
         if signalled > 0:
             self.trainer._signal_connector.received_sigterm = True
 
