@@ -133,8 +133,7 @@ class PipelineEngine:
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
         last_stages = ctx.dp_group if self.holds_last else None  # of all pipelines (or None: one pipeline)
-        weights = self.runner.loss_weights
-        weights.group, weights.leads = last_stages, last_stages is None or dist.get_rank(last_stages) == 0
+        self.runner.loss_weights.use_group(last_stages)
         self.metric_calls = self.runner.metric_calls = MetricCalls(module, last_stages, self.holds_last)
         #: what stands for each logged torchmetrics.Metric on this rank, by logged name
         self.shared_metrics: dict[str, SharedMetric] = {}

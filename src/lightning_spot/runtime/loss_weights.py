@@ -39,13 +39,17 @@ class LossWeights:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         #: the reference count ``r``: the previous step's items per micro-batch (the same on every rank)
         self.reference: float | None = None
-        #: the last stages of all pipelines (where the first reference is agreed), on a rank holding one
-        self.group = group
-        #: whether this rank is the first of ``group`` (or there is none): the one that adds the reference to the sums
-        self.leads = group is None or dist.get_rank(group) == 0
+        self.use_group(group)
         self._parts: list[tuple[Tensor, Tensor | None, int]] = []
         #: what the last step's gradient is a mean over: its samples, or its items when losses came with counts
         self.items = 0.0
+
+    def use_group(self, group: dist.ProcessGroup | None) -> None:
+        """The last stages of all pipelines, on a rank holding one (``None``: one pipeline)."""
+        #: where the first reference is agreed
+        self.group = group
+        #: whether this rank is the first of ``group`` (or there is none): the one that adds the reference to the sums
+        self.leads = group is None or dist.get_rank(group) == 0
 
     def start(self) -> None:
         self._parts = []
