@@ -248,8 +248,12 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     data = synthetic_dataset(job)
     B = job["batch_size"]
     local = B // D
-    rows = [list(range(step * B + dp_rank * local, step * B + (dp_rank + 1) * local)) for step in range(total)]
+
+    def first_row(step: int) -> int:  # of this replica's share of the step's global batch
+        return step * B + dp_rank * local
+
     # --hand-data loader: every rank fetches its replica's rows through a DataLoader, as the strategy's ranks do
+    rows = [range(first_row(step), first_row(step) + local) for step in range(total)]
     batches = iter(DataLoader(data, batch_sampler=rows)) if job.get("hand_data") == "loader" else None
     starts: list[float] = []
     last_loss = float("nan")
@@ -258,7 +262,7 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
         if batches is not None:
             x, y = next(batches)
         else:
-            lo = step * B + dp_rank * local
+            lo = first_row(step)
             x, y = data.tensors[0][lo : lo + local], data.tensors[1][lo : lo + local]
         losses: list[torch.Tensor] = []
         if first and last:

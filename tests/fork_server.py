@@ -144,6 +144,7 @@ def fork_server() -> ForkServer:
 
 
 def stop_fork_server() -> None:
+    """Stop the session's server (its pid), if one was started."""
     global _server
     if _server is not None:
         _server.close()
