@@ -256,9 +256,12 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
     rows = [range(first_row(step), first_row(step) + local) for step in range(total)]
     batches = iter(DataLoader(data, batch_sampler=rows)) if job.get("hand_data") == "loader" else None
     starts: list[float] = []
+    cpu_start = 0.0
     last_loss = float("nan")
     for step in range(total):
         starts.append(time.perf_counter())
+        if step == job["warmup"]:
+            cpu_start = time.process_time()
         if batches is not None:
             x, y = next(batches)
         else:
@@ -280,6 +283,7 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
             last_loss = float(torch.stack([x.detach() for x in losses]).mean())
 
     times = step_periods(starts, time.perf_counter(), job["warmup"])
+    write_cpu_time(job, (time.process_time() - cpu_start) / len(times))
     # the loss lives on the last stage (dp rank 0 of it: global rank (P-1)*D); share it outside the timing
     box = [last_loss]
     dist.broadcast_object_list(box, src=(P - 1) * D)
@@ -314,12 +318,16 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
             self.last_loss = float("nan")
             self.starts: list[float] = []
             self.end = 0.0
+            self.cpu_start = self.cpu_end = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.starts.append(time.perf_counter())
+            if len(self.starts) == job["warmup"] + 1:
+                self.cpu_start = time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.end = time.perf_counter()
+            self.cpu_end = time.process_time()
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None:
                 self.last_loss = float(loss)
@@ -360,6 +368,7 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
     trainer.fit(model, train_dataloaders=loader)
     if str(strategy.layout) != f"P{P}xD{D}":
         raise RuntimeError(f"strategy picked layout {strategy.layout}, expected P{P}xD{D}")
+    write_cpu_time(job, (callback.cpu_end - callback.cpu_start) / job["steps"])
     if not trainer.is_global_zero:
         return None
     times = step_periods(callback.starts, callback.end, job["warmup"])
@@ -373,6 +382,12 @@ def step_periods(starts: list[float], end: float, warmup: int) -> list[float]:
     everything a training loop does per step, between steps included."""
     bounds = [*starts, end]
     return [b - a for a, b in zip(bounds[warmup:], bounds[warmup + 1 :])]
+
+
+def write_cpu_time(job: dict[str, Any], seconds_per_step: float) -> None:
+    """This rank's CPU time per timed step (all its threads), for the launcher to sum over the ranks: on a machine
+    with fewer cores than processes the step time follows the sum."""
+    Path(f"{job['result']}.cpu{os.environ['RANK']}").write_text(json.dumps(seconds_per_step))
 
 
 def _result(times: list[float], global_batch: int, loss: float) -> dict[str, Any]:
@@ -424,11 +439,17 @@ def run_ranks(world: int, env: dict[str, str], log_dir: Path, timeout: float) ->
 def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]:
     tag = f"{job.get('model', 'gpt')}-P{job['P']}xD{job['D']}-{job['impl']}"
     result_path = Path(job["result"])
-    result_path.unlink(missing_ok=True)
-    run_ranks(job["P"] * job["D"], {JOB_ENV: json.dumps(job)}, log_dir / tag, timeout)
+    world = job["P"] * job["D"]
+    cpu_paths = [Path(f"{result_path}.cpu{rank}") for rank in range(world)]
+    for path in (result_path, *cpu_paths):
+        path.unlink(missing_ok=True)
+    run_ranks(world, {JOB_ENV: json.dumps(job)}, log_dir / tag, timeout)
     if not result_path.exists():
         raise JobFailed(f"{tag}: rank 0 wrote no result (logs in {log_dir / tag})")
-    return json.loads(result_path.read_text())
+    result = json.loads(result_path.read_text())
+    if all(path.exists() for path in cpu_paths):  # CPU seconds per step, summed over the ranks
+        result["cpu_seconds_per_step"] = sum(json.loads(path.read_text()) for path in cpu_paths)
+    return result
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
@@ -514,12 +535,18 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def cpu_ms(row: dict[str, Any] | None) -> float:
+    """CPU milliseconds per step, summed over the job's ranks (NaN when unknown)."""
+    return 1000 * row.get("cpu_seconds_per_step", float("nan")) if row else float("nan")
+
+
 def print_table(
     rows: list[dict[str, Any]], models: tuple[str, ...], layouts: list[tuple[int, int]], M: int
 ) -> list[str]:
     header = (
         f"{'model':<5} {'layout':<7} {'hand ms/step':>13} {'strategy ms/step':>17} {'ratio':>7} "
-        f"{'overhead ms/step':>17} {'ms/micro-batch':>15} {'loss hand/strategy':>19}"
+        f"{'overhead ms/step':>17} {'ms/micro-batch':>15} {'CPU ms/step hand/strategy':>26} "
+        f"{'loss hand/strategy':>19}"
     )
     print(header)
     print("-" * len(header))
@@ -540,9 +567,10 @@ def print_table(
             ratio = ms(st) / ms(h) if h and st else float("nan")
             extra = ms(st) - ms(h)
             losses = f"{(h or {}).get('final_loss', float('nan')):.3f}/{(st or {}).get('final_loss', float('nan')):.3f}"
+            cpu = f"{cpu_ms(h):.1f}/{cpu_ms(st):.1f}"
             print(
                 f"{model:<5} {name:<7} {ms(h):>13.1f} {ms(st):>17.1f} {ratio:>7.3f} {extra:>17.1f} {extra / M:>15.2f} "
-                f"{losses:>19}"
+                f"{cpu:>26} {losses:>19}"
             )
             if h and st:
                 ratios.append(f"{model} {name} {ratio:.3f}")
@@ -599,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
             row.update(launch(job, log_dir, args.timeout))
             print(
                 f"[{i}/{len(jobs)}] {model} P{P}xD{D} {impl:<8} {row['samples_per_sec']:7.1f} samples/s "
-                f"{row['step_seconds'] * 1000:7.1f} ms/step  (job {time.monotonic() - t0:.0f}s)",
+                f"{row['step_seconds'] * 1000:7.1f} ms/step {cpu_ms(row):7.1f} CPU ms/step  (job "
+                f"{time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
         except JobFailed as err:
@@ -610,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = print_table(aggregate(rows), args.models, layouts, args.microbatches)
     print(
         "\nratio: strategy ms/step / hand-written ms/step (goals: <= 1.03 gpt, <= 1.10 mlp); overhead: the "
-        "strategy's extra ms per step, and per micro-batch"
+        "strategy's extra ms per step, and per micro-batch; CPU ms/step: CPU time per step summed over the ranks "
+        "(with more processes than cores, step times follow it)"
     )
     if ratios:
         print("strategy/hand-written: " + ", ".join(ratios))
