@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
 from lightning_spot.partition.discovery import ModelContractError
 
@@ -105,6 +105,8 @@ def _leaves(named: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _reject_meta(fqn: str, named: dict[str, Any]) -> None:
+    if not any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(named)):
+        return  # (every call of a stage's first layer: the names are only worked out for the error)
     meta = [name for name, leaf in _leaves(named) if isinstance(leaf, torch.Tensor) and leaf.is_meta]
     if meta:
         raise ModelContractError(

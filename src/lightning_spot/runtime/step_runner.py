@@ -65,6 +65,19 @@ def batch_signature(batch: Any) -> tuple:
     return (str(spec), tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, Tensor)))
 
 
+def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree_map(fn, tree)``, with plain tuples, lists and dicts (the batches most loaders give) walked here:
+    pytree's general machinery costs more than the rest of taking a micro-batch's rows."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind(_map_leaves(fn, item) for item in tree)
+    if kind is dict:
+        return {key: _map_leaves(fn, value) for key, value in tree.items()}
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    return tree_map(fn, tree)
+
+
 def _as_tensors(out: Any, where: str) -> tuple[Tensor, ...]:
     items = out if isinstance(out, (tuple, list)) else (out,)
     if not items or not all(isinstance(t, Tensor) for t in items):
@@ -152,10 +165,10 @@ class StepRunner:
 
         def take(t: Any) -> Any:
             if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == size:
-                return t.index_select(0, idx.to(t.device))
+                return t.index_select(0, idx if idx.device == t.device else idx.to(t.device))
             return t
 
-        return tree_map(take, self.batch)
+        return _map_leaves(take, self.batch)
 
     def _call(self, micro_batch: Any) -> Any:
         if self.mode == "train" and has_loss_hook(self.module):
