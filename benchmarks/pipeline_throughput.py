@@ -33,6 +33,7 @@ Usage::
     python benchmarks/pipeline_throughput.py --impl hand --layouts P4xD1
     python benchmarks/pipeline_throughput.py --repeats 3                     # median of 3 runs per job
     python benchmarks/pipeline_throughput.py --hand-data loader              # the hand loop fetches through a DataLoader
+    python benchmarks/pipeline_throughput.py --model mlp --layouts P4xD1 --steps 200 --cpu-breakdown  # CPU per part and rank
     SPOT_BENCH_PROFILE=/tmp/prof python benchmarks/pipeline_throughput.py ...  # + a cProfile of every rank
 
 The workers run in the environment users have: nothing sets ``OMP_NUM_THREADS``. The strategy sizes
@@ -281,6 +282,8 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
         scheduler.step()
         if losses:
             last_loss = float(torch.stack([x.detach() for x in losses]).mean())
+        if PROBES is not None:
+            PROBES.mark_end()
 
     times = step_periods(starts, time.perf_counter(), job["warmup"])
     write_cpu_time(job, (time.process_time() - cpu_start) / len(times))
@@ -328,6 +331,8 @@ def run_strategy(job: dict[str, Any]) -> dict[str, Any] | None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.end = time.perf_counter()
             self.cpu_end = time.process_time()
+            if PROBES is not None:
+                PROBES.mark_end()
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None:
                 self.last_loss = float(loss)
@@ -401,8 +406,18 @@ def _result(times: list[float], global_batch: int, loss: float) -> dict[str, Any
     }
 
 
+#: with --cpu-breakdown: this worker's CPU probes
+PROBES: Any = None
+
+
 def worker() -> None:
+    global PROBES
     job = json.loads(os.environ[JOB_ENV])
+    if job.get("cpu_breakdown"):
+        from benchmarks.cpu_probes import CpuProbes
+
+        PROBES = CpuProbes(job["warmup"])
+        PROBES.install(strategy=job["impl"] == "strategy")
     run = run_hand if job["impl"] == "hand" else run_strategy
     profile_dir = os.environ.get("SPOT_BENCH_PROFILE")
     if profile_dir:  # a cProfile of every rank's whole job, in PROFILE_DIR/<impl>-<layout>-rank<R>.prof
@@ -417,6 +432,8 @@ def worker() -> None:
         result = run(job)
     if result is not None:
         Path(job["result"]).write_text(json.dumps(result))
+    if PROBES is not None:
+        Path(f"{job['result']}.parts{os.environ['RANK']}").write_text(json.dumps(PROBES.per_step()))
 
 
 # ============================================================================ launcher
@@ -441,7 +458,7 @@ def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]
     result_path = Path(job["result"])
     world = job["P"] * job["D"]
     cpu_paths = [Path(f"{result_path}.cpu{rank}") for rank in range(world)]
-    for path in (result_path, *cpu_paths):
+    for path in (result_path, *cpu_paths, *(Path(f"{result_path}.parts{rank}") for rank in range(world))):
         path.unlink(missing_ok=True)
     run_ranks(world, {JOB_ENV: json.dumps(job)}, log_dir / tag, timeout)
     if not result_path.exists():
@@ -449,6 +466,9 @@ def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]
     result = json.loads(result_path.read_text())
     if all(path.exists() for path in cpu_paths):  # CPU seconds per step, summed over the ranks
         result["cpu_seconds_per_step"] = sum(json.loads(path.read_text()) for path in cpu_paths)
+    parts = [Path(f"{result_path}.parts{rank}") for rank in range(world)]
+    if job.get("cpu_breakdown") and all(path.exists() for path in parts):
+        result["cpu_parts"] = [json.loads(path.read_text()) for path in parts]
     return result
 
 
@@ -473,6 +493,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="slice",
         help="how the hand-written loop gets its batches: slices of the data tensors (default), or a DataLoader on "
         "every rank as the strategy's ranks use",
+    )
+    p.add_argument(
+        "--cpu-breakdown",
+        action="store_true",
+        help="also measure each rank's CPU time per step inside named parts (schedule, stage forwards, data "
+        "loading...; benchmarks/cpu_probes.py) and print a table per layout (of the median run)",
     )
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layer", type=int, default=8)
@@ -577,6 +603,21 @@ def print_table(
     return ratios
 
 
+def print_breakdown(rows: list[dict[str, Any]]) -> None:
+    """Per (model, layout): each rank's CPU time per step inside named parts, for both implementations."""
+    from benchmarks.cpu_probes import table
+
+    for model, layout in dict.fromkeys((r["model"], r["layout"]) for r in rows):
+        by_impl = {
+            r["impl"]: r["cpu_parts"]
+            for r in rows
+            if (r["model"], r["layout"]) == (model, layout) and r.get("cpu_parts")
+        }
+        if by_impl:
+            print(f"\n{model} {layout}: CPU time per step inside each part (thread time; parts nest)")
+            print("\n".join(table(by_impl)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     layouts = parse_layouts(args.layouts)
@@ -619,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "seed": args.seed,
             "hand_data": args.hand_data,
+            "cpu_breakdown": args.cpu_breakdown,
             "result": str(tmp / f"{model}-P{P}xD{D}-{impl}.json"),
         }
         t0 = time.monotonic()
@@ -636,7 +678,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}/{len(jobs)}] {model} P{P}xD{D} {impl} FAILED:\n{err}", file=sys.stderr, flush=True)
         rows.append(row)
     print()
-    ratios = print_table(aggregate(rows), args.models, layouts, args.microbatches)
+    medians = aggregate(rows)
+    ratios = print_table(medians, args.models, layouts, args.microbatches)
+    if args.cpu_breakdown:
+        print_breakdown(medians)
     print(
         "\nratio: strategy ms/step / hand-written ms/step (goals: <= 1.03 gpt, <= 1.10 mlp); overhead: the "
         "strategy's extra ms per step, and per micro-batch; CPU ms/step: CPU time per step summed over the ranks "

@@ -1,0 +1,110 @@
+"""Where a training step's CPU time goes on each rank: thread CPU time spent inside named functions.
+
+    probes = CpuProbes(warmup=4)        # in a worker, before training: wraps the functions of PARTS
+    probes.install(strategy=True)
+    ...                                 # train; the first `warmup` schedule steps are not counted
+    probes.mark_end()                   # after the last measured step
+    probes.per_step()                   # {part: CPU ms per step} of this process's main thread, and its other threads
+
+With more processes than cores (four ranks on two), a step's time follows the CPU time of all ranks
+together, so a difference of CPU time in one part shows where a slower implementation loses. The times
+are ``time.thread_time`` of the calling thread, which a preempted thread does not accumulate (unlike wall
+time or sampling profilers). Parts nest (a stage's forward is inside the schedule); the wrappers cost
+about a microsecond per call, charged to the enclosing part. ``pipeline_throughput.py --cpu-breakdown``
+prints the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: (label, module, attribute path, whether only the strategy has it); in the order the table shows them
+PARTS: list[tuple[str, str, str, bool]] = [
+    ("schedule", "torch.distributed.pipelining.schedules", "Schedule1F1B._step_microbatches", False),
+    ("  stage forwards", "torch.distributed.pipelining.stage", "_PipelineStageBase.forward_one_chunk", False),
+    ("    step replays (stages)", "lightning_spot.runtime.step_runner", "StepRunner.stage_forward", True),
+    ("    step replays (last: loss)", "lightning_spot.runtime.step_runner", "StepRunner.loss_fn", True),
+    ("      taking micro-batches", "lightning_spot.runtime.step_runner", "StepRunner._micro_batch", True),
+    ("  stage backwards", "torch.distributed.pipelining.stage", "_PipelineStageBase.backward_one_chunk", False),
+    ("  posting sends/receives", "torch.distributed.pipelining.schedules", "_batch_p2p", False),
+    ("  waiting for them", "torch.distributed.pipelining.schedules", "_wait_batch_p2p", False),
+    ("engine train step", "lightning_spot.runtime.engine", "PipelineEngine.train_step", True),
+    ("  logged values", "lightning_spot.runtime.engine", "PipelineEngine._share_logs", True),
+    ("optimizer step", "torch.optim", "Adam.step", False),
+    ("zero_grad", "torch.optim", "Optimizer.zero_grad", False),
+    ("data loading", "torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__", False),
+]
+MAIN, OTHERS = "main thread, all", "other threads"
+#: counts the steps: the first `warmup` calls are not measured
+STEP = "Schedule1F1B._step_microbatches"
+
+
+class CpuProbes:
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.spent: dict[str, float] = {}
+        self.steps = 0
+        self._at_warmup: dict[str, float] = {}
+        self._at_end: dict[str, float] = {}
+
+    def install(self, strategy: bool) -> None:
+        for label, module, path, strategy_only in PARTS:
+            if strategy_only and not strategy:
+                continue
+            owner: Any = importlib.import_module(module)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            setattr(owner, name, self._wrap(label, getattr(owner, name), counts_steps=path == STEP))
+
+    def _wrap(self, label: str, fn: Callable[..., Any], counts_steps: bool) -> Callable[..., Any]:
+        spent = self.spent
+
+        @functools.wraps(fn)
+        def probed(*args: Any, **kwargs: Any) -> Any:
+            if counts_steps:
+                self.steps += 1
+                if self.steps == self.warmup + 1:
+                    self._at_warmup = {**spent, MAIN: time.thread_time(), OTHERS: time.process_time()}
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.thread_time() - start
+
+        return probed
+
+    def mark_end(self) -> None:
+        """The measured steps end here (called after each step: the last call counts)."""
+        self._at_end = {**self.spent, MAIN: time.thread_time(), OTHERS: time.process_time(), STEP: self.steps}
+
+    def per_step(self) -> dict[str, float]:
+        """CPU milliseconds per measured step, by part (empty unless steps after the warm-up were marked)."""
+        before, end = self._at_warmup, self._at_end
+        steps = end.get(STEP, 0) - self.warmup
+        if steps <= 0 or not before:
+            return {}
+        main = end[MAIN] - before[MAIN]
+        out = {MAIN: main, OTHERS: end[OTHERS] - before[OTHERS] - main}
+        out.update({label: end.get(label, 0.0) - before.get(label, 0.0) for label, *_ in PARTS if label in end})
+        return {label: 1000 * seconds / steps for label, seconds in out.items()}
+
+
+def table(by_impl: dict[str, list[dict[str, float]]]) -> list[str]:
+    """Rows of parts, a column per implementation and rank (CPU ms per step), and one with the ranks' sum."""
+    labels = [MAIN, OTHERS, *(label for label, *_ in PARTS)]
+    columns = [(impl, rank) for impl, ranks in by_impl.items() for rank in range(len(ranks))]
+    head = f"{'CPU ms per step':<32}" + "".join(f"{impl[:5]} r{rank:<3}".rjust(10) for impl, rank in columns)
+    head += "".join(f"{impl[:5]} sum".rjust(11) for impl in by_impl)
+    lines = [head, "-" * len(head)]
+    for label in labels:
+        if not any(label in parts for ranks in by_impl.values() for parts in ranks):
+            continue
+        cells = "".join(f"{by_impl[impl][rank].get(label, 0.0):10.2f}" for impl, rank in columns)
+        sums = "".join(f"{sum(parts.get(label, 0.0) for parts in ranks):11.2f}" for ranks in by_impl.values())
+        lines.append(f"{label:<32}{cells}{sums}")
+    return lines
