@@ -603,6 +603,22 @@ def print_table(
     return ratios
 
 
+def round_ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """With --repeats: each round's ratio of the two implementations, which ran back to back (a slow phase of the
+    machine then weighs on both), and their median."""
+    lines = []
+    for model, layout in dict.fromkeys((r["model"], r["layout"]) for r in rows):
+        runs = [r for r in rows if (r["model"], r["layout"]) == (model, layout) and "error" not in r]
+        by_round: dict[int, dict[str, float]] = {}
+        for r in runs:
+            by_round.setdefault(r["repeat"], {})[r["impl"]] = r["step_seconds"]
+        ratios = [t["strategy"] / t["hand"] for _, t in sorted(by_round.items()) if len(t) == 2]
+        if len(ratios) > 1:
+            each = " ".join(f"{x:.3f}" for x in ratios)
+            lines.append(f"per round: {model} {layout} {each} (median {statistics.median(ratios):.3f})")
+    return lines
+
+
 def print_breakdown(rows: list[dict[str, Any]]) -> None:
     """Per (model, layout): each rank's CPU time per step inside named parts, for both implementations."""
     from benchmarks.cpu_probes import table
@@ -689,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ratios:
         print("strategy/hand-written: " + ", ".join(ratios))
+    for line in round_ratios(rows):
+        print(line)
     print(f"total wall time {time.monotonic() - started:.0f}s")
     if args.json:
         payload = {
