@@ -23,6 +23,8 @@ from torchmetrics import Metric
 from lightning_spot._dist import broadcast_object
 
 _SYNC_KEYS = ("sync_dist", "sync_dist_group")
+#: the point-to-point tag of a step's logged values (torch.distributed.pipelining sends with the default, 0)
+TAG = 0x5107
 #: the ``sync_dist_group`` of values this bridge logs: reduced over micro-batches and replicas already, so the
 #: strategy's ``reduce`` hands them back unchanged (and Lightning does not ask for ``sync_dist=True``)
 ALREADY_REDUCED = "lightning_spot:already-reduced"
@@ -188,9 +190,11 @@ class LastStageShare:
         obj = share(payload if holds_last_stage else None)        # the last stage's object on every rank
         logged = share.logged(values if holds_last_stage else None)   # a step's logged values (cheaper)
 
-    A broadcast over the pipeline group. (Point-to-point sends straight from the last stage were tried to
-    spare the first stage waiting on the middle ones; one suite run hung with a receive that never matched
-    its send, so the collective stays until that is understood.)
+    A step's values (once their names are known) go point to point from the last stage to each other rank,
+    under a tag of their own (:data:`TAG`): gloo runs sends and receives on the calling thread, where a
+    collective wakes its worker threads on every rank; and a tag of their own keeps them apart from the
+    pipeline's activations and gradients between the same ranks (an earlier point-to-point version used the
+    default tag and once received a pipeline tensor). Anything else is a broadcast over the pipeline group.
     """
 
     def __init__(self, pp_group: dist.ProcessGroup | None, src_group_rank: int, device: torch.device) -> None:
@@ -199,8 +203,10 @@ class LastStageShare:
         self.device = device
         #: the names of the last logged values shared in full, and (whether the value was None, options) of each
         self._known: tuple[tuple[str, ...], tuple[tuple[bool, dict[str, Any]], ...]] | None = None
-        #: the last values this rank (the last stage) sent without waiting
-        self._sending: Any = None
+        #: the last values this rank (the last stage) sent without waiting: the sends and their tensor
+        self._sending: tuple[list[Any], Tensor] | None = None
+        self._rank = dist.get_rank(pp_group) if pp_group is not None else 0
+        self._others = [r for r in range(dist.get_world_size(pp_group)) if r != src_group_rank] if pp_group else []
 
     def __call__(self, payload: Any) -> Any:
         if self.group is None:
@@ -212,7 +218,7 @@ class LastStageShare:
         """A step's logged values (name -> (value, options)) from the last stage, on every rank of the pipeline.
 
         Steps log the same names with the same options step after step: once every rank knows them, only the
-        values travel, as one tensor (no pickling, one collective); a change of names or options travels whole.
+        values travel, as one tensor (no pickling, one message per rank); a change of names or options travels whole.
         """
         if self.group is None:
             assert payload is not None
@@ -221,18 +227,19 @@ class LastStageShare:
             keys, shape = self._known
             self.flush()
             flat = torch.zeros(len(keys) + 1, dtype=torch.float64)
-            if payload is not None and tuple(payload) == keys and _shape_of(payload) == shape:
-                flat[0] = 1.0
-                flat[1:] = torch.tensor([0.0 if v is None else float(v) for v, _ in payload.values()])
+            if self._rank == self.src:
+                if payload is not None and tuple(payload) == keys and _shape_of(payload) == shape:
+                    flat[0] = 1.0
+                    flat[1:] = torch.tensor([0.0 if v is None else float(v) for v, _ in payload.values()])
                 received = flat.tolist()
                 # the last stage does not wait for the others to take the values (the first stage may still be in
-                # the step's last backward): it goes on to its update; the send is waited for before the next share
-                self._sending = dist.broadcast(
-                    flat.to(self.device), group=self.group, group_src=self.src, async_op=True
-                )
+                # the step's last backward): it goes on to its update; the sends are waited for before the next share
+                sent = flat.to(self.device)
+                works = [dist.isend(sent, group=self.group, group_dst=dst, tag=TAG) for dst in self._others]
+                self._sending = (works, sent)
             else:
                 flat = flat.to(self.device)
-                dist.broadcast(flat, group=self.group, group_src=self.src)
+                dist.recv(flat, group=self.group, group_src=self.src, tag=TAG)
                 received = flat.tolist()
             if received[0] == 1.0:  # the values of the names and options every rank knows
                 return {k: (None if none else v, o) for k, v, (none, o) in zip(keys, received[1:], shape)}
@@ -244,7 +251,8 @@ class LastStageShare:
         """Wait until the last values this rank sent without waiting have been sent."""
         sending, self._sending = self._sending, None
         if sending is not None:
-            sending.wait()
+            for work in sending[0]:
+                work.wait()
 
 
 def _shape_of(payload: dict[str, tuple[Any, dict[str, Any]]]) -> tuple[tuple[bool, dict[str, Any]], ...]:
