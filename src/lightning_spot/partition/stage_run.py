@@ -107,13 +107,12 @@ def _leaves(named: dict[str, Any]) -> list[tuple[str, Any]]:
 def _reject_meta(fqn: str, named: dict[str, Any]) -> None:
     if not any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(named)):
         return  # (every call of a stage's first layer: the names are only worked out for the error)
-    meta = [name for name, leaf in _leaves(named) if isinstance(leaf, torch.Tensor) and leaf.is_meta]
-    if meta:
-        raise ModelContractError(
-            f"Layer `{fqn}` received `{meta[0]}` computed by modules that live on another pipeline stage (it only "
-            f"exists as a shape here). Compute it inside the layers or from the raw batch, or keep the modules it "
-            f"comes from on every stage."
-        )
+    meta = next(name for name, leaf in _leaves(named) if isinstance(leaf, torch.Tensor) and leaf.is_meta)
+    raise ModelContractError(
+        f"Layer `{fqn}` received `{meta}` computed by modules that live on another pipeline stage (it only "
+        f"exists as a shape here). Compute it inside the layers or from the raw batch, or keep the modules it "
+        f"comes from on every stage."
+    )
 
 
 def check_reproducible(fqn: str, first: dict[str, Any], second: dict[str, Any]) -> None:

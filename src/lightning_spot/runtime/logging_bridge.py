@@ -205,8 +205,12 @@ class LastStageShare:
         self._known: tuple[tuple[str, ...], tuple[tuple[bool, dict[str, Any]], ...]] | None = None
         #: the last values this rank (the last stage) sent without waiting: the sends and their tensor
         self._sending: tuple[list[Any], Tensor] | None = None
-        self._rank = dist.get_rank(pp_group) if pp_group is not None else 0
-        self._others = [r for r in range(dist.get_world_size(pp_group)) if r != src_group_rank] if pp_group else []
+        #: this rank in the pipeline group, and the ranks the last stage sends a step's values to
+        self._rank = 0
+        self._others: list[int] = []
+        if pp_group is not None:
+            self._rank = dist.get_rank(pp_group)
+            self._others = [r for r in range(dist.get_world_size(pp_group)) if r != src_group_rank]
 
     def __call__(self, payload: Any) -> Any:
         if self.group is None:
