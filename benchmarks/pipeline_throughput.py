@@ -389,10 +389,15 @@ def step_periods(starts: list[float], end: float, warmup: int) -> list[float]:
     return [b - a for a, b in zip(bounds[warmup:], bounds[warmup + 1 :])]
 
 
+def rank_file(result: str | Path, kind: str, rank: int | str) -> Path:
+    """Where a worker leaves a figure of its own beside the job's result (``kind``: "cpu" or "parts")."""
+    return Path(f"{result}.{kind}{rank}")
+
+
 def write_cpu_time(job: dict[str, Any], seconds_per_step: float) -> None:
     """This rank's CPU time per timed step (all its threads), for the launcher to sum over the ranks: on a machine
     with fewer cores than processes the step time follows the sum."""
-    Path(f"{job['result']}.cpu{os.environ['RANK']}").write_text(json.dumps(seconds_per_step))
+    rank_file(job["result"], "cpu", os.environ["RANK"]).write_text(json.dumps(seconds_per_step))
 
 
 def _result(times: list[float], global_batch: int, loss: float) -> dict[str, Any]:
@@ -433,7 +438,7 @@ def worker() -> None:
     if result is not None:
         Path(job["result"]).write_text(json.dumps(result))
     if PROBES is not None:
-        Path(f"{job['result']}.parts{os.environ['RANK']}").write_text(json.dumps(PROBES.per_step()))
+        rank_file(job["result"], "parts", os.environ["RANK"]).write_text(json.dumps(PROBES.per_step()))
 
 
 # ============================================================================ launcher
@@ -457,8 +462,9 @@ def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]
     tag = f"{job.get('model', 'gpt')}-P{job['P']}xD{job['D']}-{job['impl']}"
     result_path = Path(job["result"])
     world = job["P"] * job["D"]
-    cpu_paths = [Path(f"{result_path}.cpu{rank}") for rank in range(world)]
-    for path in (result_path, *cpu_paths, *(Path(f"{result_path}.parts{rank}") for rank in range(world))):
+    cpu_paths = [rank_file(result_path, "cpu", rank) for rank in range(world)]
+    parts = [rank_file(result_path, "parts", rank) for rank in range(world)]
+    for path in (result_path, *cpu_paths, *parts):
         path.unlink(missing_ok=True)
     run_ranks(world, {JOB_ENV: json.dumps(job)}, log_dir / tag, timeout)
     if not result_path.exists():
@@ -466,7 +472,6 @@ def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]
     result = json.loads(result_path.read_text())
     if all(path.exists() for path in cpu_paths):  # CPU seconds per step, summed over the ranks
         result["cpu_seconds_per_step"] = sum(json.loads(path.read_text()) for path in cpu_paths)
-    parts = [Path(f"{result_path}.parts{rank}") for rank in range(world)]
     if job.get("cpu_breakdown") and all(path.exists() for path in parts):
         result["cpu_parts"] = [json.loads(path.read_text()) for path in parts]
     return result
