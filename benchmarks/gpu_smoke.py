@@ -42,6 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="bf16-mixed")
     p.add_argument("--schedule", default="1F1B")
     p.add_argument("--root", default=str(Path(tempfile.gettempdir()) / "lightning-spot-gpu-smoke"))
+    p.add_argument("--checkpoint-every", type=int, default=None, help="steps between durable checkpoints")
+    p.add_argument("--timeline-steps", type=int, default=2, help="steps traced into ROOT/pipeline_timeline; 0: off")
+    p.add_argument("--no-resume", action="store_true", help="start from scratch even if ROOT holds checkpoints")
+    p.add_argument(
+        "--plain", action="store_true", help="Lightning's own strategy instead: the baseline to compare with"
+    )
     return p.parse_args(argv)
 
 
@@ -92,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         str(args.val_every),
         "--root",
         args.root,
+        "--timeline-steps",
+        str(args.timeline_steps),
+        *(["--checkpoint-every", str(args.checkpoint_every)] if args.checkpoint_every else []),
+        *(["--no-resume"] if args.no_resume else []),
+        *(["--plain"] if args.plain else []),
     ]
     summary = train_main(train_argv)
 
@@ -100,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         sps = summary.get("samples_per_sec", float("nan"))
         tps = summary.get("tokens_per_sec", float("nan"))
         print(
-            f"gpu_smoke: {n} x {torch.cuda.get_device_name(0)}, layout P{P}xD{D}, {M} micro-batches, "
+            f"gpu_smoke: {n} x {torch.cuda.get_device_name(0)}, "
+            f"{'plain Lightning' if args.plain else f'layout P{P}xD{D}'}, {M} micro-batches, "
             f"{args.schedule}, {args.precision}, global batch {batch} x {args.block_size} tokens, "
             f"d_model {args.d_model}, {args.n_layer} layers, {args.max_steps} steps"
         )
         print(
             f"gpu_smoke: throughput {tps:,.0f} tokens/s ({sps:,.1f} samples/s), "
-            f"{summary.get('step_seconds', float('nan')) * 1000:.1f} ms/step"
+            f"{summary.get('step_seconds', float('nan')) * 1000:.1f} ms/step, "
+            f"MFU {100 * summary.get('mfu', float('nan')):.1f}% (6 x parameters x tokens, of the dense bf16 peak), "
+            f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
         )
         losses = {k: summary[k] for k in ("train_loss", "val_loss", "val_ppl") if k in summary}
         print("gpu_smoke: final " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()))

@@ -394,7 +394,8 @@ def test_a_durable_checkpoint_from_a_snapshot_is_its_files_checked_when_read(tmp
 
 
 def test_checkpoint_copies_reuse_their_host_buffers() -> None:
-    from lightning_spot.checkpoint.payload import Staging, split_checkpoint
+    from lightning_spot.checkpoint.payload import split_checkpoint
+    from lightning_spot.checkpoint.staging import Staging
 
     staging = Staging()
     w = torch.ones(4, 4)
@@ -451,3 +452,15 @@ def test_a_local_checkpoint_that_retention_deletes_lends_its_tensor_files_to_the
     assert torch.equal(load_full_state_dict(str(tmp_path / "run"))["w"], torch.full((250,), 4.0)), "cut, checked"
     clear_spares(storage)
     assert not (tmp_path / "run" / SPARES).exists()
+
+
+def test_the_closing_line_gives_the_first_saves_stall_the_later_median_and_the_waits_for_uploads() -> None:
+    from lightning_spot.checkpoint.callback import _per_save
+
+    saves = [{"stall_seconds": s, "waited_seconds": w} for s, w in ((4.7, 0.0), (0.1, 0.0), (0.9, 0.8), (0.2, 0.0))]
+    assert _per_save(saves) == (
+        "; per save: the first 4.70s, then a median 0.20s (0.80s in all waiting for the previous upload: saves "
+        "closer than an upload takes)"
+    )
+    assert _per_save(saves[:2]) == "; per save: the first 4.70s, then a median 0.10s"
+    assert _per_save(saves[:1]) == "; per save: the first 4.70s"

@@ -75,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
+        "--plain",
+        action="store_true",
+        help="train with Lightning's own strategy for the devices instead (no pipeline, no SpotCheckpoint): a baseline",
+    )
+    p.add_argument(
         "--timeline-steps",
         type=int,
         default=2,
@@ -111,29 +116,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         schedule=args.schedule,
         offload=args.offload.split("+") if args.offload and args.offload != "auto" else args.offload,
     )
+    callbacks: list[L.Callback] = [throughput] if args.plain else [throughput, checkpoints, *timeline]
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=strategy,
+        strategy="auto" if args.plain else strategy,
         precision=args.precision,
         max_steps=args.max_steps,
         val_check_interval=args.val_every,
         check_val_every_n_epoch=None,
         log_every_n_steps=10,
         default_root_dir=args.root,
-        callbacks=[throughput, checkpoints, *timeline],
+        callbacks=callbacks,
         enable_checkpointing=False,  # SpotCheckpoint does it
     )
     trainer.fit(model, data)
     summary = {**throughput.summary(), **{k: float(v) for k, v in trainer.callback_metrics.items()}}
     if trainer.is_global_zero:
-        if strategy.restored_manifest is not None:
+        if not args.plain and strategy.restored_manifest is not None:
             print(
                 f"resumed from step {strategy.restored_manifest['step']} "
                 f"(written on {layout_label(strategy.restored_manifest['layout'])})"
             )
         print(
-            f"done: layout {strategy.layout}, train_loss {summary.get('train_loss', float('nan')):.3f}, "
+            f"done: layout {'plain' if args.plain else strategy.layout}, train_loss {summary.get('train_loss', float('nan')):.3f}, "
             f"val_loss {summary.get('val_loss', float('nan')):.3f}, val_ppl {summary.get('val_ppl', float('nan')):.2f}, "
             f"{summary.get('samples_per_sec', 0):.1f} samples/s, {summary.get('tokens_per_sec', 0):.0f} tokens/s"
         )

@@ -40,7 +40,8 @@ from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotError, SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
-from lightning_spot.checkpoint.payload import Staging, split_checkpoint
+from lightning_spot.checkpoint.payload import split_checkpoint
+from lightning_spot.checkpoint.staging import Staging
 from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
@@ -429,7 +430,7 @@ class SpotCheckpoint(L.Callback):
             rank_zero_info(
                 f"SpotCheckpoint: {s['saves']:.0f} checkpoints to {self.url}; training stalled {s['stall_seconds']:.2f}s "
                 f"({100 * s['stall_fraction']:.2f}% of {self._train_seconds:.1f}s); the last upload finished "
-                f"{s['final_wait_seconds']:.2f}s after training"
+                f"{s['final_wait_seconds']:.2f}s after training{_per_save(self.saves)}"
             )
 
     # -------------------------------------------------------------------- save
@@ -466,7 +467,15 @@ class SpotCheckpoint(L.Callback):
         rel = step_dirname(info["step"])
         self._last_step = trainer.global_step
         self._last_time = time.monotonic()
-        self.saves.append({"step": info["step"], "stall_seconds": stall, "bytes": share.nbytes, "reason": reason})
+        self.saves.append(
+            {
+                "step": info["step"],
+                "stall_seconds": stall,
+                "waited_seconds": waited,
+                "bytes": share.nbytes,
+                "reason": reason,
+            }
+        )
         timeline = _timeline(trainer)
         if timeline is not None:
             now = time.perf_counter()
@@ -681,6 +690,21 @@ class SpotCheckpoint(L.Callback):
             "bytes_per_rank": float(self.saves[-1]["bytes"]) if self.saves else 0.0,
             "final_wait_seconds": self._final_wait,
         }
+
+
+def _per_save(saves: list[dict[str, Any]]) -> str:
+    """The first save's stall (it allocates the host buffers) and the later ones' median, with the part spent
+    waiting for the previous upload (saves closer together than an upload takes)."""
+    first = saves[0]
+    text = f"; per save: the first {first['stall_seconds']:.2f}s"
+    later = sorted(saves[1:], key=lambda s: s["stall_seconds"])
+    if later:
+        mid = later[len(later) // 2]
+        text += f", then a median {mid['stall_seconds']:.2f}s"
+        waited = sum(s["waited_seconds"] for s in later)
+        if waited >= 0.01:
+            text += f" ({waited:.2f}s in all waiting for the previous upload: saves closer than an upload takes)"
+    return text
 
 
 def _host(trainer: L.Trainer) -> CheckpointHost:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_spot.checkpoint.jsonstate import decode, encode
+from lightning_spot.checkpoint.staging import Staging
 from lightning_spot.streaming.fixed_layout import replica_states
 
 log = logging.getLogger(__name__)
@@ -42,31 +43,6 @@ class Payload:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for group in self.tensors.values() for t in group.values())
-
-
-class Staging:
-    """Host buffers for checkpoint copies, reused from one save to the next.
-
-    Copying into memory that is already mapped costs a fraction of allocating it anew (no page faults,
-    no zeroing by the kernel): 25 MB take ~1.5 ms instead of ~10 ms on a CPU core. A save may reuse the
-    buffers only once the previous save's background work is done with them (callers wait for it).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], Tensor] = {}
-
-    def copy(self, group: str, name: str, t: Tensor) -> Tensor:
-        t = t.detach()
-        buffer = self._buffers.get((group, name))
-        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-            buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-            self._buffers[(group, name)] = buffer
-        buffer.copy_(t)
-        return buffer
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
 def _copy(t: Tensor, copy: bool, staging: Staging | None = None, group: str = "", name: str = "") -> Tensor:

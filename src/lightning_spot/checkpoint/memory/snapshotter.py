@@ -39,7 +39,8 @@ from lightning_spot._dist import all_gather_object, exchange_bytes
 from lightning_spot.checkpoint import tensorfile
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.memory.snapshot import TENSORS, SnapshotStore, Staged
-from lightning_spot.checkpoint.payload import Payload, Staging, split_checkpoint
+from lightning_spot.checkpoint.payload import Payload, split_checkpoint
+from lightning_spot.checkpoint.staging import Staging
 
 log = logging.getLogger(__name__)
 

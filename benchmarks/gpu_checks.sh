@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Every check this project runs on a lent GPU machine, in one go (one H200: layouts with one stage and replica).
+#
+#   bash benchmarks/gpu_checks.sh [OUT_DIR]        # logs and the timeline picture land in OUT_DIR (default $OUT or /tmp)
+#
+# 1. gpu_smoke, bf16-mixed, the small GPT: trains, writes durable checkpoints and snapshots, traces a timeline;
+# 2. the same root again with 40 more steps: resumes from the checkpoint written on CUDA;
+# 3. gpu_smoke, 16-mixed: the coordinated loss scaler with CUDA's GradScaler;
+# 4. the small GPT under plain Lightning and under spot_pipeline with one micro-batch: the strategy's fixed cost;
+# 5. a 340M-parameter GPT (d_model 1536, 12 layers, block 1024), bf16: MFU under spot_pipeline with 1 and 4
+#    micro-batches, and under plain Lightning;
+# 6. the 340M GPT with a durable checkpoint every 100 steps (5.4 GB each) and snapshots: what saving costs the loop;
+# 7. gpu_host_copy: what copying 5 GB of state to host memory costs (pinned or not, blocking or not).
+# Each check has its own time limit; one that fails is reported and the next one runs. ONLY='regex' runs the
+# checks whose names match; PROFILE=1 also writes a cProfile of each check to OUT_DIR/NAME.prof.
+set -u
+out=${1:-${OUT:-/tmp}}
+mkdir -p "$out"
+log="$out/gpu_checks.log"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+root=$(mktemp -d)
+failed=0
+
+check() {  # check NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    [[ $name =~ ${ONLY:-.} ]] || return 0
+    [[ ${PROFILE:-0} == 1 && $1 == python3 ]] && set -- python3 -m cProfile -o "$out/$name.prof" "${@:2}"
+    echo "=== $name ($(date +%T))" | tee -a "$log"
+    local start=$SECONDS
+    if timeout "$limit" "$@" >"$out/$name.txt" 2>&1; then
+        echo "=== $name: ok in $((SECONDS - start)) s" | tee -a "$log"
+    else
+        echo "=== $name: FAILED (exit $?) in $((SECONDS - start)) s" | tee -a "$log"
+        failed=$((failed + 1))
+    fi
+    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$out/$name.txt" | tail -n 12 | tee -a "$log"
+}
+
+{
+    nvidia-smi -L
+    python3 -c "import torch, lightning, torchmetrics; print('torch', torch.__version__, 'lightning', lightning.__version__, \
+'torchmetrics', torchmetrics.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+} 2>&1 | tee -a "$log"
+
+small=(python3 benchmarks/gpu_smoke.py --max-steps 100 --val-every 50)
+check smoke_bf16 150 "${small[@]}" --root "$root/small"
+check resume_bf16 120 "${small[@]}" --root "$root/small" --max-steps 140 --timeline-steps 0
+cp "$root"/small/pipeline_timeline/*.png "$out/" 2>/dev/null
+check smoke_fp16 120 "${small[@]}" --root "$root/fp16" --precision 16-mixed --max-steps 60 --timeline-steps 0
+lean=(--max-steps 60 --val-every 1000 --timeline-steps 0 --microbatches 1 --checkpoint-every 100000 --no-resume)
+check small_plain 120 "${small[@]}" "${lean[@]}" --root "$root/small_plain" --plain
+check small_spot_m1 120 "${small[@]}" "${lean[@]}" --root "$root/small_m1"
+rm -rf "$root"/small_*
+big=(python3 benchmarks/gpu_smoke.py --d-model 1536 --n-layer 12 --n-head 12 --block-size 1024 --batch-size 16
+    --max-steps 40 --val-every 1000 --timeline-steps 0 --checkpoint-every 100000 --no-resume)
+check big_plain 180 "${big[@]}" --root "$root/big_plain" --plain
+check big_spot_m1 180 "${big[@]}" --root "$root/big_m1" --microbatches 1
+rm -rf "$root"/big_m1
+check big_spot_m4 180 "${big[@]}" --root "$root/big_m4" --microbatches 4
+rm -rf "$root"/big_m4
+check big_checkpoints 240 "${big[@]}" --root "$root/big_ckpt" --microbatches 1 --max-steps 320 --checkpoint-every 100
+rm -rf "$root"/big_ckpt
+check host_copy 120 python3 benchmarks/gpu_host_copy.py
+rm -rf "$root"
+echo "gpu_checks: $failed failed" | tee -a "$log"
+exit "$failed"
