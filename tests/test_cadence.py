@@ -38,6 +38,21 @@ def test_snapshots_are_as_frequent_as_the_budget_allows() -> None:
     assert cadence.snapshot_every() == pytest.approx(6.0), "never more often than twice the write takes"
 
 
+def test_the_first_snapshot_and_durable_save_stop_counting_once_a_second_is_measured() -> None:
+    """The first of a run page-locks its host buffers on a GPU (one H200: 4.7 s for 5.4 GB, then 0.1 s a save):
+    the mean of the two would space snapshots 25x too far apart."""
+    cadence = chosen()
+    cadence.observe_snapshot(cost=4.7, wall=2.0)
+    assert cadence.snapshot_every() == pytest.approx(470.0), "one measurement: all there is"
+    cadence.observe_snapshot(cost=0.1, wall=2.0)
+    assert cadence.snapshot_every() == pytest.approx(10.0)
+    cadence.observe_snapshot(cost=0.3, wall=2.0)
+    assert cadence.snapshot_every() == pytest.approx(20.0), "the median of the later ones"
+    cadence.observe_durable(cost=4.8, wall=5.0)
+    cadence.observe_durable(cost=0.2, wall=5.0)
+    assert cadence.durable_cost() == pytest.approx(0.2)
+
+
 def test_durable_saves_follow_young_daly_with_the_runs_own_interruption_rate() -> None:
     cadence = chosen()
     cadence.observe_durable(cost=0.5, wall=1.0)

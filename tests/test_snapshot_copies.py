@@ -225,3 +225,18 @@ def test_the_next_optimizer_step_waits_for_the_background_copies(tmp_path: Path)
             *((step, True, False) for step in range(2, 6)),
         ]
     assert_same_params(merged_state(ranks), reference_run(case))
+
+
+def test_a_snapshots_stall_counts_its_copy_when_the_copy_was_made_before_take(tmp_path: Path) -> None:
+    """SpotCheckpoint copies first (into the shared staging buffers on a GPU: all of the stall) and then hands the
+    share to ``take``: the recorded stall, which the cadence budgets, starts before the copy."""
+    import time
+
+    taker = _snapshotter(tmp_path)
+    for step in (1, 2):  # the first into staging buffers, the second into a mapped spare
+        start = time.monotonic()
+        share = taker.copy(_checkpoint(step, *_state(step)), step)
+        time.sleep(0.2)  # a copy this slow
+        stall = taker.take(share, {"step": step, "layout": LAYOUT}, since=start)
+        taker.wait()
+        assert stall >= 0.2 and taker.taken[-1]["stall_seconds"] == stall

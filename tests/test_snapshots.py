@@ -393,6 +393,31 @@ def test_a_durable_checkpoint_from_a_snapshot_is_its_files_checked_when_read(tmp
     assert torch.equal(load_full_state_dict(str(tmp_path / "run"))["b"], torch.full((3,), 2.0)), "step 2 is used"
 
 
+def test_an_upload_frees_the_staging_buffers_once_it_no_longer_reads_them(tmp_path: Path) -> None:
+    """Snapshots and durable saves share one set of host buffers: an upload from the snapshot's files lets them go
+    before it uploads anything; one that writes the copied tensors as shards, only once they are written."""
+    from lightning_spot.checkpoint.durable.storage import Storage
+    from lightning_spot.checkpoint.durable.write import write_checkpoint
+    from lightning_spot.checkpoint.payload import Payload
+
+    store = SnapshotStore(tmp_path / "shm")
+    storage = Storage(str(tmp_path / "run"))
+    seen: list[list[str]] = []
+
+    def release() -> None:  # what the step's directory holds when the buffers are let go
+        step_dir = Path(storage.path_of(f"step-{2 * (len(seen) + 1):09d}"))
+        seen.append(sorted(f.name for f in step_dir.iterdir()) if step_dir.exists() else [])
+
+    _write(store, 2, 0, ["a"])
+    payload = Payload(tensors={}, optimizer_values=[{}], rng=None, lightning={"global_step": 2})
+    assert write_checkpoint(storage, "step-000000002", payload, info={"step": 2}, snapshot=(store, 2), release=release)
+    payload = Payload(tensors={"model": {"w": torch.ones(3)}}, optimizer_values=[{}], rng=None, lightning={})
+    assert write_checkpoint(storage, "step-000000004", payload, info={"step": 4}, release=release)
+    assert seen[0] == [], "from the snapshot: released before any upload"
+    assert any(name.endswith(".distcp") for name in seen[1]), f"as shards: released once written ({seen[1]})"
+    assert storage.committed() == ["step-000000002", "step-000000004"]
+
+
 def test_checkpoint_copies_reuse_their_host_buffers() -> None:
     from lightning_spot.checkpoint.payload import split_checkpoint
     from lightning_spot.checkpoint.staging import Staging

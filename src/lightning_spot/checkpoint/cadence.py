@@ -17,6 +17,9 @@ own interruption rate, re-evaluated as the run goes.
   interruptions: its exposure (running time in the history) plus a prior of :data:`MTBF_PRIOR_SECONDS`, over its
   interruptions plus one. Never more often than twice an upload takes.
 
+The first snapshot and the first durable save of a run pay one-time costs (page-locking host buffers on GPUs:
+seconds for a few GB; creating spare files): once a second one of the kind is measured, the first no longer counts.
+
 Explicit intervals win: a kind with an interval given by the user is not chosen.
 """
 
@@ -51,6 +54,8 @@ class Cadence:
     interruptions: int = 0
     _snapshot_costs: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=5))
     _durable_costs: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=5))
+    _snapshots_seen: int = 0
+    _durables_seen: int = 0
 
     @property
     def auto_snapshots(self) -> bool:
@@ -70,11 +75,17 @@ class Cadence:
 
     def observe_snapshot(self, cost: float, wall: float) -> None:
         """A finished snapshot: what it cost the loop (stall + background CPU) and how long its writing took."""
+        if self._snapshots_seen == 1:
+            self._snapshot_costs.clear()  # the first paid the one-time costs
         self._snapshot_costs.append((cost, wall))
+        self._snapshots_seen += 1
 
     def observe_durable(self, cost: float, wall: float) -> None:
         """A committed durable save: its cost to the loop and how long the upload took."""
+        if self._durables_seen == 1:
+            self._durable_costs.clear()  # the first paid the one-time costs
         self._durable_costs.append((cost, wall))
+        self._durables_seen += 1
 
     @property
     def measured(self) -> bool:

@@ -156,7 +156,9 @@ class SpotCheckpoint(L.Callback):
         self.storage: Optional[Storage] = None
         self.saves: list[dict[str, Any]] = []
         self._group: Optional[dist.ProcessGroup] = None
-        self._staging = Staging()
+        self._staging = Staging()  # shared with the snapshotter: one set of host buffers (pinned on GPUs)
+        self._staging_free = threading.Event()  # cleared while an upload may still read the staging buffers
+        self._staging_free.set()
         self._buffer_names: frozenset[str] = frozenset()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
@@ -451,9 +453,10 @@ class SpotCheckpoint(L.Callback):
         if self.snapshots is not None:  # the same copy is the step's snapshot: memory stays at least as new as
             self._last_snapshot_time = time.monotonic()  # storage, and the upload copies the snapshot's files
             snapshotter = self._snapshotter(trainer)
+            copy_start = time.monotonic()
             # into the snapshot's file, or into our staging (free again: the previous save is done)
-            share = snapshotter.copy(checkpoint, info["step"], staging=self._staging, now=self._buffer_names)
-            snapshotter.take(share, dict(info))
+            share = snapshotter.copy(checkpoint, info["step"], now=self._buffer_names)
+            snapshotter.take(share, dict(info), since=copy_start)
             snapshot = snapshotter.thread
             if snapshot is not None:
                 self.snapshots.pin(info["step"], rank())  # not recycled before the upload has read it
@@ -481,6 +484,7 @@ class SpotCheckpoint(L.Callback):
             now = time.perf_counter()
             timeline.add("checkpoint copy", "checkpoint", now - stall, now, step=info["step"], reason=reason)
         if background:
+            self._staging_free.clear()
             self._thread = start_background(self._write_in_background, rel, share, info, timeline, snapshot)
         else:  # e.g. before a coordinated stop exits the process: the snapshot is written too
             self._write(rel, share, info, timeline, snapshot)
@@ -513,8 +517,10 @@ class SpotCheckpoint(L.Callback):
                 thread_count=self.io_threads,
                 snapshot=from_snapshot,
                 discard=changed,
+                release=self._staging_free.set,
             )
         finally:
+            self._staging_free.set()
             if snapshot is not None and self.snapshots is not None:
                 self.snapshots.unpin(info["step"], rank())
         if timeline is not None:
@@ -595,7 +601,12 @@ class SpotCheckpoint(L.Callback):
         self._last_snapshot_time = time.monotonic()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         snapshotter, info = self._snapshotter(trainer), _host(trainer).checkpoint_info(checkpoint)
-        stall = snapshotter.take(snapshotter.copy(checkpoint, info["step"], now=self._buffer_names), info)
+        start = time.monotonic()
+        # the staging buffers are shared with the durable saves: an upload in progress may still read them (normally
+        # it has moved on to the snapshot's files by now)
+        self._staging_free.wait()
+        share = snapshotter.copy(checkpoint, info["step"], now=self._buffer_names)
+        stall = snapshotter.take(share, info, since=start)
         timeline = _timeline(trainer)
         if timeline is not None and stall:
             now = time.perf_counter()
@@ -612,6 +623,7 @@ class SpotCheckpoint(L.Callback):
                 world=trainer.world_size,
                 local_world=trainer.num_devices,
                 stage_of=_host(trainer).pipeline_layout.grid.same_state_key,
+                staging=self._staging,
             )
         return self.snapshotter
 

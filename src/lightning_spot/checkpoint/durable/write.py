@@ -15,6 +15,7 @@ import datetime
 import logging
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,13 +60,15 @@ def write_checkpoint(
     thread_count: int = 2,
     snapshot: tuple[SnapshotStore, int] | None = None,
     discard: bool = False,
+    release: Callable[[], None] | None = None,
 ) -> dict[str, Any] | None:
     """Write shards (all ranks) and commit with the manifest (first rank). Returns the manifest there.
 
     With ``snapshot`` (a store and step holding this rank's share of the same state), the share's files
     are uploaded as they are (a checkpoint of kind ``"shares"``) instead of DCP shards, when every rank's
     share was written. ``discard``: this rank's copy of the state is not that of one step (it changed while
-    being copied): no rank writes anything, and ``None`` is returned everywhere.
+    being copied): no rank writes anything, and ``None`` is returned everywhere. ``release`` is called once
+    ``payload``'s tensors are read no more (its host buffers may take the next copy).
     """
     start = time.monotonic()
     url = storage.url_of(rel)
@@ -86,6 +89,8 @@ def write_checkpoint(
         snapshot = None
     share = None
     if snapshot is not None:
+        if release is not None:
+            release()  # the snapshot's files are uploaded, not the payload's tensors
         store, step = snapshot
         digests = retry(lambda: upload_share(storage, rel, store, step, rank()), f"uploading a share to {url}")
         share = (rank(), store.read_meta(step, rank()))
@@ -95,6 +100,8 @@ def write_checkpoint(
             lambda: save_shards(url, payload.tensors, storage.options, process_group=group, thread_count=thread_count),
             f"writing the shards of {url}",
         )
+        if release is not None:
+            release()
         rng_name = rng_filename(rank())
         digests[rng_name] = storage.write_json(join(rel, rng_name), payload.rng)
     first = rank(group) == 0

@@ -70,6 +70,7 @@ class Snapshotter:
         world: int,
         local_world: int,
         stage_of: Callable[[int], int],
+        staging: Staging | None = None,
     ) -> None:
         self.store = store
         self.group = group
@@ -80,7 +81,9 @@ class Snapshotter:
         self.next_peer = (rank + local_world) % world
         self.prev_peer = (rank - local_world) % world
         self.enabled = True
-        self.staging = Staging()  # reused once the previous snapshot's thread is done with it
+        #: reused once the previous snapshot's thread is done with it; SpotCheckpoint shares its own (one set of
+        #: pinned buffers per rank on GPUs) and waits for its upload to be done with them too
+        self.staging = staging if staging is not None else Staging()
         self.taken: list[dict[str, Any]] = []  # step, stall_seconds, write_seconds, bytes, mapped
         self.thread: threading.Thread | None = None  # the newest snapshot's writer
         #: the newest copy, when it went into a mapped file: the share, its file, the copies left to the thread
@@ -129,13 +132,13 @@ class Snapshotter:
             self._copied.wait()
             self._copied = None
 
-    def take(self, checkpoint: dict[str, Any] | Payload, info: dict[str, Any]) -> float:
+    def take(self, checkpoint: dict[str, Any] | Payload, info: dict[str, Any], since: float | None = None) -> float:
         """Copy this rank's state of the step (unless given the ``Payload`` that :meth:`copy` made of it, which a
         durable checkpoint of the same step shares); write it (and the peer copy) in the background. Returns
-        the stall."""
+        the stall: from ``since`` (``time.monotonic()`` before that copy) when given."""
         if not self.enabled:
             return 0.0
-        start = time.monotonic()
+        start = time.monotonic() if since is None else since
         share = checkpoint if isinstance(checkpoint, Payload) else self.copy(checkpoint, info["step"])
         if not self.enabled:  # the first snapshot found too little memory
             return 0.0
