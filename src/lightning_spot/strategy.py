@@ -42,11 +42,10 @@ from typing_extensions import override
 from lightning_spot._dist import broadcast_object, is_initialized
 from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import flat_optimizer, payload
-from lightning_spot.checkpoint.durable.read import CheckpointError, load_checkpoint, load_snapshot, snapshot_needs
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.durable.write import write_checkpoint
-from lightning_spot.checkpoint.memory.recall import Recall
-from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotStore
+from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
+from lightning_spot.checkpoint.sources import StateSources
 from lightning_spot.data import shard_dataloader
 from lightning_spot.fault import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, JobWatch
 from lightning_spot.fault_tolerance import TorchFT, resolve_fault_tolerance
@@ -238,10 +237,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         #: time DDP's gradient all-reduce in timelines (set by ``PipelineTimeline`` before setup)
         self.trace_allreduce = False
         self.restored_manifest: Optional[dict[str, Any]] = None
-        self._storage_options: dict[str, Any] = {}
-        self._run_url: Optional[str] = None
-        self._snapshots: Optional[SnapshotStore] = None
-        self._recalled: Optional[Recall] = None
+        self.sources = StateSources()  # storage options, run directory, snapshots: where resumes read from
         #: this process's CPU thread setup (set when processes start)
         self.thread_setup: Optional[ThreadSetup] = None
         self._user_threads = threads_set_by_user()
@@ -471,7 +467,7 @@ class SpotPipelineStrategy(ParallelStrategy):
                 autocast=self.precision_plugin.forward_context,
                 cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
                 plan_places=self._plan_places(),
-                run_place=self._plan_places()[0] if self._run_url else None,
+                run_place=self._plan_places()[0] if self.sources.run_url else None,
                 measured=self._fault_tolerance is None,  # torchft's pipelines decide alone: alike, not measured
             )
         module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
@@ -697,32 +693,18 @@ class SpotPipelineStrategy(ParallelStrategy):
         """fsspec options for checkpoint URLs (``SpotCheckpoint`` hands over its own; also used by
         ``fit(ckpt_path=URL)`` and ``ModelCheckpoint``), the run directory, where plans are remembered, and
         the in-memory snapshots that ``ckpt_path="snapshot://STEP"`` resumes from."""
-        self._storage_options = dict(storage_options)
-        self._run_url = run_url
-        self._snapshots = snapshots
+        self.sources.use(storage_options, run_url, snapshots)
 
     def newest_snapshot(self) -> tuple[Optional[int], str]:
         """Collective: the newest step the surviving in-memory snapshots hold completely for this layout."""
-        self._recalled = None
-        return self._recall().newest_complete()
-
-    def _recall(self) -> Recall:
-        """What every node's snapshots hold and what every rank needs (gathered once per resume)."""
-        if self._snapshots is None:
-            raise CheckpointError(
-                "no in-memory snapshots to resume from: SpotCheckpoint(snapshot_every_n_train_steps=N)"
-            )
-        if self._recalled is None:
-            assert self.lightning_module is not None
-            needs = snapshot_needs(self.lightning_module, list(self.optimizers), self._tied_aliases())
-            self._recalled = Recall.gather(self._snapshots, needs, self._snapshots.group)
-        return self._recalled
+        assert self.lightning_module is not None
+        return self.sources.newest_snapshot(self.lightning_module, list(self.optimizers), self._tied_aliases())
 
     def _plan_places(self) -> list[PlanPlace]:
         """Where the plan of this job is remembered: its run directory (follows the job) and the local cache."""
         places = []
-        if self._run_url:
-            places.append(PlanPlace(self._run_url.rstrip("/") + "/plans", self._storage_options))
+        if self.sources.run_url:
+            places.append(PlanPlace(self.sources.run_url.rstrip("/") + "/plans", self.sources.storage_options))
         if self._profile_cache:
             places.append(PlanPlace(os.path.join(os.path.expanduser(self._profile_cache), "plans")))
         return places
@@ -748,7 +730,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         """Write a sharded checkpoint directory at ``filepath`` (any fsspec URL; what ModelCheckpoint asks for)."""
         url = self.broadcast(str(filepath))
         share = payload.split_checkpoint(checkpoint, copy=False, with_lightning=self.is_global_zero)
-        options = storage_options if storage_options is not None else self._storage_options
+        options = storage_options if storage_options is not None else self.sources.storage_options
         write_checkpoint(Storage(url, options), "", share, info=self.checkpoint_info(checkpoint))
         self.barrier("spot_pipeline.save_checkpoint")
 
@@ -765,35 +747,16 @@ class SpotPipelineStrategy(ParallelStrategy):
         started = time.monotonic()
         # with offload, weights and optimizer state are read straight into the host masters
         with self.offload.on_host(list(self.optimizers)) if self.offload is not None else nullcontext():
-            checkpoint, record, tier = self._load(url)
+            checkpoint, record, tier = self.sources.load(
+                url,
+                self.lightning_module,
+                list(self.optimizers),
+                layout=self.pipeline_layout,
+                aliases=self._tied_aliases(),
+            )
         self._engine().samples_seen = int(record.get("data", {}).get("samples_consumed") or 0)
         self.restored_manifest = {**record, "tier": tier, "restore_seconds": time.monotonic() - started}
         return checkpoint
-
-    def _load(self, url: str) -> tuple[dict[str, Any], dict[str, Any], str]:
-        assert self.lightning_module is not None
-        if url.startswith(SNAPSHOT_SCHEME):
-            tier = "memory"
-            checkpoint, record = load_snapshot(
-                self._recall(),
-                int(url[len(SNAPSHOT_SCHEME) :]),
-                self.lightning_module,
-                list(self.optimizers),
-                layout=self.pipeline_layout,
-                aliases=self._tied_aliases(),
-            )
-            self._recalled = None  # gathered for this resume only
-        else:
-            tier = "storage"
-            checkpoint, record = load_checkpoint(
-                url,
-                self._storage_options,
-                self.lightning_module,
-                list(self.optimizers),
-                layout=self.pipeline_layout,
-                aliases=self._tied_aliases(),
-            )
-        return checkpoint, record, tier
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
