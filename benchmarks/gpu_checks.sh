@@ -10,13 +10,18 @@
 # 5. a 340M-parameter GPT (d_model 1536, 12 layers, block 1024), bf16: MFU under spot_pipeline with 1 and 4
 #    micro-batches, and under plain Lightning;
 # 6. the 340M GPT with a durable checkpoint every 100 steps (5.4 GB each) and snapshots: what saving costs the loop;
-# 7. gpu_host_copy: what copying 5 GB of state to host memory costs (pinned or not, blocking or not).
+# 7. gpu_host_copy: what copying 5 GB of state to host memory costs (pinned or not, blocking or not);
+# 8. where the small GPT's steps make the host wait for the GPU, plain Lightning and spot_pipeline (the places
+#    only spot_pipeline has are the suspects for its 1.6 ms per step).
 # Each check has its own time limit; one that fails is reported and the next one runs. ONLY='regex' runs the
-# checks whose names match; PROFILE=1 also writes a cProfile of each check to OUT_DIR/NAME.prof.
+# checks whose names match; PROFILE=1 also writes a cProfile of each check. Each check's whole output lands in
+# OUT_DIR/logs.tgz (NAME.txt), the summary in OUT_DIR/gpu_checks.log.
 set -u
 out=${1:-${OUT:-/tmp}}
 mkdir -p "$out"
 log="$out/gpu_checks.log"
+logs="$out/logs" # each check's whole output, packed into logs.tgz at the end
+mkdir -p "$logs"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 root=$(mktemp -d)
@@ -26,16 +31,16 @@ check() {  # check NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
     [[ $name =~ ${ONLY:-.} ]] || return 0
-    [[ ${PROFILE:-0} == 1 && $1 == python3 ]] && set -- python3 -m cProfile -o "$out/$name.prof" "${@:2}"
+    [[ ${PROFILE:-0} == 1 && $1 == python3 ]] && set -- python3 -m cProfile -o "$logs/$name.prof" "${@:2}"
     echo "=== $name ($(date +%T))" | tee -a "$log"
     local start=$SECONDS
-    if timeout "$limit" "$@" >"$out/$name.txt" 2>&1; then
+    if timeout "$limit" "$@" >"$logs/$name.txt" 2>&1; then
         echo "=== $name: ok in $((SECONDS - start)) s" | tee -a "$log"
     else
         echo "=== $name: FAILED (exit $?) in $((SECONDS - start)) s" | tee -a "$log"
         failed=$((failed + 1))
     fi
-    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$out/$name.txt" | tail -n 12 | tee -a "$log"
+    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$logs/$name.txt" | tail -n 12 | tee -a "$log"
 }
 
 {
@@ -63,6 +68,15 @@ rm -rf "$root"/big_m4
 check big_checkpoints 240 "${big[@]}" --root "$root/big_ckpt" --microbatches 1 --max-steps 320 --checkpoint-every 100
 rm -rf "$root"/big_ckpt
 check host_copy 120 python3 benchmarks/gpu_host_copy.py
+sync=(--max-steps 30 --val-every 1000 --timeline-steps 0 --microbatches 1 --checkpoint-every 100000 --no-resume --sync-debug)
+check sync_plain 120 "${small[@]}" "${sync[@]}" --root "$root/sync_plain" --plain
+check sync_spot 120 "${small[@]}" "${sync[@]}" --root "$root/sync_spot"
+for name in sync_plain sync_spot; do # the places that synchronise (each reported once), into the log
+    [[ -f $logs/$name.txt ]] || continue
+    echo "--- $name: where the host waits for the GPU" | tee -a "$log"
+    grep -A1 "synchronizing CUDA operation" "$logs/$name.txt" | grep -v -- "^--" | head -n 60 | tee -a "$log"
+done
 rm -rf "$root"
+tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs" # few files come back from a lent machine
 echo "gpu_checks: $failed failed" | tee -a "$log"
 exit "$failed"

@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--plain", action="store_true", help="Lightning's own strategy instead: the baseline to compare with"
     )
+    p.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="warn once per code location that makes the host wait for the GPU (torch.cuda.set_sync_debug_mode)",
+    )
     return p.parse_args(argv)
 
 
@@ -68,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch_size or D * M * max(1, 24 // (D * M))
 
     from examples.gpt.train import main as train_main
+
+    if args.sync_debug:  # each place that synchronises is reported once (Python's default warning filter)
+        import warnings
+
+        warnings.simplefilter("default")
+        torch.cuda.set_sync_debug_mode("warn")
 
     train_argv = [
         "--accelerator",
