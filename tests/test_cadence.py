@@ -28,6 +28,8 @@ def test_snapshots_are_as_frequent_as_the_budget_allows() -> None:
     cadence = chosen()
     assert cadence.snapshot_every() == MIN_SECONDS  # the first one soon, to measure
     cadence.observe_snapshot(cost=0.05, wall=0.2)
+    assert cadence.snapshot_every() == MIN_SECONDS, "the second soon too: the first paid one-time costs"
+    cadence.observe_snapshot(cost=0.05, wall=0.2)
     assert cadence.snapshot_every() == pytest.approx(0.05 / SNAPSHOT_BUDGET)  # 5 s: 1% of the loop
     for cost in (0.02, 0.02, 0.02, 0.02):  # the median of the recent ones counts
         cadence.observe_snapshot(cost=cost, wall=0.2)
@@ -43,7 +45,8 @@ def test_the_first_snapshot_and_durable_save_stop_counting_once_a_second_is_meas
     the mean of the two would space snapshots 25x too far apart."""
     cadence = chosen()
     cadence.observe_snapshot(cost=4.7, wall=2.0)
-    assert cadence.snapshot_every() == pytest.approx(470.0), "one measurement: all there is"
+    assert cadence.snapshot_every() == pytest.approx(4.0), "the second soon, once the first's write is done twice over"
+    assert "the second measures again" in cadence.describe()
     cadence.observe_snapshot(cost=0.1, wall=2.0)
     assert cadence.snapshot_every() == pytest.approx(10.0)
     cadence.observe_snapshot(cost=0.3, wall=2.0)

@@ -18,7 +18,8 @@ own interruption rate, re-evaluated as the run goes.
   interruptions plus one. Never more often than twice an upload takes.
 
 The first snapshot and the first durable save of a run pay one-time costs (page-locking host buffers on GPUs:
-seconds for a few GB; creating spare files): once a second one of the kind is measured, the first no longer counts.
+seconds for a few GB; creating spare files): once a second one of the kind is measured, the first no longer counts,
+and the second snapshot is taken soon after the first (once its write is done) to measure the steady cost.
 
 Explicit intervals win: a kind with an interval given by the user is not chosen.
 """
@@ -107,6 +108,8 @@ class Cadence:
             return None
         if not self._snapshot_costs:
             return MIN_SECONDS  # the first one is taken soon, to measure
+        if self._snapshots_seen == 1:  # the first paid one-time costs: the second, soon, measures the steady cost
+            return max(MIN_SECONDS, 2 * self._snapshot_costs[0][1])
         cost, wall = _median(self._snapshot_costs)
         return max(MIN_SECONDS, cost / SNAPSHOT_BUDGET, 2 * wall)
 
@@ -132,11 +135,12 @@ class Cadence:
         snap = self.snapshot_every()
         if self.auto_snapshots and snap is not None:
             cost = _median(self._snapshot_costs)[0] if self._snapshot_costs else None
-            why = (
-                f"a snapshot costs the loop {1000 * cost:.1f} ms, budget {100 * SNAPSHOT_BUDGET:g}% of its time"
-                if cost is not None
-                else "the first one, to measure its cost"
-            )
+            if cost is None:
+                why = "the first one, to measure its cost"
+            elif self._snapshots_seen == 1:
+                why = f"the first cost the loop {1000 * cost:.1f} ms with its one-time setup: the second measures again"
+            else:
+                why = f"a snapshot costs the loop {1000 * cost:.1f} ms, budget {100 * SNAPSHOT_BUDGET:g}% of its time"
             parts.append(f"snapshots every {snap:.1f}s ({why})")
         durable = self.durable_every()
         if self.auto_durable and durable is not None:
