@@ -42,6 +42,32 @@ DURABLE_COST_PRIOR = 1.0
 MIN_SECONDS, MAX_DURABLE_SECONDS = 1.0, 3600.0
 
 
+class _Costs:
+    """The last few measurements (cost, wall) of one kind; the run's first makes way for the second (it paid the
+    one-time costs)."""
+
+    def __init__(self) -> None:
+        self._recent: deque[tuple[float, float]] = deque(maxlen=5)
+        self._seen = 0
+
+    def add(self, cost: float, wall: float) -> None:
+        if self._seen == 1:
+            self._recent.clear()
+        self._recent.append((cost, wall))
+        self._seen += 1
+
+    @property
+    def first_only(self) -> bool:
+        """Whether the one measurement is the run's first."""
+        return self._seen == 1
+
+    def __bool__(self) -> bool:
+        return bool(self._recent)
+
+    def median(self) -> tuple[float, float]:
+        return statistics.median(p[0] for p in self._recent), statistics.median(p[1] for p in self._recent)
+
+
 @dataclass
 class Cadence:
     """The snapshot and durable-save intervals of a run: the user's, or chosen (see the module docstring)."""
@@ -53,10 +79,8 @@ class Cadence:
     snapshots: bool
     exposure_seconds: float = 0.0
     interruptions: int = 0
-    _snapshot_costs: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=5))
-    _durable_costs: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=5))
-    _snapshots_seen: int = 0
-    _durables_seen: int = 0
+    _snapshot_costs: _Costs = field(default_factory=_Costs)
+    _durable_costs: _Costs = field(default_factory=_Costs)
 
     @property
     def auto_snapshots(self) -> bool:
@@ -76,17 +100,11 @@ class Cadence:
 
     def observe_snapshot(self, cost: float, wall: float) -> None:
         """A finished snapshot: what it cost the loop (stall + background CPU) and how long its writing took."""
-        if self._snapshots_seen == 1:
-            self._snapshot_costs.clear()  # the first paid the one-time costs
-        self._snapshot_costs.append((cost, wall))
-        self._snapshots_seen += 1
+        self._snapshot_costs.add(cost, wall)
 
     def observe_durable(self, cost: float, wall: float) -> None:
         """A committed durable save: its cost to the loop and how long the upload took."""
-        if self._durables_seen == 1:
-            self._durable_costs.clear()  # the first paid the one-time costs
-        self._durable_costs.append((cost, wall))
-        self._durables_seen += 1
+        self._durable_costs.add(cost, wall)
 
     @property
     def measured(self) -> bool:
@@ -108,16 +126,16 @@ class Cadence:
             return None
         if not self._snapshot_costs:
             return MIN_SECONDS  # the first one is taken soon, to measure
-        if self._snapshots_seen == 1:  # the first paid one-time costs: the second, soon, measures the steady cost
-            return max(MIN_SECONDS, 2 * self._snapshot_costs[0][1])
-        cost, wall = _median(self._snapshot_costs)
+        if self._snapshot_costs.first_only:  # it paid one-time costs: the second, soon, measures the steady cost
+            return max(MIN_SECONDS, 2 * self._snapshot_costs.median()[1])
+        cost, wall = self._snapshot_costs.median()
         return max(MIN_SECONDS, cost / SNAPSHOT_BUDGET, 2 * wall)
 
     def durable_cost(self) -> float:
         if self._durable_costs:
-            return _median(self._durable_costs)[0]
+            return self._durable_costs.median()[0]
         if self._snapshot_costs:  # a durable save from snapshots costs at least a snapshot
-            return _median(self._snapshot_costs)[0]
+            return self._snapshot_costs.median()[0]
         return DURABLE_COST_PRIOR
 
     def durable_every(self) -> float | None:
@@ -126,7 +144,7 @@ class Cadence:
         if not self.auto_durable:
             return None
         young_daly = math.sqrt(2 * self.durable_cost() * self.mtbf_seconds)
-        wall = _median(self._durable_costs)[1] if self._durable_costs else 0.0
+        wall = self._durable_costs.median()[1] if self._durable_costs else 0.0
         return min(MAX_DURABLE_SECONDS, max(MIN_SECONDS, young_daly, 2 * wall))
 
     def describe(self) -> str:
@@ -134,10 +152,10 @@ class Cadence:
         parts = []
         snap = self.snapshot_every()
         if self.auto_snapshots and snap is not None:
-            cost = _median(self._snapshot_costs)[0] if self._snapshot_costs else None
+            cost = self._snapshot_costs.median()[0] if self._snapshot_costs else None
             if cost is None:
                 why = "the first one, to measure its cost"
-            elif self._snapshots_seen == 1:
+            elif self._snapshot_costs.first_only:
                 why = f"the first cost the loop {1000 * cost:.1f} ms with its one-time setup: the second measures again"
             else:
                 why = f"a snapshot costs the loop {1000 * cost:.1f} ms, budget {100 * SNAPSHOT_BUDGET:g}% of its time"
@@ -164,7 +182,3 @@ class Cadence:
             "mtbf_seconds": round(self.mtbf_seconds, 1),
             "interruptions": self.interruptions,
         }
-
-
-def _median(pairs: deque[tuple[float, float]]) -> tuple[float, float]:
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)

@@ -92,12 +92,10 @@ class Snapshotter:
         self.defer = True  # copy parameters and optimizer state in the background (off after a change is seen)
         self._warned = False
 
-    def copy(
-        self, checkpoint: dict[str, Any], step: int, staging: Staging | None = None, now: frozenset[str] = frozenset()
-    ) -> Payload:
+    def copy(self, checkpoint: dict[str, Any], step: int, now: frozenset[str] = frozenset()) -> Payload:
         """This rank's share of a Lightning checkpoint dict, its tensors copied: into the file of the snapshot
         of ``step`` when a mapped spare is ready (the model tensors named in ``now`` here, the rest by the
-        background thread of :meth:`take`), else into ``staging`` (the snapshotter's own by default)."""
+        background thread of :meth:`take`), else into the staging buffers."""
         self.wait()  # the previous snapshot's thread is done with its files and buffers
         share = split_checkpoint(checkpoint, copy=False, with_lightning=True)
         if not self.taken:
@@ -108,9 +106,8 @@ class Snapshotter:
         if self.enabled and on_cpu:
             staged = self.store.stage(step, self.rank, tensorfile.layout(share.tensors))
         if staged is None:
-            staging = staging or self.staging
             share.tensors = {
-                g: {n: staging.copy(g, n, t) for n, t in named.items()} for g, named in share.tensors.items()
+                g: {n: self.staging.copy(g, n, t) for n, t in named.items()} for g, named in share.tensors.items()
             }
             return share
         pending: list[Copy] = []
