@@ -12,7 +12,8 @@
 # 6. the 340M GPT with a durable checkpoint every 100 steps (5.4 GB each) and snapshots: what saving costs the loop;
 # 7. gpu_host_copy: what copying 5 GB of state to host memory costs (pinned or not, blocking or not);
 # 8. where the small GPT's steps make the host wait for the GPU, plain Lightning and spot_pipeline (the places
-#    only spot_pipeline has are the suspects for its 1.6 ms per step).
+#    only spot_pipeline has are the suspects for its 1.6 ms per step);
+# 9. a Hugging Face Llama from transformers (below).
 # Each check has its own time limit; one that fails is reported and the next one runs. ONLY='regex' runs the
 # checks whose names match; PROFILE=1 also writes a cProfile of each check. Each check's whole output lands in
 # OUT_DIR/logs.tgz (NAME.txt), the summary in OUT_DIR/gpu_checks.log.
@@ -40,7 +41,7 @@ check() {  # check NAME SECONDS COMMAND...
         echo "=== $name: FAILED (exit $?) in $((SECONDS - start)) s" | tee -a "$log"
         failed=$((failed + 1))
     fi
-    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$logs/$name.txt" | tail -n 12 | tee -a "$log"
+    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|resuming from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$logs/$name.txt" | tail -n 12 | tee -a "$log"
 }
 
 {
@@ -76,6 +77,18 @@ for name in sync_plain sync_spot; do # the places that synchronise (each reporte
     echo "--- $name: where the host waits for the GPU" | tee -a "$log"
     grep -A1 "synchronizing CUDA operation" "$logs/$name.txt" | grep -v -- "^--" | head -n 60 | tee -a "$log"
 done
+# 9. a Hugging Face Llama (tied embeddings, ~200M parameters, random init) through examples/hf_llama: trains bf16 on
+#    CUDA, saves, and resumes from its own checkpoint. transformers comes from .whl/hf when the image lacks it.
+hf_path=
+if ! python3 -c "import transformers" 2>/dev/null && compgen -G ".whl/hf/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$root/hf" .whl/hf/*.whl &&
+        hf_path="$root/hf"
+fi
+hf=(env PYTHONPATH="$PYTHONPATH${hf_path:+:$hf_path}" python3 examples/hf_llama/train.py --accelerator gpu --devices 1
+    --pipeline-stages 1 --microbatches 2 --precision bf16-mixed --hidden-size 1024 --layers 12 --heads 16
+    --block-size 512 --batch-size 16 --val-every 1000 --root "$root/hf_llama")
+check hf_llama 180 "${hf[@]}" --max-steps 40 --checkpoint-every 20
+check hf_llama_resume 120 "${hf[@]}" --max-steps 60 --checkpoint-every 20
 rm -rf "$root"
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs" # few files come back from a lent machine
 echo "gpu_checks: $failed failed" | tee -a "$log"
