@@ -17,6 +17,7 @@ from lightning_spot.checkpoint.cadence import (
 )
 from lightning_spot.checkpoint.durable.journal import RUNNING_GAP_SECONDS, interruption_history
 from lightning_spot.checkpoint.durable.storage import Storage
+from lightning_spot.checkpoint.loop_cost import LoopSteps
 
 
 def chosen(**kwargs: object) -> Cadence:
@@ -164,3 +165,33 @@ def test_every_rank_takes_the_smallest_proposal() -> None:
     fast.agreed(agreed)
     slow.agreed(agreed)
     assert fast.every == slow.every == 2
+
+
+def _loop(durations: list[float]) -> LoopSteps:
+    """The loop's steps back to back from t=0, each ``durations[i]`` long, with 1 ms of our hook between them."""
+    loop, t = LoopSteps(), 0.0
+    for d in durations:
+        loop.back_to_training(t)
+        loop.step_ended(t + d)
+        t += d + 0.001
+    return loop
+
+
+def test_a_background_write_costs_the_loop_what_the_steps_it_overlaps_take_beyond_the_usual() -> None:
+    # 20 steps of 100 ms, then 10 of 110 ms while the write runs (t = 2.02 .. 3.13): 10 ms x 10 steps
+    loop = _loop([0.1] * 20 + [0.11] * 10 + [0.1] * 5)
+    assert loop.cost(2.02, 3.13) == pytest.approx(0.1, rel=0.02)
+    # a write the loop did not notice costs nothing, however much CPU it took (a GPU host with cores to spare)
+    assert _loop([0.1] * 35).cost(2.02, 3.13) == pytest.approx(0.0, abs=1e-9)
+    # one slow step among the overlapped ones (a validation run) does not count for all of them
+    assert _loop([0.1] * 20 + [0.1] * 4 + [2.0] + [0.1] * 5).cost(2.02, 5.0) == pytest.approx(0.0, abs=1e-9)
+    # written within SpotCheckpoint's own hook (no step overlaps it): its stall is all it cost
+    assert _loop([0.1] * 20).cost(1.9995, 1.9998) == 0.0
+
+
+def test_a_write_without_clean_steps_before_it_is_not_measured_on_the_steps() -> None:
+    assert _loop([0.1] * 2 + [0.2] * 5).cost(0.21, 0.9) is None  # two steps before it: no baseline
+    loop = _loop([0.1] * 20 + [0.11] * 10)
+    # an earlier write still running since t=0.15 overlapped all but the first step: no usual steps to compare with
+    assert loop.cost(2.02, 3.13, running=[0.15]) is None
+    assert loop.cost(2.02, 3.13) == pytest.approx(0.1, rel=0.02)

@@ -9,9 +9,10 @@ own interruption rate, re-evaluated as the run goes.
     cadence.snapshot_every()   # seconds between snapshots (None: by steps, or no snapshots)
     cadence.durable_every()    # seconds between durable saves (None: by steps only)
 
-* **Snapshots** cost the training loop their copy (the training thread's stall) and their background work
-  (CPU); they are taken as often as :data:`SNAPSHOT_BUDGET` of the loop time allows: every ``cost / budget``
-  seconds, and never more often than twice their background write takes.
+* **Snapshots** cost the training loop their copy (the training thread's stall) and what their background write
+  slows the steps it overlaps (:mod:`~lightning_spot.checkpoint.loop_cost`); they are taken as often as
+  :data:`SNAPSHOT_BUDGET` of the loop time allows: every ``cost / budget`` seconds, and never more often than twice
+  their background write takes.
 * **Durable saves** are taken at the Young-Daly interval ``sqrt(2 x cost x MTBF)`` (Young 1974, Daly 2006: the
   interval that minimises checkpoint cost plus expected lost work), where MTBF is the run's mean time between
   interruptions: its exposure (running time in the history) plus a prior of :data:`MTBF_PRIOR_SECONDS`, over its
@@ -99,7 +100,7 @@ class Cadence:
         self.exposure_seconds, self.interruptions = exposure_seconds, interruptions
 
     def observe_snapshot(self, cost: float, wall: float) -> None:
-        """A finished snapshot: what it cost the loop (stall + background CPU) and how long its writing took."""
+        """A finished snapshot: what it cost the loop (stall + slower steps) and how long its writing took."""
         self._snapshot_costs.add(cost, wall)
 
     def observe_durable(self, cost: float, wall: float) -> None:

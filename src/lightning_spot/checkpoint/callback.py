@@ -38,6 +38,7 @@ from lightning_spot.checkpoint.durable.shares import clear_spares, recycle
 from lightning_spot.checkpoint.durable.storage import Storage, StorageError, step_dirname, step_of
 from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
+from lightning_spot.checkpoint.loop_cost import LoopSteps
 from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotError, SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import split_checkpoint
@@ -164,6 +165,7 @@ class SpotCheckpoint(L.Callback):
         self._error: Optional[BaseException] = None
         self._last_step = -1
         self._checked_step = -1
+        self._loop = LoopSteps()  # the loop's step times: what background writes cost it
         #: the step's agreement, posted at its start (see :meth:`_post_agreement`) on the boundaries of the cadence
         self._agreement: Optional[PostedMax] = None
         self._agreement_cadence = AgreementCadence()
@@ -319,6 +321,7 @@ class SpotCheckpoint(L.Callback):
         # a forward may change buffers: snapshots copy them at once, the rest before the next optimizer step
         self._buffer_names = frozenset(name for name, _ in pl_module.named_buffers())
         self._last_step = self._checked_step = trainer.global_step
+        self._loop = LoopSteps()
         self._agreement, self._agreement_cadence = None, AgreementCadence()
         if self.watcher is not None:
             self.watcher.start()
@@ -379,6 +382,13 @@ class SpotCheckpoint(L.Callback):
         if step == self._checked_step:  # only at optimizer-step boundaries (not inside an accumulation window)
             return
         self._checked_step = step
+        self._loop.step_ended(time.monotonic())
+        try:
+            self._at_step_end(trainer, step)
+        finally:
+            self._loop.back_to_training(time.monotonic())
+
+    def _at_step_end(self, trainer: L.Trainer, step: int) -> None:
         self._record_progress(trainer)
         due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
         late = snap_late = False
@@ -547,13 +557,15 @@ class SpotCheckpoint(L.Callback):
         timeline: Optional[Timeline],
         snapshot: Optional[threading.Thread],
     ) -> None:
-        cpu = time.thread_time()
+        cpu, record = time.thread_time(), self.saves[-1]
+        record["write_started"] = time.monotonic()
         try:
             self._write(rel, share, info, timeline, snapshot)
         except BaseException as err:  # surfaced by wait()
             self._error = err
-        if self.saves and "write_seconds" in self.saves[-1]:
-            self.saves[-1]["cpu_seconds"] = time.thread_time() - cpu
+        if "write_seconds" in record:
+            record["write_ended"] = time.monotonic()
+            record["cpu_seconds"] = time.thread_time() - cpu
 
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error."""
@@ -583,9 +595,9 @@ class SpotCheckpoint(L.Callback):
         )
         saves, self._saves_observed = _finished(self.saves, self._saves_observed)
         for record in snapshots:
-            self.cadence.observe_snapshot(record["stall_seconds"] + record["cpu_seconds"], record["write_seconds"])
+            self.cadence.observe_snapshot(self._loop_cost(record), record["write_seconds"])
         for record in saves:
-            self.cadence.observe_durable(record["stall_seconds"] + record["cpu_seconds"], record["write_seconds"])
+            self.cadence.observe_durable(self._loop_cost(record), record["write_seconds"])
         if not (snapshots or saves) or not self.cadence.measured:
             return  # the intervals move only with new measurements
         chosen = self.cadence.chosen()
@@ -595,6 +607,14 @@ class SpotCheckpoint(L.Callback):
             rank_zero_info(f"SpotCheckpoint: {self.cadence.describe()}")
             if self.journal is not None:
                 self.journal.record("cadence", step=trainer.global_step, **chosen)
+
+    def _loop_cost(self, record: dict[str, Any]) -> float:
+        """What a finished snapshot or save cost the loop: its stall, plus how much the steps its background write
+        overlapped were slower than the steps before (the writer's CPU time where that cannot be measured)."""
+        others = [*(self.snapshotter.taken if self.snapshotter is not None else []), *self.saves]
+        running = [r["write_started"] for r in others if "write_started" in r and "write_ended" not in r]
+        slower = self._loop.cost(record["write_started"], record["write_ended"], running)
+        return record["stall_seconds"] + (record["cpu_seconds"] if slower is None else slower)
 
     def snapshot(self, trainer: L.Trainer) -> None:
         """Keep this rank's state of this step in host memory (written in the background; not collective)."""

@@ -191,6 +191,7 @@ class Snapshotter:
         copied: threading.Event | None,
     ) -> None:
         started, cpu = time.monotonic(), time.thread_time()
+        record["write_started"] = started  # the steps it overlaps are not a clean baseline for other writes
         try:
             changed = ""
             if name := _finish_copies(pending):
@@ -223,7 +224,8 @@ class Snapshotter:
             self.store.prune(KEEP + 1)  # leftovers no rank retires (earlier layouts, killed writers)
         if written:  # the next copy goes straight into a mapped file of this size
             self.store.prepare(self.rank, self.store.share_path(step, self.rank, TENSORS).stat().st_size)
-        record["write_seconds"] = time.monotonic() - started
+        record["write_ended"] = time.monotonic()
+        record["write_seconds"] = record["write_ended"] - started
         record["cpu_seconds"] = time.thread_time() - cpu
 
     def _drop_changed(self, step: int, staged: Any, why: str, record: dict[str, Any]) -> None:
