@@ -9,7 +9,8 @@
 # 4. the small GPT under plain Lightning and under spot_pipeline with one micro-batch: the strategy's fixed cost;
 # 5. a 340M-parameter GPT (d_model 1536, 12 layers, block 1024), bf16: MFU under spot_pipeline with 1 and 4
 #    micro-batches, and under plain Lightning;
-# 6. the 340M GPT with a durable checkpoint every 100 steps (5.4 GB each) and snapshots: what saving costs the loop;
+# 6. the 340M GPT with snapshots at the interval the cadence chooses (big_cadence), and with a durable checkpoint
+#    every 100 steps (5.4 GB each) and snapshots: what saving costs the loop;
 # 7. gpu_host_copy: what copying 5 GB of state to host memory costs (pinned or not, blocking or not);
 # 8. where the small GPT's steps make the host wait for the GPU, plain Lightning and spot_pipeline (the places
 #    only spot_pipeline has are the suspects for its 1.6 ms per step);
@@ -41,7 +42,7 @@ check() {  # check NAME SECONDS COMMAND...
         echo "=== $name: FAILED (exit $?) in $((SECONDS - start)) s" | tee -a "$log"
         failed=$((failed + 1))
     fi
-    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|resuming from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$logs/$name.txt" | tail -n 12 | tee -a "$log"
+    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|resuming from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$logs/$name.txt" | tail -n 16 | tee -a "$log"
 }
 
 {
@@ -66,6 +67,8 @@ check big_spot_m1 180 "${big[@]}" --root "$root/big_m1" --microbatches 1
 rm -rf "$root"/big_m1
 check big_spot_m4 180 "${big[@]}" --root "$root/big_m4" --microbatches 4
 rm -rf "$root"/big_m4
+check big_cadence 150 "${big[@]}" --root "$root/big_cadence" --microbatches 1 --max-steps 400
+rm -rf "$root"/big_cadence
 check big_checkpoints 240 "${big[@]}" --root "$root/big_ckpt" --microbatches 1 --max-steps 320 --checkpoint-every 100
 rm -rf "$root"/big_ckpt
 check host_copy 120 python3 benchmarks/gpu_host_copy.py

@@ -132,6 +132,14 @@ def test_async_saves_stall_training_only_briefly(morphs: dict) -> None:
         assert all(s["stall_seconds"] < 2.0 for s in saves)
 
 
+def test_the_summary_counts_the_snapshots_between_saves_and_their_stall(morphs: dict) -> None:
+    for r in morphs["results"]["P2D2-to-P1D1-snapshots-s3-phase2"]:
+        summary = r["spot"]["summary"]
+        assert summary["saves"] == 5, "durable saves at steps 4, 6, ..., 12 (each from a snapshot of its step)"
+        assert summary["snapshots"] == 4, "snapshots alone at steps 5, 7, 9, 11"
+        assert 0 < summary["snapshot_stall_seconds"] < 8.0
+
+
 @pytest.mark.parametrize("name", ["P2D2-to-P3D1-s3", "P2D2-to-P1D1-snapshots-s3"])
 def test_load_full_state_dict_and_cli(name: str, morphs: dict, uninterrupted: dict, tmp_path: Path, capsys) -> None:
     from lightning_spot import load_full_state_dict

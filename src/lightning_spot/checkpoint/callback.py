@@ -443,6 +443,12 @@ class SpotCheckpoint(L.Callback):
                 f"SpotCheckpoint: {s['saves']:.0f} checkpoints to {self.url}; training stalled {s['stall_seconds']:.2f}s "
                 f"({100 * s['stall_fraction']:.2f}% of {self._train_seconds:.1f}s); the last upload finished "
                 f"{s['final_wait_seconds']:.2f}s after training{_per_save(self.saves)}"
+                + (
+                    f"; {s['snapshots']:.0f} snapshots to host memory between saves stalled it "
+                    f"{s['snapshot_stall_seconds']:.2f}s more"
+                    if s["snapshots"]
+                    else ""
+                )
             )
 
     # -------------------------------------------------------------------- save
@@ -712,10 +718,15 @@ class SpotCheckpoint(L.Callback):
     # ----------------------------------------------------------------- figures
     def summary(self) -> dict[str, float]:
         """Checkpoint figures for this rank: saves; the stall (time the training loop was blocked by saves)
-        and its fraction of training time; the wait for the last upload after training ended."""
+        and its fraction of training time; the wait for the last upload after training ended; the snapshots taken
+        between saves and their stall."""
         stall = sum(s["stall_seconds"] for s in self.saves)
         trained = self._train_seconds or max(time.monotonic() - self._train_start, 1e-9)
+        saved = {s["step"] for s in self.saves}
+        between = [t for t in (self.snapshotter.taken if self.snapshotter else []) if t["step"] not in saved]
         return {
+            "snapshots": float(len(between)),
+            "snapshot_stall_seconds": sum(t.get("stall_seconds", 0.0) for t in between),
             "saves": float(len(self.saves)),
             "stall_seconds": stall,
             "stall_fraction": stall / trained if trained else 0.0,
