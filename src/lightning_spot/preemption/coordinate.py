@@ -35,7 +35,8 @@ class PostedMax:
     """
 
     def __init__(self, values: Sequence[float], device: torch.device) -> None:
-        self._values = torch.tensor(list(values), dtype=torch.float64, device=device)
+        # (an asynchronous copy, staged at once from pageable memory: a blocking one would wait for the device)
+        self._values = torch.tensor(list(values), dtype=torch.float64).to(device, non_blocking=True)
         self._work = dist.all_reduce(self._values, op=dist.ReduceOp.MAX, async_op=True) if world_size() > 1 else None
 
     def result(self) -> list[float]:

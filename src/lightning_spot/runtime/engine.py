@@ -356,11 +356,12 @@ class PipelineEngine:
         # losses that are means over items (tokens) count by their items: the gradients get the step's factor
         loss, factor = weights.settle(logged, self.layout.total_microbatches)
         self._pending_factor = factor * divisor
+        self.runner.warn_unweighted()
         if self.held_logs is not None:
             self.held_logs.hold(logged, global_batch, self._shown)
         else:
             replay(self.module, logged, batch_size=global_batch, device=self.ctx.device, shown=self._shown)
-        return torch.tensor(loss, device=self.ctx.device)
+        return torch.full((), loss, device=self.ctx.device)  # (a fill: no wait for the device, as a copy would)
 
     @contextlib.contextmanager
     def _streaming(self, key: tuple) -> Iterator[None]:

@@ -15,7 +15,8 @@ combined over micro-batches and replicas as a sum over items divided by the item
   label, sequence classification: one per sample), when the step returns that model's loss itself.
 
 With ``watch``, cross-entropy and NLL losses averaged over targets that hold their ``ignore_index`` are
-noticed, so that a loss averaged over a varying count that nobody declared can be warned about.
+noticed, so that a loss averaged over a varying count that nobody declared can be warned about: as a flag on the
+targets' device (reading it would make the host wait for the device; the step runner reads it once per step).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def transformers_item_count(model: nn.Module, kwargs: Mapping[str, Any]) -> Tens
         "ForVideoClassification",
     ):
         if labels.is_floating_point():  # regression or multi-label: a mean over every label value
-            return torch.tensor(labels.numel(), device=labels.device)
+            return torch.full((), labels.numel(), device=labels.device)  # (a fill: a copy would wait for the device)
         return (labels != IGNORE_INDEX).sum()
     return None
 
@@ -68,24 +69,20 @@ class _IgnoredTargets(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen = False
+        #: whether a watched loss's targets held the ignore index, on their device (``None``: no such loss)
+        self.seen: Tensor | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in self.WATCHED and not self.seen:
+        if func in self.WATCHED:
             bound = inspect.signature(func).bind(*args, **kwargs)
             target = bound.arguments.get("target")
             reduction = bound.arguments.get("reduction", "mean")
             legacy = bound.arguments.get("size_average") is not None or bound.arguments.get("reduce") is not None
             ignore = bound.arguments.get("ignore_index", IGNORE_INDEX)
-            if (
-                reduction == "mean"
-                and not legacy
-                and isinstance(target, Tensor)
-                and not target.is_floating_point()
-                and bool((target == ignore).any())
-            ):
-                self.seen = True
+            if reduction == "mean" and not legacy and isinstance(target, Tensor) and not target.is_floating_point():
+                flag = (target == ignore).any()
+                self.seen = flag if self.seen is None else self.seen | flag.to(self.seen.device)
         return func(*args, **kwargs)
 
 
@@ -96,7 +93,9 @@ class ItemCounts:
     def __init__(self, module: nn.Module) -> None:
         #: (loss, items) of every transformers model call with labels in the current micro-batch
         self.seen: list[tuple[Tensor, Tensor]] = []
-        self.ignored_targets = False
+        #: whether the micro-batch's watched losses were means over targets holding their ignore index (a flag on
+        #: the device; ``None``: none watched)
+        self.ignored_targets: Tensor | None = None
         self._collecting = False
         self._open: list[Tensor | None] = []
         modeling = sys.modules.get("transformers.modeling_utils")  # a model exists only if this was imported
@@ -123,7 +122,7 @@ class ItemCounts:
     @contextlib.contextmanager
     def micro_batch(self, watch: bool) -> Iterator[None]:
         """Collect the counts of one run of the user's step (and, with ``watch``, look for ignored targets)."""
-        self.seen, self._open, self.ignored_targets = [], [], False
+        self.seen, self._open, self.ignored_targets = [], [], None
         self._collecting = True
         mode = _IgnoredTargets() if watch else None
         try:
@@ -131,14 +130,14 @@ class ItemCounts:
                 yield
         finally:
             self._collecting = False
-            self.ignored_targets = mode is not None and mode.seen
+            self.ignored_targets = mode.seen if mode is not None else None
 
     def count_of(self, result: Any, loss: Tensor) -> Tensor | None:
         """The item count of ``loss``, returned by the step as ``result``: declared, or the count of the
         transformers model whose loss it is; ``None`` when unknown."""
         declared = result.get(NUM_ITEMS) if isinstance(result, Mapping) else None
-        if declared is not None:
-            return torch.as_tensor(declared, device=loss.device)
+        if declared is not None:  # (a number goes in an asynchronous copy: a blocking one waits for the device)
+            return torch.as_tensor(declared).to(loss.device, non_blocking=not isinstance(declared, Tensor))
         return next((count for seen, count in self.seen if seen is loss), None)
 
     def counts_by_tensor(self) -> dict[int, Tensor]:

@@ -94,6 +94,14 @@ class LogCapture:
         self.metrics.clear()
 
 
+def _float32s(xs: list[float | Tensor], device: torch.device) -> Tensor:
+    """``xs`` as float32 values on ``device`` without the host waiting for it: numbers in one asynchronous copy
+    (from pageable memory: staged at once, where a blocking copy synchronises the stream), tensors where they are."""
+    if not any(isinstance(x, Tensor) for x in xs):
+        return torch.tensor(xs, dtype=torch.float32).to(device, non_blocking=True)
+    return torch.stack([torch.as_tensor(x, dtype=torch.float32).to(device, non_blocking=True) for x in xs])
+
+
 def _reduce_fx(options: dict[str, Any]) -> str:
     fx = options.get("reduce_fx", "mean")
     name = fx if isinstance(fx, str) else getattr(fx, "__name__", "mean")
@@ -123,8 +131,9 @@ class PackedLogs:
         sums, weights, maxes, mins = [], [], [], []
         for n, fx in zip(self.names, self.fx):
             rs = by_name[n]
-            values = torch.stack([r.value for r in rs]).to(device)
-            w = torch.stack([torch.as_tensor(r.weight, dtype=torch.float32).to(device) for r in rs])
+            # (no host wait on a GPU: a copy from pageable host memory is staged at once, see _float32s)
+            values = torch.stack([r.value for r in rs]).to(device, non_blocking=True)
+            w = _float32s([r.weight for r in rs], device)
             # a weight of 0 (a loss over no items: NaN) adds nothing
             sums.append(torch.where(w > 0, values * w, 0.0).sum() if fx == "mean" else values.sum())
             weights.append(w.sum())
@@ -230,19 +239,19 @@ class LastStageShare:
         if self._known is not None:
             keys, shape = self._known
             self.flush()
-            flat = torch.zeros(len(keys) + 1, dtype=torch.float64)
             if self._rank == self.src:
+                flat = torch.zeros(len(keys) + 1, dtype=torch.float64)
                 if payload is not None and tuple(payload) == keys and _shape_of(payload) == shape:
                     flat[0] = 1.0
                     flat[1:] = torch.tensor([0.0 if v is None else float(v) for v, _ in payload.values()])
                 received = flat.tolist()
                 # the last stage does not wait for the others to take the values (the first stage may still be in
                 # the step's last backward): it goes on to its update; the sends are waited for before the next share
-                sent = flat.to(self.device)
+                sent = flat.to(self.device, non_blocking=True)  # (staged at once: no wait for the device)
                 works = [dist.isend(sent, group=self.group, group_dst=dst, tag=TAG) for dst in self._others]
                 self._sending = (works, sent)
             else:
-                flat = flat.to(self.device)
+                flat = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
                 dist.recv(flat, group=self.group, group_src=self.src, tag=TAG)
                 received = flat.tolist()
             if received[0] == 1.0:  # the values of the names and options every rank knows
@@ -281,4 +290,5 @@ def replay(
             continue
         opts.setdefault("batch_size", batch_size)
         synced = not opts.get("rank_zero_only", False)  # Lightning refuses sync_dist with rank_zero_only
-        module.log(name, torch.tensor(value, device=device), sync_dist=synced, sync_dist_group=ALREADY_REDUCED, **opts)
+        tensor = torch.full((), value, device=device)  # (a fill: torch.tensor(value, device=...) waits for the device)
+        module.log(name, tensor, sync_dist=synced, sync_dist_group=ALREADY_REDUCED, **opts)

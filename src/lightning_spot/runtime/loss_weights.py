@@ -90,12 +90,13 @@ class LossWeights:
             items = torch.stack(counts).sum()
         else:
             total = torch.stack([loss * samples for loss, _, samples in parts]).sum()
-            items = torch.tensor(float(sum(samples for _, _, samples in parts)), device=total.device)
+            items = torch.full((), float(sum(samples for _, _, samples in parts)), device=total.device)
+        # (fills: a copy of a number to a GPU, as torch.tensor(number, device=...) makes, waits for the device)
         return [
             LogRecord(LOSS, total, 1.0, _SUM),
             LogRecord(ITEMS, items, 1.0, _SUM),
-            LogRecord(WEIGHTED, torch.tensor(float(with_counts), device=total.device), 1.0, _SUM),
-            LogRecord(REFERENCE, torch.tensor(self._reference_share(), device=total.device), 1.0, _SUM),
+            LogRecord(WEIGHTED, torch.full((), float(with_counts), device=total.device), 1.0, _SUM),
+            LogRecord(REFERENCE, torch.full((), self._reference_share(), device=total.device), 1.0, _SUM),
         ]
 
     def _reference_share(self) -> float:

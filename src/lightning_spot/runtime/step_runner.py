@@ -127,6 +127,9 @@ class StepRunner:
         self.scale_divisor = 1
         self._train_steps = 0
         self._warned_unweighted = False
+        #: (watched steps) whether a loss given without an item count was a mean over targets holding an ignore
+        #: index: a flag on the device, read once after the step (:meth:`warn_unweighted`), not per micro-batch
+        self._ignored: Tensor | None = None
         #: the micro-batch the stage about to run works on (set by the stage), and the step's micro-batches
         self.chunk = 0
         self.microbatches = 1
@@ -247,6 +250,14 @@ class StepRunner:
             )
         return self._consume(result, idx, first_record)
 
+    def warn_unweighted(self) -> None:
+        """(After a training step, once its logged values are read: the device has little left to wait for) warn,
+        once, if a loss given without an item count was a mean over targets that hold an ignore index."""
+        flag, self._ignored = self._ignored, None
+        if flag is not None and not self._warned_unweighted and bool(flag):
+            self._warned_unweighted = True
+            warnings.warn(UNWEIGHTED_MEAN, UserWarning, stacklevel=1)
+
     def _saving(self) -> Any:
         """Where autograd keeps what the forward saves: host memory when activations are offloaded (training)."""
         if self.activation_offload is None or self.mode != "train" or self._inferring:
@@ -293,9 +304,8 @@ class StepRunner:
             count = self.items.count_of(result, loss)
             if count is not None:
                 counts[id(loss)] = count
-            elif self.items.ignored_targets and not self._warned_unweighted:
-                self._warned_unweighted = True
-                warnings.warn(UNWEIGHTED_MEAN, UserWarning, stacklevel=1)
+            elif (flag := self.items.ignored_targets) is not None:
+                self._ignored = flag if self._ignored is None else self._ignored | flag.to(self._ignored.device)
             self.capture.weigh(first_record, counts)
             backed = self.loss_weights.add(loss, count, int(idx.numel()))
             if self.scaler is not None:  # fp16: one scale everywhere; per-sample gradients as large as on one
