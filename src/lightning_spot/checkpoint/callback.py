@@ -374,8 +374,9 @@ class SpotCheckpoint(L.Callback):
             return None
         now = time.monotonic()
         notice = self.watcher.notice if self.watcher is not None else None
+        writing = self.snapshotter is not None and self.snapshotter.writing
         values = [notice is not None, now - self._last_snapshot_time, snap_every or 0.0, now - self._last_time]
-        return self._agreement_cadence.post([*values, durable_every or 0.0], trainer.strategy.root_device)
+        return self._agreement_cadence.post([*values, durable_every or 0.0, writing], trainer.strategy.root_device)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -396,9 +397,10 @@ class SpotCheckpoint(L.Callback):
         agreement, self._agreement = self._agreement, None
         if agreement is not None:
             notice = self.watcher.notice if self.watcher is not None else None
-            seen, snap_elapsed, snap_every, elapsed, durable_every = self._agreement_cadence.read(agreement)
+            seen, snap_elapsed, snap_every, elapsed, durable_every, writing = self._agreement_cadence.read(agreement)
             late = durable_every > 0 and elapsed >= durable_every
-            snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every
+            # a snapshot by the clock waits until no rank is still writing the previous one (its copy would wait)
+            snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every and not writing
             if seen:
                 stop_for_preemption(
                     notice,

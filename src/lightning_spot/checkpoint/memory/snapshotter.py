@@ -260,6 +260,11 @@ class Snapshotter:
                 self._warned = True
             return False
 
+    @property
+    def writing(self) -> bool:
+        """Whether the newest snapshot is still being written (a copy now would wait for it)."""
+        return self.thread is not None and self.thread.is_alive()
+
     def wait(self) -> None:
         self.wait_copied()
         if self.thread is not None:
