@@ -252,3 +252,4 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
     summary = spot.summary()
     assert summary["snapshots"] >= 2, "snapshots were taken, each once the previous one was written"
     assert summary["snapshot_stall_seconds"] < 0.25, "no snapshot's copy waited for the previous write"
+    assert summary["snapshot_wait_seconds"] < 0.1

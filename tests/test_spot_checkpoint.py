@@ -138,6 +138,7 @@ def test_the_summary_counts_the_snapshots_between_saves_and_their_stall(morphs: 
         assert summary["saves"] == 5, "durable saves at steps 4, 6, ..., 12 (each from a snapshot of its step)"
         assert summary["snapshots"] == 4, "snapshots alone at steps 5, 7, 9, 11"
         assert 0 < summary["snapshot_stall_seconds"] < 8.0
+        assert 0 <= summary["snapshot_wait_seconds"] <= summary["snapshot_stall_seconds"]
 
 
 @pytest.mark.parametrize("name", ["P2D2-to-P3D1-s3", "P2D2-to-P1D1-snapshots-s3"])

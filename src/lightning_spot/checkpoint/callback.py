@@ -447,7 +447,8 @@ class SpotCheckpoint(L.Callback):
                 f"{s['final_wait_seconds']:.2f}s after training{_per_save(self.saves)}"
                 + (
                     f"; {s['snapshots']:.0f} snapshots to host memory between saves stalled it "
-                    f"{s['snapshot_stall_seconds']:.2f}s more"
+                    f"{s['snapshot_stall_seconds']:.2f}s more ({s['snapshot_wait_seconds']:.2f}s of it waiting for the "
+                    "previous snapshot's write)"
                     if s["snapshots"]
                     else ""
                 )
@@ -729,6 +730,7 @@ class SpotCheckpoint(L.Callback):
         return {
             "snapshots": float(len(between)),
             "snapshot_stall_seconds": sum(t.get("stall_seconds", 0.0) for t in between),
+            "snapshot_wait_seconds": sum(t.get("waited_seconds", 0.0) for t in between),
             "saves": float(len(self.saves)),
             "stall_seconds": stall,
             "stall_fraction": stall / trained if trained else 0.0,

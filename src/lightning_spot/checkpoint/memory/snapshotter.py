@@ -89,6 +89,7 @@ class Snapshotter:
         #: the newest copy, when it went into a mapped file: the share, its file, the copies left to the thread
         self._staged: tuple[Payload, Staged, list[Copy]] | None = None
         self._copied: threading.Event | None = None  # set once the background thread has made them
+        self._waited = 0.0  # how long the newest copy waited for the previous snapshot's thread
         self.defer = True  # copy parameters and optimizer state in the background (off after a change is seen)
         self._warned = False
 
@@ -96,7 +97,9 @@ class Snapshotter:
         """This rank's share of a Lightning checkpoint dict, its tensors copied: into the file of the snapshot
         of ``step`` when a mapped spare is ready (the model tensors named in ``now`` here, the rest by the
         background thread of :meth:`take`), else into the staging buffers."""
+        waiting = time.monotonic()
         self.wait()  # the previous snapshot's thread is done with its files and buffers
+        self._waited = time.monotonic() - waiting
         share = split_checkpoint(checkpoint, copy=False, with_lightning=True)
         if not self.taken:
             self._check_room(share.nbytes)
@@ -153,6 +156,7 @@ class Snapshotter:
         state = {"rng": share.rng, "optimizer_values": share.optimizer_values, "lightning": share.lightning}
         state["info"] = info
         record: dict[str, Any] = {"step": info["step"], "bytes": share.nbytes, "mapped": staged is not None}
+        record["waited_seconds"], self._waited = self._waited, 0.0  # (part of the stall) for the previous write
         self.taken.append(record)
         self.thread = start_background(
             self._write, info["step"], staged or share.tensors, meta, state, record, pending, self._copied
