@@ -81,7 +81,9 @@ for name in sync_plain sync_spot; do # the places that synchronise (each reporte
     grep -A1 "synchronizing CUDA operation" "$logs/$name.txt" | grep -v -- "^--" | head -n 60 | tee -a "$log"
 done
 # 9. a Hugging Face Llama (tied embeddings, ~200M parameters, random init) through examples/hf_llama: trains bf16 on
-#    CUDA, saves, and resumes from its own checkpoint. transformers comes from .whl/hf when the image lacks it.
+#    CUDA, saves, and resumes from its own checkpoint. transformers comes from .whl/hf when the image lacks it
+#    (`pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl/hf
+#    transformers==5.25.0`, then drop the numpy, fsspec and typing_extensions wheels the image has).
 hf_path=
 if ! python3 -c "import transformers" 2>/dev/null && compgen -G ".whl/hf/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$root/hf" .whl/hf/*.whl &&
