@@ -457,6 +457,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         split = previous.split if previous is not None else self._split(module, sample)
         choice = module.__dict__.get("_spot_layout_choice") if previous is not None else None
         if choice is None:
+            places = self._plan_places()
             choice = choose_layout(
                 module,
                 split,
@@ -466,8 +467,8 @@ class SpotPipelineStrategy(ParallelStrategy):
                 device=self.root_device,
                 autocast=self.precision_plugin.forward_context,
                 cache_dir=Path(os.path.expanduser(self._profile_cache)) if self._profile_cache else None,
-                plan_places=self._plan_places(),
-                run_place=self._plan_places()[0] if self.sources.run_url else None,
+                plan_places=places,
+                run_place=places[0] if self.sources.run_url else None,
                 measured=self._fault_tolerance is None,  # torchft's pipelines decide alone: alike, not measured
             )
         module.__dict__["_spot_layout_choice"] = self.layout_choice = choice
