@@ -620,8 +620,11 @@ class SpotCheckpoint(L.Callback):
     def _loop_cost(self, record: dict[str, Any]) -> float:
         """What a finished snapshot or save cost the loop: its stall, plus how much the steps its background write
         overlapped were slower than the steps before (the writer's CPU time where that cannot be measured)."""
-        others = [*(self.snapshotter.taken if self.snapshotter is not None else []), *self.saves]
-        running = [r["write_started"] for r in others if "write_started" in r and "write_ended" not in r]
+        running = []  # the writes still going on (at most one of each kind): their steps are not the usual ones
+        if self.snapshotter is not None and self.snapshotter.writing:
+            running.append(self.snapshotter.taken[-1].get("write_started", time.monotonic()))
+        if self._thread is not None and self._thread.is_alive():
+            running.append(self.saves[-1].get("write_started", time.monotonic()))
         slower = self._loop.cost(record["write_started"], record["write_ended"], running)
         return record["stall_seconds"] + (record["cpu_seconds"] if slower is None else slower)
 

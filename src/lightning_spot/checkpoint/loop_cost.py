@@ -19,8 +19,9 @@ import statistics
 from collections import deque
 from collections.abc import Iterable
 
-#: steps before a write that make its baseline (the most recent clean ones), and the fewest that do
-BASELINE_STEPS, MIN_BASELINE_STEPS = 32, 3
+#: steps before a write that make its baseline (the most recent clean ones), the fewest that do, and how far back
+#: to look for them (the cost is computed on the training thread: it stays well under a millisecond)
+BASELINE_STEPS, MIN_BASELINE_STEPS, LOOK_BACK = 32, 3, 256
 
 
 class LoopSteps:
@@ -28,7 +29,7 @@ class LoopSteps:
 
     def __init__(self, keep: int = 2048) -> None:
         self._steps: deque[tuple[float, float]] = deque(maxlen=keep)
-        self._writes: deque[tuple[float, float]] = deque(maxlen=64)  # finished writes, for clean baselines
+        self._writes: deque[tuple[float, float]] = deque(maxlen=8)  # recent writes: their steps are not clean
         self._since: float | None = None
 
     def step_ended(self, now: float) -> None:
@@ -45,16 +46,26 @@ class LoopSteps:
         writes still going on (their steps are not clean either)."""
         self._writes.append((start, end))
         busy = [*self._writes, *((s, math.inf) for s in running)]
-        overlapped = [(s, e, _overlap(s, e, start, end)) for s, e in self._steps if _overlap(s, e, start, end) > 0]
+        overlapped: list[tuple[float, float]] = []  # (step's duration, its time within the write)
+        clean: list[float] = []
+        looked = 0
+        for s, e in reversed(self._steps):  # newest first: the write's steps, then the ones before it
+            if s >= end or e <= s:
+                continue
+            if e > start:
+                overlapped.append((e - s, min(e, end) - max(s, start)))
+                continue
+            looked += 1
+            if looked > LOOK_BACK or len(clean) == BASELINE_STEPS:
+                break
+            if not any(_overlap(s, e, *w) > 0 for w in busy):
+                clean.append(e - s)
         if not overlapped:
             return 0.0
-        clean = [e - s for s, e in self._steps if e <= start and not any(_overlap(s, e, *w) > 0 for w in busy)]
         if len(clean) < MIN_BASELINE_STEPS:
             return None
-        usual = statistics.median(clean[-BASELINE_STEPS:])
-        slower = statistics.median(e - s for s, e, _ in overlapped) - usual
-        steps = sum(o / (e - s) for s, e, o in overlapped)
-        return max(0.0, slower) * steps
+        slower = statistics.median(d for d, _ in overlapped) - statistics.median(clean)
+        return max(0.0, slower) * sum(o / d for d, o in overlapped)
 
 
 def _overlap(s: float, e: float, start: float, end: float) -> float:
