@@ -422,3 +422,34 @@ class Overflow(L.Callback):
         if trainer.global_step == self.step and replica == self.replica and param is not None:
             assert param.grad is not None
             param.grad.view(-1)[0] = float("inf")
+
+
+def fit_in_this_process(root: Any, model: L.LightningModule, data: Any, **trainer_kwargs: Any) -> L.Trainer:
+    """Fit ``model`` with ``spot_pipeline`` on one CPU device in the test's own process (P1xD1, quiet); the
+    environment and thread pool that the strategy sizes (``OMP_NUM_THREADS``) are restored afterwards, so later
+    tests' processes do not inherit them."""
+    import os
+
+    from lightning_spot import SpotPipelineStrategy
+
+    trainer = L.Trainer(
+        **{
+            "strategy": SpotPipelineStrategy(pipeline_stages=1),
+            "devices": 1,
+            "accelerator": "cpu",
+            "default_root_dir": root,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            **trainer_kwargs,
+        }
+    )
+    env, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        trainer.fit(model, data)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+    return trainer

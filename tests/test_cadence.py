@@ -203,14 +203,13 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
     """Snapshots due every 50 ms, each written in 0.4 s: one by the clock is postponed (by every rank alike) until
     the previous one is written; taken anyway, its copy would wait for that write on the training thread (on the
     H200, 3.8 s per snapshot of a 5.4 GB state)."""
-    import os
     import time
 
     import lightning as L
 
-    from lightning_spot import SpotCheckpoint, SpotPipelineStrategy
+    from lightning_spot import SpotCheckpoint
     from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
-    from tests.models import make_loader, make_model
+    from tests.models import fit_in_this_process, make_loader, make_model
 
     store = Snapshotter._store
 
@@ -230,25 +229,7 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
         every_n_train_steps=1000,
         preemption=False,
     )
-    trainer = L.Trainer(
-        strategy=SpotPipelineStrategy(pipeline_stages=1),
-        devices=1,
-        accelerator="cpu",
-        max_steps=40,
-        callbacks=[SlowSteps(), spot],
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    env, threads = dict(os.environ), torch.get_num_threads()
-    try:
-        trainer.fit(make_model(), make_loader())
-    finally:  # the strategy sized this process's thread pool (OMP_NUM_THREADS): later tests must not see it
-        os.environ.clear()
-        os.environ.update(env)
-        torch.set_num_threads(threads)
+    fit_in_this_process(tmp_path, make_model(), make_loader(), max_steps=40, callbacks=[SlowSteps(), spot])
     summary = spot.summary()
     assert summary["snapshots"] >= 2, "snapshots were taken, each once the previous one was written"
     assert summary["snapshot_stall_seconds"] < 0.25, "no snapshot's copy waited for the previous write"

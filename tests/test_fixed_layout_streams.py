@@ -4,7 +4,6 @@ a change."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -154,8 +153,7 @@ def test_a_fit_shuts_the_workers_of_its_stream_loaders_down(tmp_path: Path) -> N
     import lightning as L
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from lightning_spot import SpotPipelineStrategy
-    from tests.models import make_model
+    from tests.models import fit_in_this_process, make_model
 
     workers: list[Any] = []
 
@@ -164,25 +162,7 @@ def test_a_fit_shuts_the_workers_of_its_stream_loaders_down(tmp_path: Path) -> N
             workers[:] = loader._iterator._workers
 
     loader = StatefulDataLoader(StreamDataset(N), batch_size=BATCH, num_workers=2)
-    trainer = L.Trainer(
-        strategy=SpotPipelineStrategy(pipeline_stages=1),
-        devices=1,
-        accelerator="cpu",
-        max_steps=2,
-        callbacks=[SeeWorkers()],
-        default_root_dir=tmp_path,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    env, threads = dict(os.environ), torch.get_num_threads()
-    try:
-        trainer.fit(make_model(), loader)
-    finally:  # the strategy sized this process's thread pool (OMP_NUM_THREADS): later tests' processes must not see it
-        os.environ.clear()
-        os.environ.update(env)
-        torch.set_num_threads(threads)
+    fit_in_this_process(tmp_path, make_model(), loader, max_steps=2, callbacks=[SeeWorkers()])
     assert len(workers) == 2 and not any(w.is_alive() for w in workers)
     assert loader._iterator is None
 
