@@ -198,7 +198,7 @@ def test_a_write_without_clean_steps_before_it_is_not_measured_on_the_steps() ->
 
 
 def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalling_training(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Snapshots due every 50 ms, each written in 0.4 s: one by the clock is postponed (by every rank alike) until
     the previous one is written; taken anyway, its copy would wait for that write on the training thread (on the
@@ -208,6 +208,7 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
     import lightning as L
 
     from lightning_spot import SpotCheckpoint
+    from lightning_spot.checkpoint import callback as callback_module
     from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
     from tests.models import fit_in_this_process, make_loader, make_model
 
@@ -222,6 +223,7 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
             time.sleep(0.03)
 
     monkeypatch.setattr(Snapshotter, "_store", slow_store)
+    monkeypatch.setattr(callback_module, "POSTPONED_WARN_SECONDS", 0.3)
     spot = SpotCheckpoint(
         str(tmp_path / "run"),
         snapshot_dir=str(tmp_path / "shm"),
@@ -234,3 +236,5 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
     assert summary["snapshots"] >= 2, "snapshots were taken, each once the previous one was written"
     assert summary["snapshot_stall_seconds"] < 0.25, "no snapshot's copy waited for the previous write"
     assert summary["snapshot_wait_seconds"] < 0.1
+    postponed = [r.getMessage() for r in caplog.records if "still writing the previous one" in r.getMessage()]
+    assert len(postponed) == 1, "a long wait is said, once"

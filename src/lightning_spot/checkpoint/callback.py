@@ -52,6 +52,9 @@ from lightning_spot.runtime.process import process_started
 
 log = logging.getLogger(__name__)
 
+#: a snapshot postponed this long (seconds since the last one) while a rank still writes the previous one is warned of
+POSTPONED_WARN_SECONDS = 300.0
+
 
 class SpotCheckpoint(L.Callback):
     """Save sharded checkpoints to any fsspec URL and resume from the latest one, on any layout.
@@ -166,6 +169,7 @@ class SpotCheckpoint(L.Callback):
         self._last_step = -1
         self._checked_step = -1
         self._loop = LoopSteps()  # the loop's step times: what background writes cost it
+        self._warned_postponed = False
         #: the step's agreement, posted at its start (see :meth:`_post_agreement`) on the boundaries of the cadence
         self._agreement: Optional[PostedMax] = None
         self._agreement_cadence = AgreementCadence()
@@ -400,7 +404,8 @@ class SpotCheckpoint(L.Callback):
             seen, snap_elapsed, snap_every, elapsed, durable_every, writing = self._agreement_cadence.read(agreement)
             late = durable_every > 0 and elapsed >= durable_every
             # a snapshot by the clock waits until no rank is still writing the previous one (its copy would wait)
-            snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every and not writing
+            snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every
+            snap_late = snap_late and not self._postponed(bool(writing), snap_elapsed)
             if seen:
                 stop_for_preemption(
                     notice,
@@ -616,6 +621,18 @@ class SpotCheckpoint(L.Callback):
             rank_zero_info(f"SpotCheckpoint: {self.cadence.describe()}")
             if self.journal is not None:
                 self.journal.record("cadence", step=trainer.global_step, **chosen)
+
+    def _postponed(self, writing: bool, elapsed: float) -> bool:
+        """Whether a snapshot due by the clock waits for a rank still writing the previous one; says so once if the
+        wait grows long (a writer stuck, e.g. on a peer copy: the memory tier then falls behind)."""
+        if writing and elapsed >= POSTPONED_WARN_SECONDS and not self._warned_postponed:
+            self._warned_postponed = True
+            log.warning(
+                "lightning-spot: no snapshot for %.0fs: a rank is still writing the previous one (host memory, or the "
+                "copy to its peer node, is slower than the interval); the newest snapshot is that old",
+                elapsed,
+            )
+        return writing
 
     def _loop_cost(self, record: dict[str, Any]) -> float:
         """What a finished snapshot or save cost the loop: its stall, plus how much the steps its background write
