@@ -62,6 +62,11 @@ def transformers_item_count(model: nn.Module, kwargs: Mapping[str, Any]) -> Tens
     return None
 
 
+def either(flag: Tensor | None, other: Tensor) -> Tensor:
+    """``flag or other`` for boolean flags kept on the device (``None``: no flag yet), without reading either."""
+    return other if flag is None else flag | other.to(flag.device)
+
+
 class _IgnoredTargets(TorchFunctionMode):
     """Notices mean-reduced cross-entropy / NLL losses over targets that hold their ``ignore_index``."""
 
@@ -81,8 +86,7 @@ class _IgnoredTargets(TorchFunctionMode):
             legacy = bound.arguments.get("size_average") is not None or bound.arguments.get("reduce") is not None
             ignore = bound.arguments.get("ignore_index", IGNORE_INDEX)
             if reduction == "mean" and not legacy and isinstance(target, Tensor) and not target.is_floating_point():
-                flag = (target == ignore).any()
-                self.seen = flag if self.seen is None else self.seen | flag.to(self.seen.device)
+                self.seen = either(self.seen, (target == ignore).any())
         return func(*args, **kwargs)
 
 

@@ -29,7 +29,7 @@ from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import StageExit, StageProbe, StageRun, check_reproducible, running
 from lightning_spot.runtime.clock import StepClock
-from lightning_spot.runtime.item_counts import ItemCounts
+from lightning_spot.runtime.item_counts import ItemCounts, either
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.metric_bridge import MetricCalls
@@ -305,7 +305,7 @@ class StepRunner:
             if count is not None:
                 counts[id(loss)] = count
             elif (flag := self.items.ignored_targets) is not None:
-                self._ignored = flag if self._ignored is None else self._ignored | flag.to(self._ignored.device)
+                self._ignored = either(self._ignored, flag)
             self.capture.weigh(first_record, counts)
             backed = self.loss_weights.add(loss, count, int(idx.numel()))
             if self.scaler is not None:  # fp16: one scale everywhere; per-sample gradients as large as on one
