@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,3 +82,18 @@ def test_packed_logs_without_max_or_min_take_one_all_reduce() -> None:
     empty = PackedLogs([], torch.device("cpu"))
     empty.reduce(lambda tensor, op: calls.append(op))
     assert empty.values() == {} and len(calls) == 1
+
+
+def test_a_receive_posted_before_the_step_gets_the_step_s_values_and_leaves_the_pipeline_s_sends_alone(
+    tmp_path: Path,
+) -> None:
+    """The first stage posts the receive of a step's logged values before the step's schedule (the last stage's
+    send then finds it waiting); the pipeline's point-to-point tensors between the same ranks pass meanwhile, and
+    every step's values arrive in order, through a change of names and an evaluation step that posts nothing."""
+    from tests.distributed import launch
+    from tests.workers.share_values import STEPS
+
+    launch(2, ["tests/workers/share_values.py", str(tmp_path)], log_dir=tmp_path / "logs", timeout=120)
+    expected = [{name: step + i / 10 for i, name in enumerate(names)} for step, (_, names) in enumerate(STEPS)]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected  # (float64 all the way)

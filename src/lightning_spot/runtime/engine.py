@@ -335,6 +335,7 @@ class PipelineEngine:
         tracing = traced_p2p(clock.timeline) if clock.timeline is not None else contextlib.nullcontext()
         if self.cross is not None:
             self.cross.start_step(m, self.layout.total_microbatches)
+        self.share.expect()
         # fp16: a micro-batch's scaled loss is divided by the step's micro-batches, so that the backward's fp16
         # values are as large as one process's on the whole batch (the same overflows); multiplied back below
         divisor = self.runner.scale_divisor = self.layout.total_microbatches if self.runner.scaler is not None else 1

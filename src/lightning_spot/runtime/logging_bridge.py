@@ -214,6 +214,8 @@ class LastStageShare:
         self._known: tuple[tuple[str, ...], tuple[tuple[bool, dict[str, Any]], ...]] | None = None
         #: the last values this rank (the last stage) sent without waiting: the sends and their tensor
         self._sending: tuple[list[Any], Tensor] | None = None
+        #: (gloo, a rank that receives) the receive of the next values, posted before the step's schedule
+        self._expected: tuple[Any, Tensor] | None = None
         #: this rank in the pipeline group, and the ranks the last stage sends a step's values to
         self._rank = 0
         self._others: list[int] = []
@@ -226,6 +228,18 @@ class LastStageShare:
             return payload
         self.flush()
         return broadcast_object(payload, self.group, group_src=self.src)
+
+    def expect(self) -> None:
+        """(Before a training step's schedule) post the receive of the step's values on a rank that receives them,
+        so that the last stage's send finds it waiting: a receive posted only when they are needed waits for the
+        last stage's process to answer it (on two cores, for a time slice: 3.6% of a P2xD1 MLP step). Over gloo
+        only: NCCL runs a pair's operations in order, so the pipeline's own sends would queue behind it."""
+        if self._expected is not None or self._known is None or self._rank == self.src:
+            return
+        if self.group is None or dist.get_backend(self.group) != "gloo":
+            return
+        flat = torch.zeros(len(self._known[0]) + 1, dtype=torch.float64, device=self.device)
+        self._expected = (dist.irecv(flat, group=self.group, group_src=self.src, tag=TAG), flat)
 
     def logged(self, payload: dict[str, tuple[Any, dict[str, Any]]] | None) -> dict[str, tuple[Any, dict[str, Any]]]:
         """A step's logged values (name -> (value, options)) from the last stage, on every rank of the pipeline.
@@ -243,7 +257,9 @@ class LastStageShare:
                 flat = torch.zeros(len(keys) + 1, dtype=torch.float64)
                 if payload is not None and tuple(payload) == keys and _shape_of(payload) == shape:
                     flat[0] = 1.0
-                    flat[1:] = torch.tensor([0.0 if v is None else float(v) for v, _ in payload.values()])
+                    flat[1:] = torch.tensor(
+                        [0.0 if v is None else float(v) for v, _ in payload.values()], dtype=torch.float64
+                    )
                 received = flat.tolist()
                 # the last stage does not wait for the others to take the values (the first stage may still be in
                 # the step's last backward): it goes on to its update; the sends are waited for before the next share
@@ -251,8 +267,13 @@ class LastStageShare:
                 works = [dist.isend(sent, group=self.group, group_dst=dst, tag=TAG) for dst in self._others]
                 self._sending = (works, sent)
             else:
-                flat = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
-                dist.recv(flat, group=self.group, group_src=self.src, tag=TAG)
+                expected, self._expected = self._expected, None  # (the next values sent, whichever step posted it)
+                if expected is None:
+                    flat = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
+                    dist.recv(flat, group=self.group, group_src=self.src, tag=TAG)
+                else:
+                    expected[0].wait()
+                    flat = expected[1]
                 received = flat.tolist()
             if received[0] == 1.0:  # the values of the names and options every rank knows
                 return {k: (None if none else v, o) for k, v, (none, o) in zip(keys, received[1:], shape)}
