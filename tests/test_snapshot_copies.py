@@ -5,6 +5,7 @@ local directory with direct I/O. One process, no process group."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,54 @@ def test_a_snapshots_stall_counts_its_copy_when_the_copy_was_made_before_take(tm
         stall = taker.take(share, {"step": step, "layout": LAYOUT}, since=start)
         taker.wait()
         assert stall >= 0.2 and taker.taken[-1]["stall_seconds"] == stall
+
+
+def test_a_snapshot_copies_into_the_staging_buffers_only_once_the_upload_has_read_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Snapshots and durable saves share one set of host buffers. Here every copy goes into them (as on a GPU:
+    no mapped spare) and the save at step 2 is uploaded from them as DCP shards, slowly (0.6 s): the snapshot of
+    step 3 waits until the upload has read them, so the checkpoint holds step 2's weights, not step 3's."""
+    import lightning as L
+
+    from lightning_spot import SpotCheckpoint
+    from lightning_spot.checkpoint.durable import write
+    from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
+    from tests.models import fit_in_this_process, make_loader, make_model
+
+    save_shards = write.save_shards
+
+    def slow_save_shards(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.6)  # the buffers are read after this, as a slow upload reads its last shards
+        return save_shards(*args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "stage", lambda *args: None)
+    monkeypatch.setattr(SnapshotStore, "has_share", lambda *args: False)
+    monkeypatch.setattr(write, "save_shards", slow_save_shards)
+
+    class WeightsAtStep2(L.Callback):
+        def __init__(self) -> None:
+            self.weights: dict[str, torch.Tensor] = {}
+
+        def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 2:
+                self.weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    spot = SpotCheckpoint(
+        str(tmp_path / "run"),
+        snapshot_dir=str(tmp_path / "shm"),
+        snapshot_every_n_train_steps=1,
+        every_n_train_steps=2,
+        keep_last=5,
+        save_on_train_end=False,
+        preemption=False,
+    )
+    recorded = WeightsAtStep2()
+    fit_in_this_process(tmp_path, make_model(), make_loader(), max_steps=3, callbacks=[recorded, spot])
+    assert [s["step"] for s in spot.saves] == [2]
+    saved = load_full_state_dict(str(tmp_path / "run"))
+    assert recorded.weights and saved.keys() == recorded.weights.keys()
+    for name, value in recorded.weights.items():
+        assert torch.equal(saved[name], value), f"{name}: the checkpoint of step 2 holds another step's value"
+    assert spot.snapshotter is not None and spot.snapshotter.taken[-1]["step"] == 3
+    assert spot.snapshotter.taken[-1]["stall_seconds"] > 0.3, "the snapshot of step 3 waited for the upload"
