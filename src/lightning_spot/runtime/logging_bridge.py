@@ -197,6 +197,7 @@ class LastStageShare:
 
         share = LastStageShare(pp_group, last_stage_rank, device)
         obj = share(payload if holds_last_stage else None)        # the last stage's object on every rank
+        share.expect()                                            # before a training step's schedule
         logged = share.logged(values if holds_last_stage else None)   # a step's logged values (cheaper)
 
     A step's values (once their names are known) go point to point from the last stage to each other rank,
