@@ -451,6 +451,8 @@ class PipelineEngine:
     def _metric_values(self, training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:
         """The step's value of each logged ``torchmetrics.Metric`` (when logged on steps; collective over the last
         stages), with the attribute that holds it."""
+        if not self.capture.metrics:
+            return {}  # (no walk over the model's modules on every step)
         attributes = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
         values = {}
         for name, (metric, options) in sorted(self.capture.metrics.items()):
