@@ -220,9 +220,12 @@ class LastStageShare:
         #: this rank in the pipeline group, and the ranks the last stage sends a step's values to
         self._rank = 0
         self._others: list[int] = []
+        #: whether this rank receives the values and may post that receive early (gloo; see :meth:`expect`)
+        self._receives_early = False
         if pp_group is not None:
             self._rank = dist.get_rank(pp_group)
             self._others = [r for r in range(dist.get_world_size(pp_group)) if r != src_group_rank]
+            self._receives_early = self._rank != src_group_rank and dist.get_backend(pp_group) == "gloo"
 
     def __call__(self, payload: Any) -> Any:
         if self.group is None:
@@ -235,12 +238,14 @@ class LastStageShare:
         so that the last stage's send finds it waiting: a receive posted only when they are needed waits for the
         last stage's process to answer it (on two cores, for a time slice: 3.6% of a P2xD1 MLP step). Over gloo
         only: NCCL runs a pair's operations in order, so the pipeline's own sends would queue behind it."""
-        if self._expected is not None or self._known is None or self._rank == self.src:
-            return
-        if self.group is None or dist.get_backend(self.group) != "gloo":
-            return
+        if self._receives_early and self._expected is None and self._known is not None:
+            self._expected = self._post_receive()
+
+    def _post_receive(self) -> tuple[Any, Tensor]:
+        """The receive of the next values of the names every rank knows (the work and its buffer)."""
+        assert self._known is not None
         flat = torch.zeros(len(self._known[0]) + 1, dtype=torch.float64, device=self.device)
-        self._expected = (dist.irecv(flat, group=self.group, group_src=self.src, tag=TAG), flat)
+        return dist.irecv(flat, group=self.group, group_src=self.src, tag=TAG), flat
 
     def logged(self, payload: dict[str, tuple[Any, dict[str, Any]]] | None) -> dict[str, tuple[Any, dict[str, Any]]]:
         """A step's logged values (name -> (value, options)) from the last stage, on every rank of the pipeline.
@@ -268,13 +273,10 @@ class LastStageShare:
                 works = [dist.isend(sent, group=self.group, group_dst=dst, tag=TAG) for dst in self._others]
                 self._sending = (works, sent)
             else:
-                expected, self._expected = self._expected, None  # (the next values sent, whichever step posted it)
-                if expected is None:
-                    flat = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
-                    dist.recv(flat, group=self.group, group_src=self.src, tag=TAG)
-                else:
-                    expected[0].wait()
-                    flat = expected[1]
+                # posted early (the next values sent, whichever step posted it), or now
+                work, flat = self._expected or self._post_receive()
+                self._expected = None
+                work.wait()
                 received = flat.tolist()
             if received[0] == 1.0:  # the values of the names and options every rank knows
                 return {k: (None if none else v, o) for k, v, (none, o) in zip(keys, received[1:], shape)}
