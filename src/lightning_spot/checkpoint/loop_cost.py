@@ -43,7 +43,8 @@ class LoopSteps:
     def cost(self, start: float, end: float, running: Iterable[float] = ()) -> float | None:
         """Seconds the write in ``[start, end]`` cost the loop's steps (its copy on the training thread not
         included); ``None`` without enough clean steps before it to compare with. ``running``: the starts of
-        writes still going on (their steps are not clean either)."""
+        writes still going on (their steps are not clean either). The write is remembered: the steps it overlapped
+        are no baseline for the next writes (call once per finished write)."""
         self._writes.append((start, end))
         busy = [*self._writes, *((s, math.inf) for s in running)]
         overlapped: list[tuple[float, float]] = []  # (step's duration, its time within the write)
