@@ -4,7 +4,7 @@
     probes.install(strategy=True)
     ...                                 # train; the first `warmup` schedule steps are not counted
     probes.mark_end()                   # after the last measured step
-    probes.per_step()                   # {part: CPU ms per step} of this process's main thread, and its other threads
+    probes.per_step()                   # {part: CPU ms per step} of the main thread; other threads, also by name
 
 With more processes than cores (four ranks on two), a step's time follows the CPU time of all ranks
 together, so a difference of CPU time in one part shows where a slower implementation loses. The times
@@ -20,6 +20,7 @@ import functools
 import importlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 #: (label, module, attribute path, whether only the strategy has it); in the order the table shows them
@@ -69,7 +70,7 @@ class CpuProbes:
             if counts_steps:
                 self.steps += 1
                 if self.steps == self.warmup + 1:
-                    self._at_warmup = {**spent, MAIN: time.thread_time(), OTHERS: time.process_time()}
+                    self._at_warmup = {**spent, **_threads(), MAIN: time.thread_time(), OTHERS: time.process_time()}
             start = time.thread_time()
             try:
                 return fn(*args, **kwargs)
@@ -80,7 +81,13 @@ class CpuProbes:
 
     def mark_end(self) -> None:
         """The measured steps end here (called after each step: the last call counts)."""
-        self._at_end = {**self.spent, MAIN: time.thread_time(), OTHERS: time.process_time(), STEP: self.steps}
+        self._at_end = {
+            **self.spent,
+            **_threads(),
+            MAIN: time.thread_time(),
+            OTHERS: time.process_time(),
+            STEP: self.steps,
+        }
 
     def per_step(self) -> dict[str, float]:
         """CPU milliseconds per measured step, by part (empty unless steps after the warm-up were marked)."""
@@ -91,12 +98,31 @@ class CpuProbes:
         main = end[MAIN] - before[MAIN]
         out = {MAIN: main, OTHERS: end[OTHERS] - before[OTHERS] - main}
         out.update({label: end.get(label, 0.0) - before.get(label, 0.0) for label, *_ in PARTS if label in end})
+        out.update({k: end[k] - before.get(k, 0.0) for k in end if k.startswith(THREAD)})
         return {label: 1000 * seconds / steps for label, seconds in out.items()}
+
+
+THREAD = "  thread "
+
+
+def _threads() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, summed by thread name (Linux: /proc; elsewhere nothing)."""
+    out: dict[str, float] = {}
+    tasks = Path("/proc/self/task")
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            name = (task / "comm").read_text().strip()
+            nanoseconds = int((task / "schedstat").read_text().split()[0])
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        out[THREAD + name] = out.get(THREAD + name, 0.0) + nanoseconds / 1e9
+    return out
 
 
 def table(by_impl: dict[str, list[dict[str, float]]]) -> list[str]:
     """Rows of parts, a column per implementation and rank (CPU ms per step), and one with the ranks' sum."""
-    labels = [MAIN, OTHERS, *(label for label, *_ in PARTS)]
+    threads = sorted({k for ranks in by_impl.values() for parts in ranks for k in parts if k.startswith(THREAD)})
+    labels = [MAIN, OTHERS, *threads, *(label for label, *_ in PARTS)]
     columns = [(impl, rank) for impl, ranks in by_impl.items() for rank in range(len(ranks))]
     head = f"{'CPU ms per step':<32}" + "".join(f"{impl[:5]} r{rank:<3}".rjust(10) for impl, rank in columns)
     head += "".join(f"{impl[:5]} sum".rjust(11) for impl in by_impl)

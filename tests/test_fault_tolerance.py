@@ -106,7 +106,7 @@ class _TwoPipelines:
 
 def test_early_buckets_carry_the_weighted_mean_whether_sent_during_the_backward_or_after() -> None:
     """Two pipelines (threads) train 8 and 4 rows of a batch of 12 in 2 micro-batches each: one sends its buckets
-    during its backward, scaled from the sum of its micro-batch gradients; the other sends them after its step,
+    during its backward, scaled from the sum of its micro-batch gradients (of losses divided by m); the other sends them after its step,
     from its mean gradient (as on its first step, when the scale is not known yet). Both end with the gradient
     of the whole batch, and the buckets went out in the same order on both."""
     import threading
@@ -129,15 +129,14 @@ def test_early_buckets_carry_the_weighted_mean_whether_sent_during_the_backward_
             early = buckets[me] = EarlyBuckets(list(model.parameters()), allreduce=pair.allreduce(me), bucket_bytes=32)
             early.arm(2, scale)
             for half in torch.chunk(torch.arange(rows.start, rows.stop), 2):
-                torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()  # grads: the micro-batches' sum
-            for p in model.parameters():
-                p.grad /= 2  # the schedule leaves the mean over its micro-batches
+                # each micro-batch's loss divided by m (as the step runner does): grads end as their mean
+                torch.nn.functional.mse_loss(model(x[half]), y[half]).div(2).backward()
             assert early.reduce(float(rows.stop - rows.start)) == 12.0
         except Exception as err:  # (reported below, from the test's thread)
             errors.append(err)
 
     threads = [
-        threading.Thread(target=pipeline, args=("early", slice(0, 8), 8 / 2)),  # rows / m
+        threading.Thread(target=pipeline, args=("early", slice(0, 8), 8.0)),  # rows
         threading.Thread(target=pipeline, args=("after", slice(8, 12), None)),
     ]
     for t in threads:

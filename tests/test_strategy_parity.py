@@ -283,6 +283,15 @@ WORLD_3 += [
         trainer={"max_steps": 4, "gradient_clip_val": 0.05},
         expect_split=[2, 2],
     ),
+    # fp16 across pipelines of mixed depths: the schedule divides the gradients there (not the losses); SGD, which
+    # (unlike Adam) moves by the gradients' size
+    scenario(
+        "mixed-P1+P2-fp16-sgd",
+        strategy={"pipeline_stages": [1, 2], "microbatches": [2, 2]},
+        model={"optimizer": "sgd"},
+        fp16=256,
+        expect_split=[2, 2],
+    ),
 ]
 WORLD_4 += [
     scenario("mixed-P1+P3-adam", strategy={"pipeline_stages": [1, 3], "microbatches": 4}, expect_split=[1, 3]),

@@ -224,14 +224,16 @@ class ReplicaGroup:
 
     def _early_scale(self, rows: int, microbatches: int) -> float | None:
         """What an early bucket multiplies the sum of its micro-batch gradients by, so that it carries this
-        pipeline's weight times its mean gradient: ``r`` (the reference count) when the losses are weighted by
-        their items, ``rows / m`` when they are means over samples; ``None`` until a step has shown which."""
+        pipeline's weight times its mean gradient: ``r x m`` (``r``, the reference count) when the losses are
+        weighted by their items, ``rows`` when they are means over samples (each micro-batch's loss was divided by
+        ``m``: early buckets are off with fp16, see ``StepRunner.divides_losses``); ``None`` until a step has
+        shown which."""
         weights = self._loss_weights
         if weights is None or weights.items <= 0:  # no step settled yet in this process
             return None
         if weights.reference is not None:
-            return weights.reference
-        return rows / microbatches
+            return weights.reference * microbatches
+        return float(rows)
 
     def begin_step(self, batch: Any, microbatches: int, global_step: int) -> tuple[Any, int]:
         """Agree on this step's pipelines (a new quorum, unless the one of :meth:`join` is still unused) and

@@ -11,7 +11,8 @@ data-parallel group per stage. A parameter is held by one rank in every pipeline
 hold it are a function of its name, the same on every rank, so every rank can build every group
 in the same order. Gradients are reduced in flat buckets, one all-reduce per holder group and
 bucket. A pipeline running ``m`` of the step's ``M`` micro-batches contributes ``m / M`` times its
-micro-batch-averaged gradient (the sum of its micro-batches' gradients over ``M``): the result is the
+micro-batch-averaged gradient (what the backward accumulates, each micro-batch's loss being divided by ``m``;
+with fp16 their sum, which the schedule divides): the result is the
 mean over all ``M`` micro-batches, as one process training on the whole global batch gets it.
 
 **Overlap.** Like DDP, a bucket's all-reduce starts during the backward: a hook counts each parameter's
@@ -174,7 +175,7 @@ class CrossPipelineSync:
                     e.copies[0].register_post_accumulate_grad_hook(self._accumulated)
         self._counts: dict[int, int] = {}
         self._expected = 0
-        self._scale = 1.0
+        self._scale = self._finished_scale = 1.0
         self._next = 0
         self._armed = False
         #: buckets launched during the backward, over all steps so far
@@ -207,11 +208,13 @@ class CrossPipelineSync:
             t.data.copy_(synced)
 
     # ------------------------------------------------------------------------------------------- one step
-    def start_step(self, microbatches: int, total: int) -> None:
-        """Before the schedule: this pipeline runs ``microbatches`` of the step's ``total``."""
+    def start_step(self, microbatches: int, total: int, divided: bool = True) -> None:
+        """Before the schedule: this pipeline runs ``microbatches`` of the step's ``total``; ``divided``: each
+        micro-batch's loss was divided by ``microbatches`` (else the schedule divides the gradients, fp16)."""
         self._expected = microbatches
-        self._scale = 1.0 / total  # of the sum of the micro-batches' gradients, as the hook sees it
-        self._finished_scale = microbatches / total  # of their mean, as the schedule leaves it
+        # of the micro-batches' gradients as the hook sees them (their mean, or their sum), and after the schedule
+        self._scale = microbatches / total if divided else 1.0 / total
+        self._finished_scale = microbatches / total
         self._counts = dict.fromkeys(self._bucket_of, 0)
         for bucket in self.buckets:
             bucket.waiting, bucket.flat, bucket.work = len(bucket.entries), None, None
@@ -243,7 +246,7 @@ class CrossPipelineSync:
 
     @torch.no_grad()
     def finish_step(self) -> None:
-        """After the schedule (which divided each gradient by its micro-batch count) and the sum of tied copies:
+        """After the schedule (whose gradients are the mean over its micro-batches) and the sum of tied copies:
         launch what the backward did not, wait for everything, and put each sum in ``.grad``."""
         self._armed = False
         while self._next < len(self.buckets):  # the rest, in the agreed order

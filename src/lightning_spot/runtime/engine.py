@@ -278,10 +278,11 @@ class PipelineEngine:
         spec = self.spec
         if mode != "train" and not spec.is_multi_stage:
             spec = resolve_schedule("GPipe")  # forward-only: no micro-batch minimum
+        scale = not self.runner.divides_losses  # (the mean over micro-batches: 0.5 ms of a 24 ms P2xD1 MLP step)
         try:
             if spec.is_multi_stage:
-                return spec.cls(stages, n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=True)
-            return spec.cls(stages[0], n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=True)
+                return spec.cls(stages, n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=scale)
+            return spec.cls(stages[0], n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=scale)
         except ValueError as err:
             raise LayoutError(
                 f"schedule {spec.name} with {self.plan.num_stages} stages cannot run {n_microbatches} micro-batches: "
@@ -334,7 +335,7 @@ class PipelineEngine:
         start = time.perf_counter()
         tracing = traced_p2p(clock.timeline) if clock.timeline is not None else contextlib.nullcontext()
         if self.cross is not None:
-            self.cross.start_step(m, self.layout.total_microbatches)
+            self.cross.start_step(m, self.layout.total_microbatches, divided=self.runner.divides_losses)
         self.share.expect()
         # fp16: a micro-batch's scaled loss is divided by the step's micro-batches, so that the backward's fp16
         # values are as large as one process's on the whole batch (the same overflows); multiplied back below

@@ -135,6 +135,14 @@ class StepRunner:
         self.microbatches = 1
         self._rows_cache: dict[tuple[int, int, int], Tensor] = {}
 
+    @property
+    def divides_losses(self) -> bool:
+        """Whether each training micro-batch's loss is divided here by the step's micro-batch count, so that the
+        gradients the backward accumulates are already their mean (torch's ``scale_grads`` would divide every
+        gradient afterwards: a pass over the weights on the critical path). Not with fp16, whose backward keeps the
+        values of one process (the same overflows): there the schedule divides the gradients."""
+        return self.scaler is None
+
     @contextlib.contextmanager
     def inferring(self) -> Iterator[None]:
         """torch's shape inference runs a throw-away forward: mark it so no user-visible effects happen."""
@@ -310,6 +318,8 @@ class StepRunner:
             backed = self.loss_weights.add(loss, count, int(idx.numel()))
             if self.scaler is not None:  # fp16: one scale everywhere; per-sample gradients as large as on one
                 backed = self.scaler.scale(backed) / self.scale_divisor  # process (the engine multiplies back)
+            elif self.microbatches > 1:  # the step's mean over micro-batches (see divides_losses)
+                backed = backed / self.microbatches
             return backed
         self.capture.weigh(first_record, counts)
         if self.mode == "predict":
