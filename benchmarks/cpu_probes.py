@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import resource
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +42,7 @@ PARTS: list[tuple[str, str, str, bool]] = [
     ("data loading", "torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__", False),
 ]
 MAIN, OTHERS = "main thread, all", "other threads"
+WALL_SCHEDULE, WALL_BETWEEN = "wall ms: schedule (median)", "wall ms: between schedules"
 #: counts the steps: the first `warmup` calls are not measured
 STEP = "Schedule1F1B._step_microbatches"
 
@@ -51,6 +54,8 @@ class CpuProbes:
         self.steps = 0
         self._at_warmup: dict[str, float] = {}
         self._at_end: dict[str, float] = {}
+        #: wall-clock (start, end) of every measured schedule
+        self._schedules: list[tuple[float, float]] = []
 
     def install(self, strategy: bool) -> None:
         for label, module, path, strategy_only in PARTS:
@@ -71,11 +76,13 @@ class CpuProbes:
                 self.steps += 1
                 if self.steps == self.warmup + 1:
                     self._at_warmup = {**spent, **_threads(), MAIN: time.thread_time(), OTHERS: time.process_time()}
-            start = time.thread_time()
+            start, wall = time.thread_time(), time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent[label] = spent.get(label, 0.0) + time.thread_time() - start
+                if counts_steps and self.steps > self.warmup:
+                    self._schedules.append((wall, time.perf_counter()))
 
         return probed
 
@@ -99,7 +106,12 @@ class CpuProbes:
         out = {MAIN: main, OTHERS: end[OTHERS] - before[OTHERS] - main}
         out.update({label: end.get(label, 0.0) - before.get(label, 0.0) for label, *_ in PARTS if label in end})
         out.update({k: end[k] - before.get(k, 0.0) for k in end if k.startswith(THREAD)})
-        return {label: 1000 * seconds / steps for label, seconds in out.items()}
+        per_step = {label: 1000 * seconds / steps for label, seconds in out.items()}
+        runs = self._schedules
+        if len(runs) > 1:  # medians of wall-clock times (not CPU): the schedule, and from its end to the next one
+            per_step[WALL_SCHEDULE] = 1000 * statistics.median(end - start for start, end in runs)
+            per_step[WALL_BETWEEN] = 1000 * statistics.median(b[0] - a[1] for a, b in zip(runs, runs[1:]))
+        return per_step
 
 
 THREAD = "  thread "
@@ -107,7 +119,7 @@ THREAD = "  thread "
 
 def _threads() -> dict[str, float]:
     """CPU seconds of this process's threads so far, summed by thread name (Linux: /proc; elsewhere nothing)."""
-    out: dict[str, float] = {}
+    out: dict[str, float] = {THREAD + "(page faults x 1000)": resource.getrusage(resource.RUSAGE_SELF).ru_minflt / 1e6}
     tasks = Path("/proc/self/task")
     for task in tasks.iterdir() if tasks.is_dir() else ():
         try:
@@ -122,7 +134,7 @@ def _threads() -> dict[str, float]:
 def table(by_impl: dict[str, list[dict[str, float]]]) -> list[str]:
     """Rows of parts, a column per implementation and rank (CPU ms per step), and one with the ranks' sum."""
     threads = sorted({k for ranks in by_impl.values() for parts in ranks for k in parts if k.startswith(THREAD)})
-    labels = [MAIN, OTHERS, *threads, *(label for label, *_ in PARTS)]
+    labels = [MAIN, OTHERS, *threads, *(label for label, *_ in PARTS), WALL_SCHEDULE, WALL_BETWEEN]
     columns = [(impl, rank) for impl, ranks in by_impl.items() for rank in range(len(ranks))]
     head = f"{'CPU ms per step':<32}" + "".join(f"{impl[:5]} r{rank:<3}".rjust(10) for impl, rank in columns)
     head += "".join(f"{impl[:5]} sum".rjust(11) for impl in by_impl)

@@ -80,6 +80,7 @@ from lightning_spot.runtime.process import (
     threads_set_by_user,
 )
 from lightning_spot.runtime.schedules import resolve_schedule
+from lightning_spot.runtime.zero_grad import zeroed_after_step
 from lightning_spot.streaming import is_stream, stage_feed, stream_dataloader
 
 if TYPE_CHECKING:
@@ -553,7 +554,9 @@ class SpotPipelineStrategy(ParallelStrategy):
             if self.replicas is not None:  # this pipeline's rows of the global batch, among those in the quorum
                 step = self.lightning_module.global_step if self.lightning_module is not None else 0
                 batch, size = self.replicas.begin_step(batch, engine.microbatches, step)
-            return engine.train_step(batch, args[1:], kwargs, global_batch=size)
+            module = self.lightning_module
+            release = module is not None and zeroed_after_step(module.trainer, module)
+            return engine.train_step(batch, args[1:], kwargs, global_batch=size, release_grads=release)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

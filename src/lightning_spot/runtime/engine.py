@@ -318,15 +318,25 @@ class PipelineEngine:
         return [d for d in reversed(divisors(local_size)) if d <= self.microbatches] or [1]
 
     # ----------------------------------------------------------------------- steps
-    def train_step(self, batch: Any, args: tuple, kwargs: dict[str, Any], global_batch: int | None = None) -> Tensor:
+    def train_step(
+        self,
+        batch: Any,
+        args: tuple,
+        kwargs: dict[str, Any],
+        global_batch: int | None = None,
+        release_grads: bool = False,
+    ) -> Tensor:
         """Forward and backward of this replica's ``batch`` (of a global batch of ``global_batch`` samples, by
-        default what the layout makes of it); the gradients wait for :meth:`restore_grads`."""
+        default what the layout makes of it); the gradients wait for :meth:`restore_grads`. ``release_grads``: the
+        gradients ``.grad`` holds now are not read again (``runtime/zero_grad.py``): dropped before the schedule."""
         local = batch_size_of(batch)
         m = self.train_microbatches(local)
         self.last_microbatches = m
         self.last_global_batch = global_batch = global_batch or self.global_batch_of(local)
         program = self._program("train", "training_step", m, batch)
         saved = take_grads(self.params)
+        if release_grads:
+            saved = [None] * len(saved)
         losses: list[Tensor] = []  # what torch back-propagated; the losses to log are in runner.loss_weights
         idx = torch.arange(local, device=self.ctx.device)
         self.capture.clear()
