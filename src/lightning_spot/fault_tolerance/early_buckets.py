@@ -10,9 +10,10 @@ Every pipeline cuts the model the same way, so this rank's buckets (fixed at con
 order, a fixed byte size each) are the same tensors on stage k of every pipeline, and every pipeline launches them
 in the same order: bucket 0, 1, ..., the last one with the weight. A bucket goes out early, during the backward, when all its
 parameters have accumulated the step's ``m`` micro-batch gradients (a post-accumulate-grad hook counts them; each
-micro-batch's loss was divided by ``m``); it then carries ``scale`` times that sum, which the caller chooses so that it
-equals ``weight`` times this pipeline's final gradient (``samples`` for a loss averaged over samples, ``r x m`` for
-losses weighted by their items, ``r`` being their reference count). A bucket that is not complete during the backward (unused parameters, tied copies — whose gradient
+micro-batch's loss was divided by ``m``); it then carries ``scale`` times that sum, which the caller chooses so
+that it equals ``weight`` times this pipeline's final gradient (``samples`` for a loss averaged over samples,
+``r x m`` for losses weighted by their items, ``r`` being their reference count). A bucket that is not complete
+during the backward (unused parameters, tied copies — whose gradient
 is only whole after the pipeline summed its copies — or a step whose scale is not known yet, such as the first)
 carries ``weight`` times the final ``.grad`` instead, as the last bucket always does. Either way each pipeline
 contributes ``weight x its mean gradient``; the weights' sum rides in the last bucket, as one more number, and the
