@@ -43,6 +43,8 @@ PARTS: list[tuple[str, str, str, bool]] = [
 ]
 MAIN, OTHERS = "main thread, all", "other threads"
 WALL_SCHEDULE, WALL_BETWEEN = "wall ms: schedule (median)", "wall ms: between schedules"
+#: the process's minor page faults per step, in thousands (fresh pages from the allocator); CPU of a thread, by name
+FAULTS, THREAD = "page faults per step (x 1000)", "  thread "
 #: counts the steps: the first `warmup` calls are not measured
 STEP = "Schedule1F1B._step_microbatches"
 
@@ -75,7 +77,7 @@ class CpuProbes:
             if counts_steps:
                 self.steps += 1
                 if self.steps == self.warmup + 1:
-                    self._at_warmup = {**spent, **_threads(), MAIN: time.thread_time(), OTHERS: time.process_time()}
+                    self._at_warmup = {**spent, **_counters(), MAIN: time.thread_time(), OTHERS: time.process_time()}
             start, wall = time.thread_time(), time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -90,7 +92,7 @@ class CpuProbes:
         """The measured steps end here (called after each step: the last call counts)."""
         self._at_end = {
             **self.spent,
-            **_threads(),
+            **_counters(),
             MAIN: time.thread_time(),
             OTHERS: time.process_time(),
             STEP: self.steps,
@@ -105,7 +107,7 @@ class CpuProbes:
         main = end[MAIN] - before[MAIN]
         out = {MAIN: main, OTHERS: end[OTHERS] - before[OTHERS] - main}
         out.update({label: end.get(label, 0.0) - before.get(label, 0.0) for label, *_ in PARTS if label in end})
-        out.update({k: end[k] - before.get(k, 0.0) for k in end if k.startswith(THREAD)})
+        out.update({k: end[k] - before.get(k, 0.0) for k in end if k.startswith(THREAD) or k == FAULTS})
         per_step = {label: 1000 * seconds / steps for label, seconds in out.items()}
         runs = self._schedules
         if len(runs) > 1:  # medians of wall-clock times (not CPU): the schedule, and from its end to the next one
@@ -114,12 +116,10 @@ class CpuProbes:
         return per_step
 
 
-THREAD = "  thread "
-
-
-def _threads() -> dict[str, float]:
-    """CPU seconds of this process's threads so far, summed by thread name (Linux: /proc; elsewhere nothing)."""
-    out: dict[str, float] = {THREAD + "(page faults x 1000)": resource.getrusage(resource.RUSAGE_SELF).ru_minflt / 1e6}
+def _counters() -> dict[str, float]:
+    """This process's minor page faults so far (in millions: per step and x 1000 they read in thousands), and the
+    CPU seconds of its threads, summed by thread name (Linux: /proc; elsewhere no threads)."""
+    out: dict[str, float] = {FAULTS: resource.getrusage(resource.RUSAGE_SELF).ru_minflt / 1e6}
     tasks = Path("/proc/self/task")
     for task in tasks.iterdir() if tasks.is_dir() else ():
         try:
@@ -134,7 +134,7 @@ def _threads() -> dict[str, float]:
 def table(by_impl: dict[str, list[dict[str, float]]]) -> list[str]:
     """Rows of parts, a column per implementation and rank (CPU ms per step), and one with the ranks' sum."""
     threads = sorted({k for ranks in by_impl.values() for parts in ranks for k in parts if k.startswith(THREAD)})
-    labels = [MAIN, OTHERS, *threads, *(label for label, *_ in PARTS), WALL_SCHEDULE, WALL_BETWEEN]
+    labels = [MAIN, OTHERS, *threads, *(label for label, *_ in PARTS), FAULTS, WALL_SCHEDULE, WALL_BETWEEN]
     columns = [(impl, rank) for impl, ranks in by_impl.items() for rank in range(len(ranks))]
     head = f"{'CPU ms per step':<32}" + "".join(f"{impl[:5]} r{rank:<3}".rjust(10) for impl, rank in columns)
     head += "".join(f"{impl[:5]} sum".rjust(11) for impl in by_impl)
