@@ -328,6 +328,7 @@ class ReportSetup(L.Callback):
         report = {
             "threads": torch.get_num_threads(),
             "source": setup.source if setup is not None else None,
+            "host_malloc": getattr(getattr(trainer.strategy, "host_malloc", None), "applied", None),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", trainer.num_devices)),
         }

@@ -14,6 +14,7 @@ import pytest
 
 from lightning_spot.runtime.process import suggested_threads
 from tests.distributed import run_command
+from tests.test_host_malloc import GLIBC
 
 WORKER = "tests/workers/report_setup.py"
 EXE = str(Path(sys.executable).parent / "lightning-spot")
@@ -62,6 +63,7 @@ def _assert_rule(reports: list[dict]) -> None:
     assert [r["threads"] for r in reports] == [expected] * len(reports), reports
     assert {r["source"] for r in reports} == {"rule"}, reports
     assert {r["omp_num_threads"] for r in reports} == {str(expected)}, reports
+    assert {r["host_malloc"] for r in reports} == {GLIBC}, reports  # runtime.host_malloc, on every rank
 
 
 @pytest.mark.parametrize(

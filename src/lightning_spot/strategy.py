@@ -69,6 +69,7 @@ from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import global_norm_clipping
+from lightning_spot.runtime.host_malloc import MallocSetup, keep_freed_host_memory
 from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
 from lightning_spot.runtime.loss_scale import coordinated_scaler
 from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload, offload_levels
@@ -241,6 +242,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         self.sources = StateSources()  # storage options, run directory, snapshots: where resumes read from
         #: this process's CPU thread setup (set when processes start)
         self.thread_setup: Optional[ThreadSetup] = None
+        self.host_malloc: Optional[MallocSetup] = None
         self._user_threads = threads_set_by_user()
 
     # ------------------------------------------------------------------ registry
@@ -330,7 +332,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         self.thread_setup = set_up_threads(self.num_processes, self._user_threads)
-        rank_zero_info(f"spot_pipeline: {self.thread_setup.describe()}")
+        self.host_malloc = keep_freed_host_memory()
+        rank_zero_info(f"spot_pipeline: {self.thread_setup.describe()}; {self.host_malloc.describe()}")
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
