@@ -35,6 +35,7 @@ Usage::
     python benchmarks/pipeline_throughput.py --hand-data loader              # the hand loop fetches through a DataLoader
     python benchmarks/pipeline_throughput.py --model mlp --layouts P4xD1 --steps 200 --cpu-breakdown  # CPU per part and rank
     SPOT_BENCH_PROFILE=/tmp/prof python benchmarks/pipeline_throughput.py ...  # + a cProfile of every rank
+    SPOT_BENCH_PROFILE_CPU=1 SPOT_BENCH_PROFILE=/tmp/prof ...     # the same, timed in CPU time (waits are free)
 
 The workers run in the environment users have: nothing sets ``OMP_NUM_THREADS``. The strategy sizes
 its thread pools itself (``lightning_spot.runtime.process``); the hand-written loop calls
@@ -429,7 +430,9 @@ def worker() -> None:
         import cProfile
 
         Path(profile_dir).mkdir(parents=True, exist_ok=True)
-        profiler = cProfile.Profile()
+        # SPOT_BENCH_PROFILE_CPU=1: the main thread's CPU time instead of wall time (waits then cost nothing)
+        cpu = os.environ.get("SPOT_BENCH_PROFILE_CPU") == "1"
+        profiler = cProfile.Profile(time.thread_time) if cpu else cProfile.Profile()
         result = profiler.runcall(run, job)
         tag = f"{job['impl']}-P{job['P']}xD{job['D']}-rank{os.environ['RANK']}"
         profiler.dump_stats(str(Path(profile_dir) / f"{tag}.prof"))
