@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from lightning_spot.runtime import host_malloc
-from lightning_spot.runtime.host_malloc import _not_ours, keep_freed_host_memory
+from lightning_spot.runtime.host_malloc import _not_ours, is_glibc, keep_freed_host_memory
 
-GLIBC = hasattr(os, "confstr") and "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
+GLIBC = is_glibc()
 
 #: a step's pattern: twelve 1 MiB buffers written and freed, 20 times; prints the page faults of the last 10 rounds
 ROUNDS = """

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_spot.runtime.host_malloc import is_glibc
 from lightning_spot.runtime.process import suggested_threads
 from tests.distributed import run_command
-from tests.test_host_malloc import GLIBC
 
 WORKER = "tests/workers/report_setup.py"
 EXE = str(Path(sys.executable).parent / "lightning-spot")
@@ -63,7 +63,7 @@ def _assert_rule(reports: list[dict]) -> None:
     assert [r["threads"] for r in reports] == [expected] * len(reports), reports
     assert {r["source"] for r in reports} == {"rule"}, reports
     assert {r["omp_num_threads"] for r in reports} == {str(expected)}, reports
-    assert {r["host_malloc"] for r in reports} == {GLIBC}, reports  # runtime.host_malloc, on every rank
+    assert {r["host_malloc"] for r in reports} == {is_glibc()}, reports  # runtime.host_malloc, on every rank
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ buffers stay in the process: no faults per step, at the price of up to the trim 
 memory kept per heap. On GPUs the tensors live in CUDA's caching allocator; what is left (batches
 collated on the host, Python objects) gains the same way, only less.
 
-Not applied where the allocator is not glibc's (macOS, musl, jemalloc or tcmalloc through
+Not applied where the allocator is not glibc's (macOS, musl, jemalloc, tcmalloc or mimalloc through
 ``LD_PRELOAD``) or where the environment already tunes it (``MALLOC_TRIM_THRESHOLD_``,
-``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``GLIBC_TUNABLES`` with ``glibc.malloc``), nor with
-``LIGHTNING_SPOT_MALLOC=default``.
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``, ``GLIBC_TUNABLES`` with
+``glibc.malloc``), nor with ``LIGHTNING_SPOT_MALLOC=default``.
 """
 
 from __future__ import annotations
@@ -62,11 +62,17 @@ def _not_ours(env: dict[str, str]) -> str | None:
     preload = env.get("LD_PRELOAD", "")
     if "jemalloc" in preload or "tcmalloc" in preload or "mimalloc" in preload:
         return "another allocator in LD_PRELOAD"
+    return None if is_glibc() else "not glibc"
+
+
+def is_glibc() -> bool:
+    """Whether this process runs on glibc (``os.confstr`` raises where the name is unknown and gives None where the
+    C library does not answer it, as musl does)."""
     try:
-        os.confstr("CS_GNU_LIBC_VERSION")
+        version = os.confstr("CS_GNU_LIBC_VERSION")
     except (AttributeError, ValueError, OSError):
-        return "not glibc"
-    return None
+        return False
+    return version is not None and version.startswith("glibc")
 
 
 def keep_freed_host_memory(env: dict[str, str] | None = None) -> MallocSetup:
