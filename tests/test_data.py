@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, TensorDataset, default_collate
 
-from lightning_spot.data import EpochShuffleSampler, replica_slice, shard_dataloader
+from lightning_spot.data import EpochShuffleSampler, TensorRows, replica_slice, shard_dataloader
 
 
 def _dataset(n: int = 40) -> TensorDataset:
@@ -125,3 +125,52 @@ def test_a_resume_at_the_end_of_an_epoch_draws_the_next_epoch(lightning_epoch: i
         assert [b[0].tolist() for b in loader] == _epoch_order(2 + offset)
         assert loader.state_dict()["epoch"] == 2 + offset
     assert _epoch_order(1) != _epoch_order(2)
+
+
+def _fields() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(40, 3, generator=g), torch.arange(40), torch.randint(0, 5, (40, 2, 2), dtype=torch.int8)
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_tensor_datasets_are_read_whole_with_what_default_collate_gives(workers: int) -> None:
+    """A plain TensorDataset is read one index per tensor (TensorRows): the same list of tensors, dtypes and shapes
+    as one __getitem__ per sample and default_collate, in memory of its own (not a view of the dataset)."""
+    dataset = _fields()
+    owned = {t.untyped_storage().data_ptr() for t in dataset.tensors}
+    rows_read: list[int] = []
+    for dp_rank in (0, 1):
+        loader = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=workers)
+        sharded = shard_dataloader(loader, dp_rank=dp_rank, dp_size=2, divisor=None, seed=5)
+        assert isinstance(sharded.dataset, TensorRows) and sharded.dataset.tensors == dataset.tensors
+        got = list(sharded)
+        shares = list(sharded.batch_sampler)
+        assert len(got) == len(shares) == 5
+        for batch, rows in zip(got, shares):
+            want = default_collate([dataset[i] for i in rows])
+            assert type(batch) is type(want) is list and len(batch) == len(want) == 3
+            for tensor, wanted in zip(batch, want):
+                assert tensor.dtype == wanted.dtype and tensor.shape == wanted.shape and torch.equal(tensor, wanted)
+                assert tensor.untyped_storage().data_ptr() not in owned
+            rows_read += batch[1].tolist()
+    assert sorted(rows_read) == list(range(40)) and rows_read != list(range(40))  # all rows once, shuffled
+
+
+def test_tensor_rows_stay_away_from_subclasses_and_collate_functions_of_the_user() -> None:
+    class Doubled(TensorDataset):
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+            return tuple(2 * t for t in super().__getitem__(index))
+
+    def as_dict(samples: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+        return {"x": torch.stack([s[0] for s in samples])}
+
+    sub = shard_dataloader(
+        DataLoader(Doubled(torch.arange(8)), batch_size=4), dp_rank=0, dp_size=1, divisor=None, seed=0
+    )
+    assert type(sub.dataset) is Doubled and next(iter(sub))[0].tolist() == [0, 2, 4, 6]
+    own = shard_dataloader(
+        DataLoader(_dataset(8), batch_size=4, collate_fn=as_dict), dp_rank=0, dp_size=1, divisor=None, seed=0
+    )
+    assert type(own.dataset) is TensorDataset and next(iter(own))["x"].tolist() == [0, 1, 2, 3]
