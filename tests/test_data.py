@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, TensorDataset, default_collate
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+    default_collate,
+    random_split,
+)
 
 from lightning_spot.data import EpochShuffleSampler, TensorRows, replica_slice, shard_dataloader
 
@@ -156,6 +164,20 @@ def test_tensor_datasets_are_read_whole_with_what_default_collate_gives(workers:
                 assert tensor.untyped_storage().data_ptr() not in owned
             rows_read += batch[1].tolist()
     assert sorted(rows_read) == list(range(40)) and rows_read != list(range(40))  # all rows once, shuffled
+
+
+def test_subsets_of_tensor_datasets_are_read_whole_too() -> None:
+    """random_split's Subset of a plain TensorDataset: its rows (mapped through the subset's indices) in one call."""
+    dataset = _fields()
+    train, _ = random_split(dataset, [0.75, 0.25], generator=torch.Generator().manual_seed(2))
+    sharded = shard_dataloader(DataLoader(train, batch_size=6), dp_rank=1, dp_size=2, divisor=None, seed=0)
+    assert type(sharded.dataset) is Subset and isinstance(sharded.dataset.dataset, TensorRows)
+    got, shares = list(sharded), list(sharded.batch_sampler)
+    assert len(got) == len(shares) == 5
+    for batch, rows in zip(got, shares):
+        want = default_collate([train[i] for i in rows])
+        assert all(t.dtype == w.dtype and torch.equal(t, w) for t, w in zip(batch, want)) and len(batch) == 3
+    assert sum(len(b[1]) for b in got) == 15 and set(sum((b[1].tolist() for b in got), [])) <= set(train.indices)
 
 
 def test_tensor_rows_stay_away_from_subclasses_and_collate_functions_of_the_user() -> None:

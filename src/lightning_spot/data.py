@@ -7,7 +7,7 @@ sequence of global batches (the order depends only on the seed and the epoch, ne
 layout) and takes its contiguous ``1/D`` slice of each; all pipeline stages of a replica load the
 same slice. ``shuffle=True`` is replaced by a sampler seeded with ``seed + epoch`` (the same rule
 as ``DistributedSampler``), because a ``RandomSampler`` draws from each process's global RNG.
-A plain ``TensorDataset`` with the default collate function is read one index per tensor
+A plain ``TensorDataset`` (or a ``Subset`` of one) with the default collate function is read one index per tensor
 (:class:`TensorRows`), as a hand-written loop slices its tensors, instead of one ``__getitem__`` per sample.
 """
 
@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, TensorDataset, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    Sampler,
+    Subset,
+    TensorDataset,
+    default_collate,
+)
 
 from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError
@@ -253,10 +261,16 @@ def already_collated(batch: Any) -> Any:
 
 def _fast_rows(loader: DataLoader) -> tuple[Any, Callable[[Any], Any]]:
     """The dataset and collate function of the sharded loader: :class:`TensorRows` for a plain ``TensorDataset``
-    whose loader collates by default (a subclass or a collate function of the user's is kept as it is)."""
-    if type(loader.dataset) is TensorDataset and loader.collate_fn is default_collate:
-        return TensorRows(*loader.dataset.tensors), already_collated
-    return loader.dataset, loader.collate_fn
+    (or a ``Subset`` of one, as ``random_split`` makes) whose loader collates by default; a subclass or a collate
+    function of the user's is kept as it is."""
+    dataset = loader.dataset
+    if loader.collate_fn is not default_collate:
+        return dataset, loader.collate_fn
+    if type(dataset) is TensorDataset:
+        return TensorRows(*dataset.tensors), already_collated
+    if type(dataset) is Subset and type(dataset.dataset) is TensorDataset:  # (Subset reads its rows in one call)
+        return Subset(TensorRows(*dataset.dataset.tensors), dataset.indices), already_collated
+    return dataset, loader.collate_fn
 
 
 def _layout_free_sampler(sampler: Any, seed: int) -> Any:
