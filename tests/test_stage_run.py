@@ -6,8 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_spot import discover, plan_stages
 from lightning_spot.partition.discovery import ModelContractError
+from lightning_spot.partition.placement import place_stages
 from lightning_spot.partition.stage_run import StageExit, StageRun, instrument_layer, running
+from lightning_spot.runtime.logging_bridge import LogCapture
+from lightning_spot.runtime.step_runner import StepRunner
 
 
 class MaskedLinear(nn.Linear):
@@ -41,3 +45,98 @@ def test_an_argument_made_on_another_stage_is_refused_by_name(by_name: bool) -> 
             layer(torch.zeros(2, 4), mask=meta_mask)
         else:
             layer(torch.zeros(2, 4), meta_mask)
+
+
+# ------------------------------------------------ stages between the first and the last, and micro-batch rows
+WIDTH = 8
+
+
+class _Stack(nn.Module):
+    """A step function around a layer sequence; ``calls`` counts its runs. ``between``: the user's code scales
+    each layer's output (the layers are then not chained by ``nn.Sequential`` alone); ``container``: the type
+    holding the layers."""
+
+    def __init__(self, between: bool = False, container: type[nn.Sequential] = nn.Sequential) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = container(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(6)])
+        self.between = between
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.between:
+            return self.layers(x)
+        for layer in self.layers:
+            x = layer(x) * 2
+        return x
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+
+class _OwnSequential(nn.Sequential):
+    pass
+
+
+def _middle_stage(module: _Stack) -> tuple[StepRunner, list[nn.Module]]:
+    """``module`` cut into 3 stages, as pipeline rank 1 holds it (layers 2 and 3), and those layers."""
+    reference = list(module.layers)[2:4]
+    split = discover(module)
+    place_stages(module, split, plan_stages(split.num_layers, 3), pp_rank=1, device=torch.device("cpu"))
+    return StepRunner(module, num_stages=3, capture=LogCapture(), device=torch.device("cpu")), reference
+
+
+@pytest.mark.parametrize(
+    ("between", "container", "chained"),
+    [(False, nn.Sequential, True), (True, nn.Sequential, False), (False, _OwnSequential, False)],
+    ids=["sequential", "user-code-between-layers", "sequential-subclass"],
+)
+def test_a_middle_stage_runs_only_its_layers_once_a_replay_showed_torch_chains_them(
+    between: bool, container: type[nn.Sequential], chained: bool
+) -> None:
+    """A stage that is neither the first nor the last replays the user's step up to its layers; when that replay
+    shows torch's own ``nn.Sequential.forward`` calling them, later micro-batches call only the layers (nothing of
+    the user's code runs before them on this stage anyway). User code between the layers, or a container of the
+    user's, keeps the replay. Either way the output is what the layers (and the user's code between them) give."""
+    module = _Stack(between, container)
+    runner, layers = _middle_stage(module)
+    batch = (torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+    rows = torch.arange(8)
+    received = torch.randn(4, WIDTH, requires_grad=True)
+    between_them = layers[0](received) * (2 if between else 1)  # (what follows the stage's last layer is not its)
+    expected = layers[1](between_them)
+    with runner.bind("training_step", "train", batch, (0,), {}, microbatches=2, rows=rows):
+        outputs = []
+        for chunk in (0, 1, 0):
+            runner.chunk = chunk
+            outputs.append(runner.stage_forward(1, (received,))[0])
+    replays = module.calls - 2  # (the first replay of a middle stage also probes the first layer's arguments twice)
+    assert replays == (1 if chained else 3)
+    for out in outputs:
+        torch.testing.assert_close(out, expected)
+    outputs[-1].sum().backward()  # the chained call is part of the autograd graph like the replay
+    assert received.grad is not None and layers[0][0].weight.grad is not None
+
+
+def test_micro_batches_are_slices_of_the_batch_where_the_rows_are_given() -> None:
+    """With the step's row numbers given to ``bind`` (each row read once in the step), a micro-batch is a slice of
+    the batch's tensors, as torch's schedules split a hand loop's input; otherwise, and for a tensor that is not
+    contiguous, a copy of its rows. The values are the same."""
+    module = _Stack()
+    runner = StepRunner(module, num_stages=1, capture=LogCapture(), device=torch.device("cpu"))
+    x, strided = torch.randn(8, WIDTH), torch.randn(WIDTH, 8).t()  # (the second: not contiguous)
+    rows = torch.arange(8)
+    pieces = rows.tensor_split(3)  # (as the schedules cut the rows: pieces of 3, 3 and 2)
+    for given in (rows, None):
+        with runner.bind("training_step", "train", (x, strided), (0,), {}, microbatches=3, rows=given):
+            for piece in pieces:
+                taken, taken_strided = runner._micro_batch(piece)
+                torch.testing.assert_close(taken, x[piece])
+                torch.testing.assert_close(taken_strided, strided[piece])
+                shares = taken.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+                assert shares == (given is not None)
+                assert taken_strided.untyped_storage().data_ptr() != strided.untyped_storage().data_ptr()
+            other = torch.arange(8)[3:6]  # the same numbers, not the step's rows: a copy
+            assert runner._micro_batch(other)[0].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

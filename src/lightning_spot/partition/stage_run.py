@@ -12,14 +12,18 @@ the meta device and hand back real tensors of that shape, filled with a constant
 the code between the embeddings and the layer sequence (position ids, attention masks, rotary
 cos/sin in Hugging Face models) computes the real values the stage's first layer needs, on the
 stage's device, from the shapes alone. :func:`layer_arguments` (with :func:`check_reproducible`) shows
-once per stage that those values do not depend on what the stand-ins hold.
+once per stage that those values do not depend on what the stand-ins hold. Where the replay shows that torch's
+own ``nn.Sequential`` chains a stage's layers (:func:`sequential_caller`), a stage between the first and the last
+calls only them afterwards: nothing of the user's code before the sequence counts there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +72,9 @@ class StageRun:
     stand_in: float = 0.0
     #: stop at the stage's first layer with a :class:`StageProbe` of its arguments
     probe: bool = False
+    #: note in :attr:`chained_by` whether the stage's first layer is called by torch's own ``nn.Sequential.forward``
+    find_chain: bool = False
+    chained: list[nn.Module] | None = None
 
 
 _ACTIVE: list[StageRun] = []
@@ -86,7 +93,7 @@ def running(run: StageRun) -> Iterator[StageRun]:
         _ACTIVE.pop()
 
 
-def _incoming_value(incoming: tuple[torch.Tensor, ...]) -> Any:
+def incoming_value(incoming: tuple[torch.Tensor, ...]) -> Any:
     return incoming[0] if len(incoming) == 1 else incoming
 
 
@@ -105,7 +112,7 @@ def _leaves(named: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _reject_meta(fqn: str, named: dict[str, Any]) -> None:
-    if not any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(named)):
+    if not named or not any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in tree_leaves(named)):
         return  # (every call of a stage's first layer: the names are only worked out for the error)
     meta = next(name for name, leaf in _leaves(named) if isinstance(leaf, torch.Tensor) and leaf.is_meta)
     raise ModelContractError(
@@ -153,20 +160,24 @@ def instrument_layer(
             return args[0] if args else kwargs.get(activation) if activation else None
         if first:
             run.layers_started = True
-            named = _named_arguments(args[1:], {k: v for k, v in kwargs.items() if k != activation or args})
+            if run.find_chain:
+                run.chained = sequential_caller(self)
+            named = None  # (the arguments besides the activation: for probes, and on stages but the first)
+            if run.probe or not run.first_stage:
+                named = _named_arguments(args[1:], {k: v for k, v in kwargs.items() if k != activation or args})
             if run.probe:
-                raise StageProbe(fqn, named)
+                raise StageProbe(fqn, named or {})
             if run.incoming is not None:
                 if args:
-                    args = (_incoming_value(run.incoming), *args[1:])
+                    args = (incoming_value(run.incoming), *args[1:])
                 elif activation is not None and activation in kwargs:
-                    kwargs = {**kwargs, activation: _incoming_value(run.incoming)}
+                    kwargs = {**kwargs, activation: incoming_value(run.incoming)}
                 else:
                     raise ModelContractError(
                         f"Layer `{fqn}` was called without its input (`{activation}`); the layer sequence must pass "
                         f"the hidden state to each layer, positionally or by that name."
                     )
-            if not run.first_stage:
+            if named:
                 _reject_meta(fqn, named)
         if checkpoint and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(original, self, *args, use_reentrant=False, **kwargs)
@@ -179,6 +190,39 @@ def instrument_layer(
         return out
 
     layer.forward = types.MethodType(forward, layer)
+    _INSTRUMENTED[layer] = stage
+
+
+#: the layers :func:`instrument_layer` made obey the active run, and their stages
+_INSTRUMENTED: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+#: the frames of ``nn.Module.__call__`` between a module's caller and its ``forward``
+_CALL_FRAMES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+
+
+def sequential_caller(layer: nn.Module) -> list[nn.Module] | None:
+    """The layers of ``layer``'s stage (``layer`` is its first), when the ``nn.Sequential`` holding them is calling
+    ``layer`` right now with its own, unchanged ``forward``, and everything it runs before is a layer of the
+    sequence too (of other stages: passed through).
+
+    Then torch's code alone chains the stage's layers, each taking the previous one's output: calling them in
+    turn with the run active does what a replay of the user's step does on a stage that is neither the first nor
+    the last (:meth:`StepRunner.stage_forward`), without the user's code before the sequence."""
+    frame: types.FrameType | None = sys._getframe(2)  # (0: here, 1: the layer's forward)
+    while frame is not None and frame.f_code in _CALL_FRAMES:
+        frame = frame.f_back
+    if frame is None or frame.f_code is not nn.Sequential.forward.__code__:
+        return None
+    container = frame.f_locals.get("self")
+    if type(container) is not nn.Sequential:
+        return None
+    children = list(container._modules.values())
+    for i, child in enumerate(children):
+        if child is layer:
+            stage = _INSTRUMENTED[layer]
+            return [c for c in children[i:] if _INSTRUMENTED.get(c) == stage]  # (a stage's layers are consecutive)
+        if not isinstance(child, SkippedLayer) and child not in _INSTRUMENTED:
+            return None
+    return None
 
 
 def activation_parameter(forward: Any) -> str | None:
