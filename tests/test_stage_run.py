@@ -47,7 +47,7 @@ def test_an_argument_made_on_another_stage_is_refused_by_name(by_name: bool) -> 
             layer(torch.zeros(2, 4), meta_mask)
 
 
-# ------------------------------------------------ stages between the first and the last, and micro-batch rows
+# ---------------------------------------------------------------- stages between the first and the last
 WIDTH = 8
 
 
@@ -103,11 +103,10 @@ def test_a_middle_stage_runs_only_its_layers_once_a_replay_showed_torch_chains_t
     module = _Stack(between, container)
     runner, layers = _middle_stage(module)
     batch = (torch.randn(8, WIDTH), torch.randn(8, WIDTH))
-    rows = torch.arange(8)
     received = torch.randn(4, WIDTH, requires_grad=True)
     between_them = layers[0](received) * (2 if between else 1)  # (what follows the stage's last layer is not its)
     expected = layers[1](between_them)
-    with runner.bind("training_step", "train", batch, (0,), {}, microbatches=2, rows=rows):
+    with runner.bind("training_step", "train", batch, (0,), {}, microbatches=2):
         outputs = []
         for chunk in (0, 1, 0):
             runner.chunk = chunk
@@ -118,25 +117,3 @@ def test_a_middle_stage_runs_only_its_layers_once_a_replay_showed_torch_chains_t
         torch.testing.assert_close(out, expected)
     outputs[-1].sum().backward()  # the chained call is part of the autograd graph like the replay
     assert received.grad is not None and layers[0][0].weight.grad is not None
-
-
-def test_micro_batches_are_slices_of_the_batch_where_the_rows_are_given() -> None:
-    """With the step's row numbers given to ``bind`` (each row read once in the step), a micro-batch is a slice of
-    the batch's tensors, as torch's schedules split a hand loop's input; otherwise, and for a tensor that is not
-    contiguous, a copy of its rows. The values are the same."""
-    module = _Stack()
-    runner = StepRunner(module, num_stages=1, capture=LogCapture(), device=torch.device("cpu"))
-    x, strided = torch.randn(8, WIDTH), torch.randn(WIDTH, 8).t()  # (the second: not contiguous)
-    rows = torch.arange(8)
-    pieces = rows.tensor_split(3)  # (as the schedules cut the rows: pieces of 3, 3 and 2)
-    for given in (rows, None):
-        with runner.bind("training_step", "train", (x, strided), (0,), {}, microbatches=3, rows=given):
-            for piece in pieces:
-                taken, taken_strided = runner._micro_batch(piece)
-                torch.testing.assert_close(taken, x[piece])
-                torch.testing.assert_close(taken_strided, strided[piece])
-                shares = taken.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-                assert shares == (given is not None)
-                assert taken_strided.untyped_storage().data_ptr() != strided.untyped_storage().data_ptr()
-            other = torch.arange(8)[3:6]  # the same numbers, not the step's rows: a copy
-            assert runner._micro_batch(other)[0].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()

@@ -350,11 +350,7 @@ class PipelineEngine:
         # fp16: a micro-batch's scaled loss is divided by the step's micro-batches, so that the backward's fp16
         # values are as large as one process's on the whole batch (the same overflows); multiplied back below
         divisor = self.runner.scale_divisor = self.layout.total_microbatches if self.runner.scaler is not None else 1
-        # micro-batches as slices of the batch where each row is read once in the step: one stage on this rank, and
-        # no step run again (torchft, whose logs are held until the commit)
-        rows = idx if len(self.local_stages) == 1 and self.held_logs is None else None
-        bound = self.runner.bind("training_step", "train", batch, args, kwargs, m, rows=rows)
-        with bound, tracing, self._streaming(("train", m)):
+        with self.runner.bind("training_step", "train", batch, args, kwargs, m), tracing, self._streaming(("train", m)):
             program.step(idx, target=idx, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
         if self.spec.splits_backward and self.ctx.dp_group is not None and self.layout.data_parallel > 1:

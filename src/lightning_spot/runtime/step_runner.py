@@ -11,8 +11,7 @@ so that only activations travel between stages); its forward replays the user's 
 stage's layers (see ``partition.stage_run``). On the last stage, the schedule's ``loss_fn`` replays
 the whole step function from the received activation on, so ``self.log`` and the loss come from
 unchanged user code. A stage between the first and the last whose layers a replay showed chained by torch's
-``nn.Sequential`` calls only those layers afterwards; and where each row is read once in the step, a micro-batch
-is a slice of the batch, not a copy (:meth:`StepRunner.bind`).
+``nn.Sequential`` calls only those layers afterwards.
 """
 
 from __future__ import annotations
@@ -142,8 +141,6 @@ class StepRunner:
         #: the micro-batch the stage about to run works on (set by the stage), and the step's micro-batches
         self.chunk = 0
         self.microbatches = 1
-        #: the step's row numbers, where micro-batches may be slices of the batch (see :meth:`bind`)
-        self._step_rows: Tensor | None = None
         self._rows_cache: dict[tuple[int, int, int], Tensor] = {}
         #: (stage, step function) -> the stage's layers, where a replay showed that torch's ``nn.Sequential`` chains
         #: them (None: the user's code does, and the step is replayed); only stages between the first and the last
@@ -168,21 +165,9 @@ class StepRunner:
 
     @contextlib.contextmanager
     def bind(
-        self,
-        fn_name: str,
-        mode: Mode,
-        batch: Any,
-        args: tuple,
-        kwargs: dict[str, Any],
-        microbatches: int = 1,
-        rows: Tensor | None = None,
+        self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any], microbatches: int = 1
     ) -> Iterator[None]:
-        """Run ``fn_name`` on ``batch`` for the schedule inside. ``rows``: the row numbers the schedule splits into
-        micro-batches (``torch.arange`` of the batch's size), given where each row is read once in the step (one
-        stage on this rank, no step run again): a micro-batch is then a slice of the batch, as torch's schedules
-        split a hand loop's input, instead of a copy of its rows."""
         self.fn_name, self.mode, self.batch, self.microbatches = fn_name, mode, batch, microbatches
-        self._step_rows = rows
         if self.activation_offload is not None and mode == "train":
             self.activation_offload.new_step()
         self.local_size = batch_size_of(batch)
@@ -195,30 +180,17 @@ class StepRunner:
         try:
             yield
         finally:
-            self.batch = self._step_rows = None
+            self.batch = None
 
     def _micro_batch(self, idx: Tensor) -> Any:
         size = self.local_size
-        rows = self._slice_of(idx)
 
         def take(t: Any) -> Any:
             if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == size:
-                if rows is not None and t.is_contiguous():
-                    return t[rows]
                 return t.index_select(0, idx if idx.device == t.device else idx.to(t.device))
             return t
 
         return _map_leaves(take, self.batch)
-
-    def _slice_of(self, idx: Tensor) -> slice | None:
-        """``idx`` as a slice, where it is a piece of the step's row numbers as torch's schedules cut them (a view of
-        the ``torch.arange`` given to :meth:`bind`, consecutive: it holds the numbers from its offset on). Read from
-        the view's layout, not its values: no wait for the device."""
-        rows = self._step_rows
-        if rows is None or (idx._base is not rows and idx is not rows) or idx.dim() != 1 or idx.stride() != (1,):
-            return None
-        start = idx.storage_offset() - rows.storage_offset()
-        return slice(start, start + idx.numel())
 
     def _call(self, micro_batch: Any) -> Any:
         if self.mode == "train" and has_loss_hook(self.module):
