@@ -72,7 +72,8 @@ class StageRun:
     stand_in: float = 0.0
     #: stop at the stage's first layer with a :class:`StageProbe` of its arguments
     probe: bool = False
-    #: note in :attr:`chained_by` whether the stage's first layer is called by torch's own ``nn.Sequential.forward``
+    #: note in :attr:`chained` the stage's layers if torch's own ``nn.Sequential.forward`` calls its first layer
+    #: (:func:`sequential_caller`; ``None``: the user's code does)
     find_chain: bool = False
     chained: list[nn.Module] | None = None
 
