@@ -12,6 +12,7 @@ The stages are :class:`~lightning_spot.runtime.stages.StageModule` s handed to
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -132,6 +133,7 @@ class PipelineEngine:
         self.params: list[nn.Parameter] = []
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
+        self.holds_first = 0 in placed
         last_stages = ctx.dp_group if self.holds_last else None  # of all pipelines (or None: one pipeline)
         self.runner.loss_weights.use_group(last_stages)
         self.metric_calls = self.runner.metric_calls = MetricCalls(module, last_stages, self.holds_last)
@@ -280,14 +282,30 @@ class PipelineEngine:
             spec = resolve_schedule("GPipe")  # forward-only: no micro-batch minimum
         scale = not self.runner.divides_losses  # (the mean over micro-batches: 0.5 ms of a 24 ms P2xD1 MLP step)
         try:
-            if spec.is_multi_stage:
-                return spec.cls(stages, n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=scale)
-            return spec.cls(stages[0], n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=scale)
+            first = stages if spec.is_multi_stage else stages[0]
+            program = spec.cls(first, n_microbatches=n_microbatches, loss_fn=self.runner.loss_fn, scale_grads=scale)
         except ValueError as err:
             raise LayoutError(
                 f"schedule {spec.name} with {self.plan.num_stages} stages cannot run {n_microbatches} micro-batches: "
                 f"{err} Change `microbatches` (and the batch size, a multiple of data-parallel x microbatches)."
             ) from err
+        # (an instance attribute over torch's method, whose general split with pytree costs ~0.1 ms a step)
+        program._split_inputs = functools.partial(self._row_chunks, n_microbatches)
+        return program
+
+    def _row_chunks(self, m: int, args: tuple, kwargs: dict[str, Any] | None = None) -> tuple[list[tuple], list[dict]]:
+        """A schedule's split of its input into ``m`` micro-batches: the first stage's only input is the local batch's
+        row indices (:meth:`_schedule_inputs`), cut as torch cuts them, once per batch size and micro-batch count."""
+        if not args:
+            return [()] * m, [{}] * m
+        (idx,) = args
+        return [(rows,) for rows in self.runner.row_chunks(idx.numel(), m)], [{}] * m
+
+    def _schedule_inputs(self, local: int) -> tuple[tuple[Tensor, ...], Tensor | None]:
+        """(the schedule's input, its target): the local batch's row indices, for the first and the last stage; a
+        rank holding neither passes nothing (rows follow from the micro-batch's index: ``StepRunner._rows``)."""
+        idx = torch.arange(local, device=self.ctx.device)
+        return ((idx,) if self.holds_first else ()), (idx if self.holds_last else None)
 
     def _program(self, mode: Mode, fn_name: str, n_microbatches: int, batch: Any) -> Any:
         key = (mode, fn_name, n_microbatches, batch_signature(batch))
@@ -338,7 +356,7 @@ class PipelineEngine:
         if release_grads:
             saved = [None] * len(saved)
         losses: list[Tensor] = []  # what torch back-propagated; the losses to log are in runner.loss_weights
-        idx = torch.arange(local, device=self.ctx.device)
+        inputs, target = self._schedule_inputs(local)
         self.capture.clear()
         clock = self.clock
         clock.reset()
@@ -351,7 +369,7 @@ class PipelineEngine:
         # values are as large as one process's on the whole batch (the same overflows); multiplied back below
         divisor = self.runner.scale_divisor = self.layout.total_microbatches if self.runner.scaler is not None else 1
         with self.runner.bind("training_step", "train", batch, args, kwargs, m), tracing, self._streaming(("train", m)):
-            program.step(idx, target=idx, losses=losses, return_outputs=False)
+            program.step(*inputs, target=target, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
         if self.spec.splits_backward and self.ctx.dp_group is not None and self.layout.data_parallel > 1:
             with clock.span("all-reduce", "allreduce", lane="allreduce"):
@@ -415,7 +433,7 @@ class PipelineEngine:
 
     def eval_step(self, fn_name: str, mode: Mode, batch: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         local = batch_size_of(batch)
-        idx = torch.arange(local, device=self.ctx.device)
+        inputs, target = self._schedule_inputs(local)
         self.capture.clear()
         error: LayoutError | None = None
         for m in self._eval_candidates(local):
@@ -428,7 +446,7 @@ class PipelineEngine:
             assert error is not None
             raise error
         with self.runner.bind(fn_name, mode, batch, args, kwargs, m), self._streaming((mode, fn_name, m)):
-            program.eval(idx, target=idx, return_outputs=False)
+            program.eval(*inputs, target=target, return_outputs=False)
             results = sorted(self.runner.results, key=lambda r: int(r[0][0])) if mode == "predict" else []
         extra = (
             [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []

@@ -136,6 +136,10 @@ class ItemCounts:
             self._collecting = False
             self.ignored_targets = mode.seen if mode is not None else None
 
+    def plain(self) -> bool:
+        """Whether the micro-batch just run gave nothing to count: no transformers loss, no watched loss."""
+        return not self.seen and self.ignored_targets is None
+
     def count_of(self, result: Any, loss: Tensor) -> Tensor | None:
         """The item count of ``loss``, returned by the step as ``result``: declared, or the count of the
         transformers model whose loss it is; ``None`` when unknown."""

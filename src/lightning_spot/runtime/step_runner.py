@@ -141,7 +141,7 @@ class StepRunner:
         #: the micro-batch the stage about to run works on (set by the stage), and the step's micro-batches
         self.chunk = 0
         self.microbatches = 1
-        self._rows_cache: dict[tuple[int, int, int], Tensor] = {}
+        self._rows_cache: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         #: (stage, step function) -> the stage's layers, where a replay showed that torch's ``nn.Sequential`` chains
         #: them (None: the user's code does, and the step is replayed); only stages between the first and the last
         self._chains: dict[tuple[int, str], list[nn.Module] | None] = {}
@@ -236,13 +236,17 @@ class StepRunner:
         return _as_tensors(out, f"the last layer of stage {stage}")
 
     def _rows(self, chunk: int) -> Tensor:
-        """Micro-batch ``chunk``'s rows of the local batch, as torch's schedules split the first stage's input."""
-        key = (self.local_size, self.microbatches, chunk)
-        rows = self._rows_cache.get(key)
-        if rows is None:
-            rows = torch.arange(self.local_size, device=self.device).tensor_split(self.microbatches)[chunk]
-            self._rows_cache[key] = rows
-        return rows
+        """Micro-batch ``chunk``'s rows of the local batch."""
+        return self.row_chunks(self.local_size, self.microbatches)[chunk]
+
+    def row_chunks(self, local: int, microbatches: int) -> tuple[Tensor, ...]:
+        """The rows of each micro-batch of a local batch of ``local`` samples, as torch's schedules cut a tensor (views
+        of one ``arange``); made once."""
+        key = (local, microbatches)
+        chunks = self._rows_cache.get(key)
+        if chunks is None:
+            chunks = self._rows_cache[key] = torch.arange(local, device=self.device).tensor_split(microbatches)
+        return chunks
 
     def loss_fn(self, output: Any, target: Tensor) -> Tensor:
         outs = output if isinstance(output, tuple) else (output,)
@@ -323,6 +327,13 @@ class StepRunner:
         return None
 
     def _consume(self, result: Any, idx: Tensor, first_record: int) -> Tensor:
+        if self.mode == "train" and type(result) is Tensor and self.scaler is None and self.items.plain():
+            # the common case, kept short (it runs once per micro-batch on the critical path of 1F1B): a bare loss,
+            # no item counts, no ignored targets watched, no fp16
+            if not result.requires_grad:
+                raise ModelContractError("the loss returned by training_step does not depend on the model's output.")
+            backed = self.loss_weights.add(result, None, int(idx.numel()))
+            return backed / self.microbatches if self.microbatches > 1 else backed
         counts = self.items.counts_by_tensor()
         if self.mode == "train":
             loss = result.get("loss") if isinstance(result, Mapping) else result
