@@ -27,6 +27,13 @@ from typing import Any
 
 #: (label, module, attribute path, whether only the strategy has it); in the order the table shows them
 PARTS: list[tuple[str, str, str, bool]] = [
+    (
+        "schedule.step (+ input split)",
+        "torch.distributed.pipelining.schedules",
+        "PipelineScheduleSingle.step",
+        False,
+    ),
+    ("  input split", "torch.distributed.pipelining.schedules", "_PipelineSchedule._split_inputs", False),
     ("schedule", "torch.distributed.pipelining.schedules", "Schedule1F1B._step_microbatches", False),
     ("  stage forwards", "torch.distributed.pipelining.stage", "_PipelineStageBase.forward_one_chunk", False),
     ("    step replays (stages)", "lightning_spot.runtime.step_runner", "StepRunner.stage_forward", True),
@@ -38,6 +45,13 @@ PARTS: list[tuple[str, str, str, bool]] = [
     ("engine train step", "lightning_spot.runtime.engine", "PipelineEngine.train_step", True),
     ("  logged values", "lightning_spot.runtime.engine", "PipelineEngine._share_logs", True),
     ("optimizer step", "torch.optim", "Adam.step", False),
+    (
+        "  Lightning closure (+ step)",
+        "lightning.pytorch.loops.optimization.automatic",
+        "Closure.closure",
+        True,
+    ),
+    ("Lightning callback hooks", "lightning.pytorch.trainer.call", "_call_callback_hooks", True),
     ("zero_grad", "torch.optim", "Optimizer.zero_grad", False),
     ("data loading", "torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__", False),
 ]
