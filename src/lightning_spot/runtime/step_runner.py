@@ -327,14 +327,6 @@ class StepRunner:
         return None
 
     def _consume(self, result: Any, idx: Tensor, first_record: int) -> Tensor:
-        if self.mode == "train" and type(result) is Tensor and self.scaler is None and self.items.plain():
-            # the common case, kept short (it runs once per micro-batch on the critical path of 1F1B): a bare loss,
-            # no item counts, no ignored targets watched, no fp16
-            if not result.requires_grad:
-                raise ModelContractError("the loss returned by training_step does not depend on the model's output.")
-            backed = self.loss_weights.add(result, None, int(idx.numel()))
-            return backed / self.microbatches if self.microbatches > 1 else backed
-        counts = self.items.counts_by_tensor()
         if self.mode == "train":
             loss = result.get("loss") if isinstance(result, Mapping) else result
             if not isinstance(loss, Tensor):
@@ -344,19 +336,24 @@ class StepRunner:
                 )
             if not loss.requires_grad:
                 raise ModelContractError("the loss returned by training_step does not depend on the model's output.")
-            count = self.items.count_of(result, loss)
-            if count is not None:
-                counts[id(loss)] = count
-            elif (flag := self.items.ignored_targets) is not None:
-                self._ignored = either(self._ignored, flag)
-            self.capture.weigh(first_record, counts)
+            count = None
+            # (a bare loss with nothing counted, the common case, has no count and nothing to weigh: skipped, as this
+            # runs once per micro-batch on the critical path of 1F1B)
+            if loss is not result or not self.items.plain():
+                counts = self.items.counts_by_tensor()
+                count = self.items.count_of(result, loss)
+                if count is not None:
+                    counts[id(loss)] = count
+                elif (flag := self.items.ignored_targets) is not None:
+                    self._ignored = either(self._ignored, flag)
+                self.capture.weigh(first_record, counts)
             backed = self.loss_weights.add(loss, count, int(idx.numel()))
             if self.scaler is not None:  # fp16: one scale everywhere; per-sample gradients as large as on one
                 backed = self.scaler.scale(backed) / self.scale_divisor  # process (the engine multiplies back)
             elif self.microbatches > 1:  # the step's mean over micro-batches (see divides_losses)
                 backed = backed / self.microbatches
             return backed
-        self.capture.weigh(first_record, counts)
+        self.capture.weigh(first_record, self.items.counts_by_tensor())
         if self.mode == "predict":
             self.results.append((idx, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result)))
         return torch.zeros((), device=idx.device)
