@@ -14,6 +14,7 @@ GPT of benchmarks/gpu_checks.sh took 11.3 against 9.7 ms on an H200).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -63,6 +64,10 @@ class Module(L.LightningModule):
 class Starts(L.Callback):
     def __init__(self) -> None:
         self.starts: list[float] = []
+        self.threads = 0
+
+    def on_train_start(self, *args: object) -> None:
+        self.threads = torch.get_num_threads()
 
     def on_train_batch_start(self, *args: object) -> None:
         self.starts.append(time.perf_counter())
@@ -89,6 +94,8 @@ def lightning(x: torch.Tensor, y: torch.Tensor, steps: int, microbatches: int | 
     )
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
     trainer.fit(Module(), loader)
+    if starts.threads != 1:
+        raise RuntimeError(f"the {strategy} run used {starts.threads} threads for tensor ops, the hand loop 1")
     return median_step_ms(starts.starts)
 
 
@@ -99,7 +106,11 @@ def main() -> None:
     p.add_argument("--strategy", action="store_true", help="also spot_pipeline on one device (P1xD1)")
     p.add_argument("--microbatches", type=int, default=1, help="spot_pipeline's micro-batches per step")
     args = p.parse_args()
-    torch.set_num_threads(1)  # as one of the pipeline benchmark's two processes on two cores
+    # one thread for tensor ops in every run, as one of the pipeline benchmark's two processes on two cores: in the
+    # environment too, or the launcher spot_pipeline uses (Lightning's, even for one process) sizes the pool by the
+    # CPUs (2 here), for that run and, through the variable it sets, for every later one
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     x, y = torch.randn(BATCH * args.steps, WIDTH), torch.randn(BATCH * args.steps, WIDTH)
     results: dict[str, list[float]] = {"hand": [], "lightning": [], "spot_pipeline": []}
     for _ in range(args.rounds):
