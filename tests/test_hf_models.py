@@ -272,6 +272,38 @@ def test_an_argument_computed_from_an_earlier_stages_values_is_refused_by_name()
     assert "Layer `layers.1`" in str(err.value) and "receives `positional argument 2`" in str(err.value)
 
 
+def _tuple_block_model(family: str) -> Any:
+    import transformers
+
+    if family == "falcon":
+        config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, vocab_size=96)
+    else:
+        config = transformers.BloomConfig(hidden_size=32, n_layer=4, n_head=2, vocab_size=96)
+
+    class Wrapped(CausalLM):
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            torch.manual_seed(0)
+            self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    return Wrapped()
+
+
+@pytest.mark.parametrize("family", ["falcon", "bloom"])
+def test_blocks_that_return_tuples_pass_the_check_at_stage_boundaries(family: str) -> None:
+    """Falcon's and Bloom's blocks return a tuple whose first element the loop takes (`outputs[0]`); passed through
+    on a later stage, the block returns the hidden state itself and `[0]` takes its first row. The check that no
+    code changes the hidden state at a stage boundary lets that through, at every cut of 4 blocks into 4 stages."""
+    batch = torch.randint(0, 96, (4, 16))
+    for rank in (1, 2, 3):
+        module = _tuple_block_model(family)
+        split = discover(module)
+        place_stages(module, split, plan_stages(4, 4), pp_rank=rank, device=torch.device("cpu"))
+        runner = StepRunner(module, num_stages=4, capture=LogCapture(), device=torch.device("cpu"))
+        with runner.bind("training_step", "train", (batch,), (0,), {}):
+            runner._check_arguments(rank, (batch,))
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_auto_finds_the_block_sequence(family: str) -> None:
     module = CausalLM(family)

@@ -53,21 +53,25 @@ WIDTH = 8
 
 class _Stack(nn.Module):
     """A step function around a layer sequence; ``calls`` counts its runs. ``between``: the user's code scales
-    each layer's output (the layers are then not chained by ``nn.Sequential`` alone); ``container``: the type
-    holding the layers."""
+    layer 2's output before layer 3 (the layers are then not chained by ``nn.Sequential`` alone); ``container``:
+    the type holding the layers; ``boundary``: code after every layer, at stage boundaries too."""
 
-    def __init__(self, between: bool = False, container: type[nn.Sequential] = nn.Sequential) -> None:
+    def __init__(
+        self, between: bool = False, container: type[nn.Sequential] = nn.Sequential, boundary: str = ""
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = container(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(6)])
         self.between = between
+        self.boundary = boundary
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.between:
+        if not self.between and not self.boundary:
             return self.layers(x)
-        for layer in self.layers:
-            x = layer(x) * 2
+        for i, layer in enumerate(self.layers):
+            x = layer(x) * (2 if self.between and i == 2 else 1)
+            x = _BOUNDARY_CODE[self.boundary](x) if self.boundary else x
         return x
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -78,6 +82,16 @@ class _Stack(nn.Module):
 
 class _OwnSequential(nn.Sequential):
     pass
+
+
+#: code a step runs after every layer: what changes the hidden state, and what only copies it
+_BOUNDARY_CODE = {
+    "scale": lambda x: x * 0.5,
+    "residual": lambda x: x + x.detach(),
+    "dropout": lambda x: nn.functional.dropout(x, 0.5, training=True),
+    "copy": lambda x: x.clone(),
+    "same dtype": lambda x: x.float().contiguous(),
+}
 
 
 def _middle_stage(module: _Stack) -> tuple[StepRunner, list[nn.Module]]:
@@ -117,3 +131,36 @@ def test_a_middle_stage_runs_only_its_layers_once_a_replay_showed_torch_chains_t
         torch.testing.assert_close(out, expected)
     outputs[-1].sum().backward()  # the chained call is part of the autograd graph like the replay
     assert received.grad is not None and layers[0][0].weight.grad is not None
+
+
+@pytest.mark.parametrize("code", ["scale", "residual", "dropout"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_code_that_changes_the_hidden_state_at_a_stage_boundary_is_refused(code: str, stage: int) -> None:
+    """Code between the last layer of a stage and the first of the next would be skipped (the stage sends its last
+    layer's output as it is): the first replay on the later stage (a middle one, or the last) refuses it, naming the
+    two layers, instead of training something else than one process does."""
+    module = _Stack(boundary=code)
+    split = discover(module)
+    place_stages(module, split, plan_stages(split.num_layers, 3), pp_rank=stage, device=torch.device("cpu"))
+    runner = StepRunner(module, num_stages=3, capture=LogCapture(), device=torch.device("cpu"))
+    batch = (torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+    received = torch.randn(4, WIDTH, requires_grad=True)
+    first = 2 * stage  # (two layers per stage)
+    expected = f"between layer `layers.{first - 1}` and layer `layers.{first}`"
+    bound = runner.bind("training_step", "train", batch, (0,), {}, microbatches=2)
+    with bound, pytest.raises(ModelContractError, match=expected):
+        if stage == 2:
+            runner.loss_fn(runner.stage_forward(2, (received,)), torch.arange(4))
+        else:
+            runner.stage_forward(1, (received,))
+
+
+@pytest.mark.parametrize("code", ["copy", "same dtype"])
+def test_code_at_a_stage_boundary_that_keeps_the_hidden_state_s_values_is_allowed(code: str) -> None:
+    """A copy, or a cast to the dtype the hidden state has, changes nothing that the next stage would miss."""
+    module = _Stack(boundary=code)
+    runner, layers = _middle_stage(module)
+    received = torch.randn(4, WIDTH)
+    with runner.bind("training_step", "train", (torch.randn(8, WIDTH), torch.randn(8, WIDTH)), (0,), {}, 2):
+        out = runner.stage_forward(1, (received,))[0]
+    torch.testing.assert_close(out, layers[1](layers[0](received)))

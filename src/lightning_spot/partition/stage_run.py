@@ -76,6 +76,10 @@ class StageRun:
     #: (:func:`sequential_caller`; ``None``: the user's code does)
     find_chain: bool = False
     chained: list[nn.Module] | None = None
+    #: (probes) what the last layer passed through (of another stage) returned, and its name: the stage's first layer
+    #: must be called with it unchanged (:func:`check_unchanged_between`)
+    passed: Any = None
+    passed_by: str = ""
 
 
 _ACTIVE: list[StageRun] = []
@@ -123,6 +127,43 @@ def _reject_meta(fqn: str, named: dict[str, Any]) -> None:
     )
 
 
+def _note_passed(value: Any, fqn: str) -> Any:
+    """A layer of another stage passes ``value`` through: note it when probing (see :func:`check_unchanged_between`)."""
+    if _ACTIVE and _ACTIVE[-1].probe:
+        _ACTIVE[-1].passed, _ACTIVE[-1].passed_by = value, fqn
+    return value
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return False
+        return a.is_meta or bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(x is y or _same_values(x, y) for x, y in zip(a, b))
+    return False
+
+
+def check_unchanged_between(run: StageRun, fqn: str, hidden: Any) -> None:
+    """Raise if the step's code changed the hidden state between the layer before the stage (passed through here)
+    and the stage's first layer ``fqn``: at a stage boundary that code is not applied (the stage before sends its last
+    layer's output as it is), so the pipeline would train something else than one process does."""
+    before, passed = run.passed_by, run.passed
+    if not before or hidden is passed or _same_values(hidden, passed):
+        return
+    if isinstance(passed, torch.Tensor) and passed.dim() > 0 and _same_values(hidden, passed[0]):
+        return  # a layer that returns a tuple, whose first element the step takes (Falcon, Bloom): passed through
+        # here, the hidden state itself is returned and `[0]` takes its first row, which the first layer replaces
+    raise ModelContractError(
+        f"The step's code changes the hidden state between layer `{before}` and layer `{fqn}` (something like "
+        f"`x = layer(x) * scale`, a residual, a norm or a dropout between the layers), and a pipeline stage boundary "
+        f"falls there: `{before}`'s stage sends its output as it is and `{fqn}` (the first layer of stage "
+        f"{run.stage}) takes it, so that code would be skipped and training would differ from one process. Move the "
+        f"code into the layers (one module per layer and what follows it), or cut elsewhere with "
+        f"`SpotPipelineStrategy(partition=[...])`."
+    )
+
+
 def check_reproducible(fqn: str, first: dict[str, Any], second: dict[str, Any]) -> None:
     """Raise if the arguments of a stage's first layer differ between two stand-in values: then they depend on
     what modules of other stages computed, not only on shapes, and cannot be rebuilt on this stage."""
@@ -158,7 +199,7 @@ def instrument_layer(
         if run is None:
             return original(self, *args, **kwargs)
         if run.stage != stage:
-            return args[0] if args else kwargs.get(activation) if activation else None
+            return _note_passed(args[0] if args else kwargs.get(activation) if activation else None, fqn)
         if first:
             run.layers_started = True
             if run.find_chain:
@@ -167,6 +208,7 @@ def instrument_layer(
             if run.probe or not run.first_stage:
                 named = _named_arguments(args[1:], {k: v for k, v in kwargs.items() if k != activation or args})
             if run.probe:
+                check_unchanged_between(run, fqn, args[0] if args else kwargs.get(activation) if activation else None)
                 raise StageProbe(fqn, named or {})
             if run.incoming is not None:
                 if args:
@@ -245,9 +287,7 @@ class SkippedLayer(nn.Module):
         self.activation = activation
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            return args[0]
-        return kwargs.get(self.activation) if self.activation else None
+        return _note_passed(args[0] if args else kwargs.get(self.activation) if self.activation else None, self.fqn)
 
     def extra_repr(self) -> str:
         return f"on another stage: {self.fqn}"
