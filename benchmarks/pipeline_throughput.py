@@ -288,7 +288,12 @@ def run_hand(job: dict[str, Any]) -> dict[str, Any] | None:
 
     times = step_periods(starts, time.perf_counter(), job["warmup"])
     write_cpu_time(job, (time.process_time() - cpu_start) / len(times))
-    # the loss lives on the last stage (dp rank 0 of it: global rank (P-1)*D); share it outside the timing
+    # the loss lives on the last stage: the mean over its replicas (each holds its rows' mean), as the strategy
+    # reports the global batch's; sent from dp rank 0 of it (global rank (P-1)*D), outside the timing
+    if D > 1:
+        mean = torch.tensor([last_loss], dtype=torch.float64)
+        dist.all_reduce(mean, group=dp_group)
+        last_loss = float(mean) / D
     box = [last_loss]
     dist.broadcast_object_list(box, src=(P - 1) * D)
     dist.barrier()
