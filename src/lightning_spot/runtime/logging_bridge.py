@@ -188,16 +188,19 @@ def group_reducer(group: dist.ProcessGroup | None) -> Reducer | None:
     return lambda tensor, op: dist.all_reduce(tensor, op=op, group=group)
 
 
+#: how :func:`exchange_reduce` combines two ranks' values, by the reduction asked for
+_COMBINE: dict[Any, Callable[[Tensor, Tensor], Tensor]] = {
+    dist.ReduceOp.SUM: torch.add,
+    dist.ReduceOp.MAX: torch.maximum,
+}
+
+
 def exchange_reduce(tensor: Tensor, op: Any, group: dist.ProcessGroup) -> None:
     """``dist.all_reduce(tensor, op)`` (a sum or a largest value) of a small host tensor, as messages to and from
     every other rank: gloo runs them on the calling thread, where a collective wakes its worker threads on every rank
     (0.5 ms CPU per step on each last stage of an MLP pipeline, two pipelines on two cores). Every rank combines the
     values in the group's rank order: the same result everywhere."""
-    combines: dict[Any, Callable[[Tensor, Tensor], Tensor]] = {
-        dist.ReduceOp.SUM: torch.add,
-        dist.ReduceOp.MAX: torch.maximum,
-    }
-    combine = combines.get(op)
+    combine = _COMBINE.get(op)
     if combine is None or tensor.device.type != "cpu":
         dist.all_reduce(tensor, op=op, group=group)
         return
