@@ -461,3 +461,46 @@ def test_export_to_hugging_face_and_lightning_formats(jobs: dict, tmp_path_facto
     assert export_lightning(str(runs / "tiny"), out / "again.ckpt")["peak_bytes"] < sum(
         t.numel() * t.element_size() for t in weights.values()
     ), "no process holds the whole model"
+
+
+@pytest.mark.parametrize("router_logits", [True, False])
+def test_a_mixture_of_experts_load_balancing_loss_is_refused_in_a_pipeline(router_logits: bool) -> None:
+    """Mixtral with ``output_router_logits=True`` adds a load-balancing loss over the router logits of every layer;
+    the last stage of a pipeline holds only its own layers' (a two-stage run trained other weights than one process:
+    0.0075 apart after 4 steps, where training moved them by 0.004). The last stage refuses it by name; without the
+    router logits the same model runs."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=router_logits,
+    )
+
+    class MoE(CausalLM):
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            torch.manual_seed(0)
+            self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    module = MoE()
+    split = discover(module, "model.model.layers")
+    place_stages(module, split, plan_stages(4, 2), pp_rank=1, device=torch.device("cpu"))
+    runner = StepRunner(module, num_stages=2, capture=LogCapture(), device=torch.device("cpu"))
+    batch = (torch.randint(0, 96, (4, 16)),)
+    received = torch.randn(2, 16, 32, requires_grad=True)
+    with runner.bind("training_step", "train", batch, (0,), {}, microbatches=2):
+        if router_logits:
+            with pytest.raises(ModelContractError, match="output_router_logits=False"):
+                runner.loss_fn(runner.stage_forward(1, (received,)), torch.arange(2))
+        else:
+            loss = runner.loss_fn(runner.stage_forward(1, (received,)), torch.arange(2))
+            loss.backward()
+            assert received.grad is not None

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_spot.runtime.layer_outputs import refuse_partial_router_logits
+
 #: the key of a step result that says how many items its loss is a mean over
 NUM_ITEMS = "num_items"
 IGNORE_INDEX = -100
@@ -94,9 +96,13 @@ class ItemCounts:
     """Item counts of the micro-batch being run: what transformers models computed a loss over, what the step
     declared, and whether a mean over ignored targets was seen."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, stages: int = 1) -> None:
         #: (loss, items) of every transformers model call with labels in the current micro-batch
         self.seen: list[tuple[Tensor, Tensor]] = []
+        #: the pipeline's stages, and whether the micro-batch being run is a training one (for
+        #: :func:`refuse_partial_router_logits`)
+        self.stages = stages
+        self.training = False
         #: whether the micro-batch's watched losses were means over targets holding their ignore index (a flag on
         #: the device; ``None``: none watched)
         self.ignored_targets: Tensor | None = None
@@ -119,14 +125,15 @@ class ItemCounts:
         if not self._collecting or not self._open:
             return
         count = self._open.pop()
+        refuse_partial_router_logits(model, output, self.stages, self.training)
         loss = getattr(output, "loss", None) if not isinstance(output, Tensor) else None
         if count is not None and isinstance(loss, Tensor):
             self.seen.append((loss, count))
 
     @contextlib.contextmanager
-    def micro_batch(self, watch: bool) -> Iterator[None]:
+    def micro_batch(self, watch: bool, training: bool = False) -> Iterator[None]:
         """Collect the counts of one run of the user's step (and, with ``watch``, look for ignored targets)."""
-        self.seen, self._open, self.ignored_targets = [], [], None
+        self.seen, self._open, self.ignored_targets, self.training = [], [], None, training
         self._collecting = True
         mode = _IgnoredTargets() if watch else None
         try:

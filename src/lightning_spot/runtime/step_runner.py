@@ -125,7 +125,7 @@ class StepRunner:
         #: called with a stage's index once its gradients of the step are final (after its last backward)
         self.grads_final: list[Callable[[int], None]] = []
         #: what each micro-batch's loss is a mean over, and how the step's losses combine
-        self.items = ItemCounts(module)
+        self.items = ItemCounts(module, stages=num_stages)
         self.loss_weights = LossWeights()
         #: the step's calls of the module's torchmetrics metrics (set up by the engine, which knows the groups)
         self.metric_calls: MetricCalls | None = None
@@ -275,7 +275,7 @@ class StepRunner:
             running(run),
             self.capture.capturing(self.module, weight=float(idx.numel()), keep=True),
             self._saving(),
-            self.items.micro_batch(watch),
+            self.items.micro_batch(watch, training=self.mode == "train"),
             self.metric_calls.collecting() if self.metric_calls is not None else contextlib.nullcontext(),
         ):
             result = self._call(micro_batch)
