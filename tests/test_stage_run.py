@@ -164,3 +164,14 @@ def test_code_at_a_stage_boundary_that_keeps_the_hidden_state_s_values_is_allowe
     with runner.bind("training_step", "train", (torch.randn(8, WIDTH), torch.randn(8, WIDTH)), (0,), {}, 2):
         out = runner.stage_forward(1, (received,))[0]
     torch.testing.assert_close(out, layers[1](layers[0](received)))
+
+
+def test_a_forward_pre_hook_that_changes_a_stage_s_first_input_is_refused() -> None:
+    """The received activation replaces the first layer's input after its forward pre-hooks ran: a hook that
+    changes that input would be skipped, so the probe refuses it as code between the layers."""
+    module = _Stack()
+    module.layers[2].register_forward_pre_hook(lambda layer, args: (args[0] * 3,))
+    runner, _ = _middle_stage(module)
+    bound = runner.bind("training_step", "train", (torch.randn(8, WIDTH), torch.randn(8, WIDTH)), (0,), {}, 2)
+    with bound, pytest.raises(ModelContractError, match="a forward pre-hook on `layers.2`"):
+        runner.stage_forward(1, (torch.randn(4, WIDTH),))

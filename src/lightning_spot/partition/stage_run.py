@@ -156,7 +156,8 @@ def check_unchanged_between(run: StageRun, fqn: str, hidden: Any) -> None:
         # here, the hidden state itself is returned and `[0]` takes its first row, which the first layer replaces
     raise ModelContractError(
         f"The step's code changes the hidden state between layer `{before}` and layer `{fqn}` (something like "
-        f"`x = layer(x) * scale`, a residual, a norm or a dropout between the layers), and a pipeline stage boundary "
+        f"`x = layer(x) * scale`, a residual, a norm or a dropout between the layers, or a forward pre-hook on "
+        f"`{fqn}` that changes its input), and a pipeline stage boundary "
         f"falls there: `{before}`'s stage sends its output as it is and `{fqn}` (the first layer of stage "
         f"{run.stage}) takes it, so that code would be skipped and training would differ from one process. Move the "
         f"code into the layers (one module per layer and what follows it), or cut elsewhere with "
