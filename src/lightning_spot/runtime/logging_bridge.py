@@ -197,9 +197,9 @@ _COMBINE: dict[Any, Callable[[Tensor, Tensor], Tensor]] = {
 
 def exchange_reduce(tensor: Tensor, op: Any, group: dist.ProcessGroup) -> None:
     """``dist.all_reduce(tensor, op)`` (a sum or a largest value) of a small host tensor, as messages to and from
-    every other rank: gloo runs them on the calling thread, where a collective wakes its worker threads on every rank
-    (0.5 ms CPU per step on each last stage of an MLP pipeline, two pipelines on two cores). Every rank combines the
-    values in the group's rank order: the same result everywhere."""
+    every other rank: gloo runs them on the calling thread, where a collective hands its work to gloo's worker
+    threads and wakes them on every rank (an MLP's P2xD2 step took 2.8% less time without that, on two cores).
+    Every rank combines the values in the group's rank order: the same result everywhere."""
     combine = _COMBINE.get(op)
     if combine is None or tensor.device.type != "cpu":
         dist.all_reduce(tensor, op=op, group=group)
