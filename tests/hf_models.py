@@ -13,7 +13,8 @@ SEQ = 16
 
 
 def hf_config(family: str, tied: bool, layers: int = 4) -> Any:
-    """A small random-weight config of ``family`` ("gpt2", "llama", "qwen2"), dropout off."""
+    """A small random-weight config of ``family`` ("gpt2", "llama", "qwen2", "mixtral", "mixtral-router-logits",
+    "falcon", "bloom"), dropout off."""
     import transformers
 
     if family == "gpt2":
@@ -42,6 +43,19 @@ def hf_config(family: str, tied: bool, layers: int = 4) -> Any:
         return transformers.LlamaConfig(**common)
     if family == "qwen2":
         return transformers.Qwen2Config(**common)
+    if family in ("mixtral", "mixtral-router-logits"):  # the latter adds the experts' load-balancing loss
+        router_logits = family == "mixtral-router-logits"
+        return transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=router_logits
+        )
+    if family == "falcon":  # (Falcon's and Bloom's blocks return tuples)
+        return transformers.FalconConfig(
+            hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, vocab_size=VOCAB, tie_word_embeddings=tied
+        )
+    if family == "bloom":
+        return transformers.BloomConfig(
+            hidden_size=32, n_layer=layers, n_head=2, vocab_size=VOCAB, tie_word_embeddings=tied
+        )
     raise ValueError(family)
 
 

@@ -272,23 +272,6 @@ def test_an_argument_computed_from_an_earlier_stages_values_is_refused_by_name()
     assert "Layer `layers.1`" in str(err.value) and "receives `positional argument 2`" in str(err.value)
 
 
-def _tuple_block_model(family: str) -> Any:
-    import transformers
-
-    if family == "falcon":
-        config = transformers.FalconConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, vocab_size=96)
-    else:
-        config = transformers.BloomConfig(hidden_size=32, n_layer=4, n_head=2, vocab_size=96)
-
-    class Wrapped(CausalLM):
-        def __init__(self) -> None:
-            torch.nn.Module.__init__(self)
-            torch.manual_seed(0)
-            self.model = transformers.AutoModelForCausalLM.from_config(config)
-
-    return Wrapped()
-
-
 @pytest.mark.parametrize("family", ["falcon", "bloom"])
 def test_blocks_that_return_tuples_pass_the_check_at_stage_boundaries(family: str) -> None:
     """Falcon's and Bloom's blocks return a tuple whose first element the loop takes (`outputs[0]`); passed through
@@ -296,7 +279,7 @@ def test_blocks_that_return_tuples_pass_the_check_at_stage_boundaries(family: st
     code changes the hidden state at a stage boundary lets that through, at every cut of 4 blocks into 4 stages."""
     batch = torch.randint(0, 96, (4, 16))
     for rank in (1, 2, 3):
-        module = _tuple_block_model(family)
+        module = CausalLM(family)
         split = discover(module)
         place_stages(module, split, plan_stages(4, 4), pp_rank=rank, device=torch.device("cpu"))
         runner = StepRunner(module, num_stages=4, capture=LogCapture(), device=torch.device("cpu"))
@@ -469,28 +452,7 @@ def test_a_mixture_of_experts_load_balancing_loss_is_refused_in_a_pipeline(route
     the last stage of a pipeline holds only its own layers' (a two-stage run trained other weights than one process:
     0.0075 apart after 4 steps, where training moved them by 0.004). The last stage refuses it by name; without the
     router logits the same model runs."""
-    import transformers
-
-    config = transformers.MixtralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=router_logits,
-    )
-
-    class MoE(CausalLM):
-        def __init__(self) -> None:
-            torch.nn.Module.__init__(self)
-            torch.manual_seed(0)
-            self.model = transformers.AutoModelForCausalLM.from_config(config)
-
-    module = MoE()
+    module = CausalLM("mixtral-router-logits" if router_logits else "mixtral")
     split = discover(module, "model.model.layers")
     place_stages(module, split, plan_stages(4, 2), pp_rank=1, device=torch.device("cpu"))
     runner = StepRunner(module, num_stages=2, capture=LogCapture(), device=torch.device("cpu"))

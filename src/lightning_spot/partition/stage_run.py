@@ -127,6 +127,13 @@ def _reject_meta(fqn: str, named: dict[str, Any]) -> None:
     )
 
 
+def hidden_argument(args: tuple, kwargs: dict[str, Any], activation: str | None) -> Any:
+    """The hidden state a layer is called with: its first positional argument, or the one named ``activation``."""
+    if args:
+        return args[0]
+    return kwargs.get(activation) if activation else None
+
+
 def _note_passed(value: Any, fqn: str) -> Any:
     """A layer of another stage passes ``value`` through: note it when probing (see :func:`check_unchanged_between`)."""
     if _ACTIVE and _ACTIVE[-1].probe:
@@ -200,7 +207,7 @@ def instrument_layer(
         if run is None:
             return original(self, *args, **kwargs)
         if run.stage != stage:
-            return _note_passed(args[0] if args else kwargs.get(activation) if activation else None, fqn)
+            return _note_passed(hidden_argument(args, kwargs, activation), fqn)
         if first:
             run.layers_started = True
             if run.find_chain:
@@ -209,7 +216,7 @@ def instrument_layer(
             if run.probe or not run.first_stage:
                 named = _named_arguments(args[1:], {k: v for k, v in kwargs.items() if k != activation or args})
             if run.probe:
-                check_unchanged_between(run, fqn, args[0] if args else kwargs.get(activation) if activation else None)
+                check_unchanged_between(run, fqn, hidden_argument(args, kwargs, activation))
                 raise StageProbe(fqn, named or {})
             if run.incoming is not None:
                 if args:
@@ -288,7 +295,7 @@ class SkippedLayer(nn.Module):
         self.activation = activation
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _note_passed(args[0] if args else kwargs.get(self.activation) if self.activation else None, self.fqn)
+        return _note_passed(hidden_argument(args, kwargs, self.activation), self.fqn)
 
     def extra_repr(self) -> str:
         return f"on another stage: {self.fqn}"
