@@ -14,7 +14,11 @@
 # 7. gpu_host_copy: what copying 5 GB of state to host memory costs (pinned or not, blocking or not);
 # 8. where the small GPT's steps make the host wait for the GPU, plain Lightning and spot_pipeline (the places
 #    only spot_pipeline has are the suspects for its 1.6 ms per step);
-# 9. a Hugging Face Llama from transformers (below).
+# 9. a Hugging Face Llama from transformers (below);
+# 10. the MLP table of pipeline_throughput.py on the host's CPUs (gloo, no GPU): once on two cores (taskset), as on
+#    the development machine, where four ranks share two cores and every rank's fixed cost adds up; once on all
+#    cores, a core or more per rank, as on a GPU host (issue 26's goal of 1.10x for P2xD2 and P4xD1; about three
+#    minutes each: ONLY=mlp_all runs the second alone).
 # Each check has its own time limit; one that fails is reported and the next one runs. ONLY='regex' runs the
 # checks whose names match; PROFILE=1 also writes a cProfile of each check. Each check's whole output lands in
 # OUT_DIR/logs.tgz (NAME.txt), the summary in OUT_DIR/gpu_checks.log.
@@ -94,6 +98,15 @@ hf=(env PYTHONPATH="$PYTHONPATH${hf_path:+:$hf_path}" python3 examples/hf_llama/
     --block-size 512 --batch-size 16 --val-every 1000 --root "$root/hf_llama")
 check hf_llama 180 "${hf[@]}" --max-steps 40 --checkpoint-every 20
 check hf_llama_resume 120 "${hf[@]}" --max-steps 60 --checkpoint-every 20
+# 10. (CPU only) four ranks on two cores, then on all of them
+mlp=(python3 benchmarks/pipeline_throughput.py --model mlp --layouts P2xD2,P4xD1 --steps 200 --repeats 3)
+if command -v taskset >/dev/null; then
+    check mlp_two_cores 300 taskset -c 0,1 "${mlp[@]}"
+fi
+check mlp_all_cores 300 "${mlp[@]}"
+for name in mlp_two_cores mlp_all_cores; do # the table and its rounds, into the log
+    [[ -f $logs/$name.txt ]] && grep -E "^mlp |^per round|OMP_NUM_THREADS" "$logs/$name.txt" | tee -a "$log"
+done
 rm -rf "$root"
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs" # few files come back from a lent machine
 echo "gpu_checks: $failed failed" | tee -a "$log"

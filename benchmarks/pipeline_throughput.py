@@ -485,6 +485,11 @@ def launch(job: dict[str, Any], log_dir: Path, timeout: float) -> dict[str, Any]
     return result
 
 
+def usable_cpus() -> int:
+    """The CPUs the ranks may run on (this process's affinity: ``taskset`` and containers narrow it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parse_layouts(text: str) -> list[tuple[int, int]]:
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -668,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         f"n_head={args.n_head} block={args.block_size}, global batch {batch_size(args, 'gpt')}; mlp: {args.n_layer} x "
         f"(Linear {MLP_WIDTH}->{MLP_WIDTH} + GELU), global batch {batch_size(args, 'mlp')}); {args.microbatches} "
         f"micro-batches per replica, schedule 1F1B; {args.warmup} warm-up + {args.steps} timed steps; cpu/gloo, "
-        f"{os.cpu_count()} CPUs; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'not set')}",
+        f"{usable_cpus()} CPUs; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'not set')}",
         flush=True,
     )
     rows: list[dict[str, Any]] = []
@@ -716,6 +721,9 @@ def main(argv: list[str] | None = None) -> int:
         "strategy's extra ms per step, and per micro-batch; CPU ms/step: CPU time per step summed over the ranks "
         "(with more processes than cores, step times follow it)"
     )
+    shared = [f"P{P}xD{D}" for P, D in layouts if usable_cpus() < P * D]
+    if shared:  # (a core per rank, as a GPU host gives, puts most of a rank's fixed cost in its waits instead)
+        print(f"ranks share the {usable_cpus()} CPUs in {', '.join(shared)}: each rank's fixed cost slows the others")
     if ratios:
         print("strategy/hand-written: " + ", ".join(ratios))
     for line in round_ratios(rows):
