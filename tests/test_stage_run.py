@@ -133,6 +133,66 @@ def test_a_middle_stage_runs_only_its_layers_once_a_replay_showed_torch_chains_t
     assert received.grad is not None and layers[0][0].weight.grad is not None
 
 
+class _OwnAutocast(_Stack):
+    """A step that runs the layers under an autocast of its own (bf16 on the CPU) from batch ``from_batch`` on."""
+
+    def __init__(self, from_batch: int) -> None:
+        super().__init__()
+        self.from_batch = from_batch
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x, y = batch
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=batch_idx >= self.from_batch):
+            out = self(x)
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+
+@pytest.mark.parametrize("from_batch", [0, 1], ids=["every-step", "from-the-second-step"])
+def test_a_middle_stage_keeps_the_step_s_own_autocast_on_every_micro_batch(from_batch: int) -> None:
+    """Calling a middle stage's layers alone leaves out the step's code around them: where that code runs them
+    under a context of its own (here an autocast, from some step on), every micro-batch of the step is replayed
+    (and computes in bf16 like the first), and the choice is made again at each step."""
+    module = _OwnAutocast(from_batch)
+    runner, layers = _middle_stage(module)
+    received = torch.randn(4, WIDTH)
+    batch = (torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+    for batch_idx in (0, 1):
+        calls = module.calls
+        with runner.bind("training_step", "train", batch, (batch_idx,), {}, microbatches=2):
+            outputs = []
+            for chunk in (0, 1):
+                runner.chunk = chunk
+                outputs.append(runner.stage_forward(1, (received,))[0])
+        own = batch_idx >= from_batch
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=own):
+            expected = layers[1](layers[0](received))
+        for out in outputs:
+            assert out.dtype == (torch.bfloat16 if own else torch.float32)
+            torch.testing.assert_close(out, expected)
+        probes = 2 if batch_idx == 0 else 0  # (the first replay of a middle stage also probes the first layer twice)
+        assert module.calls - calls - probes == (2 if own else 1)  # replayed every micro-batch, or the layers chained
+
+
+def test_a_middle_stage_chains_its_layers_under_an_autocast_around_the_whole_step() -> None:
+    """An autocast around the whole step (what ``precision="bf16-mixed"`` puts around the schedule) is there for the
+    layers called alone too: the layers are chained, in bf16."""
+    module = _Stack()
+    runner, layers = _middle_stage(module)
+    received = torch.randn(4, WIDTH)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with runner.bind("training_step", "train", (torch.randn(8, WIDTH), torch.randn(8, WIDTH)), (0,), {}, 2):
+            outputs = []
+            for chunk in (0, 1):
+                runner.chunk = chunk
+                outputs.append(runner.stage_forward(1, (received,))[0])
+        expected = layers[1](layers[0](received))
+    assert module.calls - 2 == 1  # one replay (besides the probes), then the layers alone
+    for out in outputs:
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize("code", ["scale", "residual", "dropout"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_code_that_changes_the_hidden_state_at_a_stage_boundary_is_refused(code: str, stage: int) -> None:

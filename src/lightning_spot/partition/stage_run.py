@@ -13,8 +13,9 @@ the code between the embeddings and the layer sequence (position ids, attention 
 cos/sin in Hugging Face models) computes the real values the stage's first layer needs, on the
 stage's device, from the shapes alone. :func:`layer_arguments` (with :func:`check_reproducible`) shows
 once per stage that those values do not depend on what the stand-ins hold. Where the replay shows that torch's
-own ``nn.Sequential`` chains a stage's layers (:func:`sequential_caller`), a stage between the first and the last
-calls only them afterwards: nothing of the user's code before the sequence counts there.
+own ``nn.Sequential`` chains a stage's layers (:func:`sequential_caller`) in the state the stage started in
+(:func:`ambient_state`), a stage between the first and the last calls only them for the step's later micro-batches:
+nothing of the user's code before the sequence counts there.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ class StageRun:
     #: (:func:`sequential_caller`; ``None``: the user's code does)
     find_chain: bool = False
     chained: list[nn.Module] | None = None
+    #: (find_chain) :func:`ambient_state` where the stage started: the layers are chained alone only if the step's
+    #: code calls the first one in the same state (no autocast, grad mode or torch mode of the user's around them)
+    ambient: tuple | None = None
     #: (probes) what the last layer passed through (of another stage) returned, and its name: the stage's first layer
     #: must be called with it unchanged (:func:`check_unchanged_between`)
     passed: Any = None
@@ -210,7 +214,7 @@ def instrument_layer(
             return _note_passed(hidden_argument(args, kwargs, activation), fqn)
         if first:
             run.layers_started = True
-            if run.find_chain:
+            if run.find_chain and ambient_state(run.device) == run.ambient:
                 run.chained = sequential_caller(self)
             named = None  # (the arguments besides the activation: for probes, and on stages but the first)
             if run.probe or not run.first_stage:
@@ -274,6 +278,22 @@ def sequential_caller(layer: nn.Module) -> list[nn.Module] | None:
         if not isinstance(child, SkippedLayer) and child not in _INSTRUMENTED:
             return None
     return None
+
+
+def ambient_state(device: torch.device | None) -> tuple:
+    """What code around a layer call can switch that changes what the layer computes: grad and inference mode,
+    autocast (on the CPU and on ``device``'s type) and its dtype, and how many torch function and dispatch modes are
+    active. The layers of a stage run alone (:func:`sequential_caller`) only where the step's code calls them in the
+    state the stage started in, since running them alone leaves that code out."""
+    kinds = sorted({"cpu", device.type if device is not None else "cpu"})
+    autocast = tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds)
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        autocast,
+        torch._C._len_torch_function_stack(),
+        torch._C._len_torch_dispatch_stack(),
+    )
 
 
 def activation_parameter(forward: Any) -> str | None:

@@ -32,6 +32,7 @@ from lightning_spot.partition.stage_run import (
     StageExit,
     StageProbe,
     StageRun,
+    ambient_state,
     check_reproducible,
     incoming_value,
     running,
@@ -142,8 +143,9 @@ class StepRunner:
         self.chunk = 0
         self.microbatches = 1
         self._rows_cache: dict[tuple[int, int], tuple[Tensor, ...]] = {}
-        #: (stage, step function) -> the stage's layers, where a replay showed that torch's ``nn.Sequential`` chains
-        #: them (None: the user's code does, and the step is replayed); only stages between the first and the last
+        #: (stage, step function) -> the stage's layers, where the step's first replay showed that torch's
+        #: ``nn.Sequential`` chains them in the state the stage started in (None: the user's code does, or runs them
+        #: under a context of its own, and the step is replayed); only stages between the first and the last
         self._chains: dict[tuple[int, str], list[nn.Module] | None] = {}
 
     @property
@@ -174,6 +176,7 @@ class StepRunner:
         self.step_args, self.step_kwargs = args, kwargs
         self.results = []
         self._losses_computed = 0
+        self._chains.clear()  # (decided again by each step's first replay: the step's code may change between steps)
         if mode == "train":
             self.loss_weights.start()
             self._train_steps += 1
@@ -219,6 +222,8 @@ class StepRunner:
             return _as_tensors(out, f"the last layer of stage {stage}")
         run = StageRun(stage, first_stage=stage == 0, incoming=acts or None, exit_after=True, device=self.device)
         run.find_chain = middle and key not in self._chains
+        if run.find_chain:
+            run.ambient = ambient_state(self.device)
         micro_batch = self._micro_batch(idx)
         self._check_arguments(stage, micro_batch)
         with running(run), self.capture.capturing(self.module, weight=0.0, keep=False), self._saving():
