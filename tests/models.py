@@ -378,6 +378,17 @@ class UnevenPipelineModel(TinyPipelineModel):
         self.layers[0] = Block(HIDDEN, repeats=120)
 
 
+class GradNormModel(TiedEmbeddingModel):
+    """Logs its gradient norms before every update with ``lightning_spot.grad_norm`` (2-norms and infinity norms), as
+    Lightning's documentation does with its own ``grad_norm``; the input and output projections share a weight."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        from lightning_spot import grad_norm
+
+        self.log_dict(grad_norm(self, norm_type=2))
+        self.log_dict(grad_norm(self, norm_type="inf"))
+
+
 class MetricModel(TinyPipelineModel):
     """Logs torchmetrics objects as Lightning users do: R^2 (not a mean over samples, so a step's value is not the
     mean of its micro-batches' values) on steps and epochs in training, MSE and R^2 per epoch in validation."""

@@ -259,6 +259,8 @@ WORLD_4 += [
 ]
 WORLD_3 = [
     scenario("P3D1-1F1B-uneven", strategy={"pipeline_stages": 3, "microbatches": 4}, model={"num_layers": 5}),
+    # gradient norms logged before each update (lightning_spot.grad_norm), a weight tied across the first and last stage
+    scenario("P3D1-grad-norm-tied", strategy={"pipeline_stages": 3, "microbatches": 2}, model={"cls": "GradNormModel"}),
     scenario(
         "P3D1-GPipe-explicit-cuts",
         strategy={"pipeline_stages": 3, "microbatches": 2, "schedule": "GPipe", "partition": [1, 4]},
@@ -494,6 +496,22 @@ def test_torchmetrics_objects_log_what_one_process_logs(jobs: dict, tmp_path_fac
             assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-6), name
         assert r["best_checkpoint"][0] == ref["best_checkpoint"][0] != "epoch=2-step=12.ckpt"
         assert r["best_checkpoint"][1] == pytest.approx(ref["best_checkpoint"][1], rel=1e-5)
+
+
+def test_grad_norm_logs_the_norms_of_every_stage_on_every_rank(jobs: dict, tmp_path_factory) -> None:
+    """``lightning_spot.grad_norm`` in ``on_before_optimizer_step``: every rank logs the norm of every parameter of
+    the model (the tied weight once, under the name one process gives it) and their total, as one process does with
+    Lightning's ``grad_norm`` (which, in a pipeline, sees one stage's parameters: each rank would log its share)."""
+    case = next(s for s in WORLD_3 if s["name"] == "P3D1-grad-norm-tied")
+    ranks = _results(jobs, 3, tmp_path_factory)[case["name"]]
+    ref = reference_run(case)
+    names = {k for k in ref["metrics"] if k.startswith("grad_")}
+    assert {"grad_2.0_norm_total", "grad_inf_norm_total", "grad_2.0_norm/embed.1.weight"} <= names
+    assert "grad_2.0_norm/head.0.weight" not in names  # (the tied weight's other name)
+    for r in ranks:
+        assert {k for k in r["metrics"] if k.startswith("grad_")} == names
+        for name in names:
+            assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-4, abs=1e-7), name
 
 
 def test_fp16_agrees_on_one_loss_scale(jobs: dict, tmp_path_factory) -> None:

@@ -14,6 +14,7 @@ from lightning_spot.checkpoint import CheckpointError, SpotCheckpoint, StorageEr
 from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
 from lightning_spot.data import EpochShuffleSampler
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout
+from lightning_spot.observe.grad_norms import grad_norm
 from lightning_spot.observe.throughput import PipelineThroughput
 from lightning_spot.observe.timeline import PipelineTimeline
 from lightning_spot.partition.cuts import StagePlan, even_cuts, plan_stages
@@ -45,6 +46,7 @@ __all__ = [
     "StorageError",
     "discover",
     "even_cuts",
+    "grad_norm",
     "load_full_state_dict",
     "plan_stages",
     "resolve_schedule",

@@ -51,6 +51,7 @@ from lightning_spot.fault import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, JobWatch
 from lightning_spot.fault_tolerance import TorchFT, resolve_fault_tolerance
 from lightning_spot.fault_tolerance.attach import HEAL_URL, ReplicaGroup, attach, healed_checkpoint
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
+from lightning_spot.observe import grad_norms
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
 from lightning_spot.partition.placement import placement_of
 from lightning_spot.partition.pretrained import SafetensorsWeights, load_stage_weights
@@ -68,7 +69,7 @@ from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
-from lightning_spot.runtime.grads import global_norm_clipping
+from lightning_spot.runtime.grads import global_norm_clipping, norm_scope
 from lightning_spot.runtime.host_malloc import MallocSetup, keep_freed_host_memory
 from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
 from lightning_spot.runtime.loss_scale import coordinated_scaler
@@ -533,9 +534,11 @@ class SpotPipelineStrategy(ParallelStrategy):
     def _route_gradient_clipping(self) -> None:
         """Clip by the global norm over all stages instead of each rank's local norm."""
         engine = self._engine()
+        scope = norm_scope(engine.layout.is_mixed, engine.ctx.pp_group, engine.ctx.dp_rank, engine.ties.duplicates)
         self.precision_plugin.clip_grad_by_norm = global_norm_clipping(  # type: ignore[method-assign,assignment]
-            engine.layout.is_mixed, engine.ctx.pp_group, engine.ctx.dp_rank, engine.ties.duplicates, self.root_device
+            scope, self.root_device
         )
+        grad_norms.use_scope(scope)  # (lightning_spot.grad_norm: the norms of every stage's gradients)
 
     @override
     def model_to_device(self) -> None:
@@ -800,6 +803,7 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        grad_norms.use_scope(None)
         if self._sigterm is not None:
             self._sigterm.uninstall()
             self._sigterm = None

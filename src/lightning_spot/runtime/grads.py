@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,18 +69,34 @@ def all_reduce_mean(params: Sequence[Tensor], group: dist.ProcessGroup, bucket_b
                 g.copy_(synced)
 
 
-def global_norm_clipping(
-    mixed: bool, pp_group: dist.ProcessGroup | None, dp_rank: int, duplicates: Sequence[Tensor], reduce_on: torch.device
-) -> Callable[[Any, float], None]:
-    """Lightning's ``clip_grad_by_norm(optimizer, clip_val)`` by the norm over all stages (:func:`clip_grad_norm_global`)
-    instead of each rank's local norm: over the pipeline group, or the world with only pipeline 0 counting where
-    pipelines of ``mixed`` depths cut the model differently."""
+@dataclass(frozen=True)
+class NormScope:
+    """Where a gradient norm over all stages is combined: ``group``, and whether this rank's gradients count
+    (``counts``) besides the ``duplicates`` (copies of tied parameters counted on another rank)."""
+
+    group: dist.ProcessGroup | None
+    counts: bool
+    duplicates: Sequence[Tensor]
+
+
+def norm_scope(
+    mixed: bool, pp_group: dist.ProcessGroup | None, dp_rank: int, duplicates: Sequence[Tensor]
+) -> NormScope:
+    """The pipeline group, or the world with only pipeline 0 counting where pipelines of ``mixed`` depths cut the
+    model differently (data-parallel replicas hold the same, already averaged, gradients)."""
     group = dist.group.WORLD if mixed and dist.is_initialized() else pp_group
-    counts = dp_rank == 0 or not mixed
+    return NormScope(group, counts=dp_rank == 0 or not mixed, duplicates=duplicates)
+
+
+def global_norm_clipping(scope: NormScope, reduce_on: torch.device) -> Callable[[Any, float], None]:
+    """Lightning's ``clip_grad_by_norm(optimizer, clip_val)`` by the norm over all stages (:func:`clip_grad_norm_global`)
+    instead of each rank's local norm."""
 
     def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
         params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
-        clip_grad_norm_global(params, float(clip_val), group, duplicates=duplicates, counts=counts, reduce_on=reduce_on)
+        clip_grad_norm_global(
+            params, float(clip_val), scope.group, duplicates=scope.duplicates, counts=scope.counts, reduce_on=reduce_on
+        )
 
     return clip_grad_by_norm
 
