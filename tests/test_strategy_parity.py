@@ -297,10 +297,10 @@ WORLD_3 += [
 ]
 WORLD_4 += [
     scenario("mixed-P1+P3-adam", strategy={"pipeline_stages": [1, 3], "microbatches": 4}, expect_split=[1, 3]),
-    scenario(
+    scenario(  # (logging the gradient norms as well: only pipeline 0's ranks count there)
         "mixed-P1+P3-tied-embeddings",
         strategy={"pipeline_stages": [1, 3], "microbatches": [2, 6]},
-        model={"cls": "TiedEmbeddingModel"},
+        model={"cls": "GradNormModel"},
         expect_split=[2, 6],
     ),
 ]
@@ -501,17 +501,19 @@ def test_torchmetrics_objects_log_what_one_process_logs(jobs: dict, tmp_path_fac
 def test_grad_norm_logs_the_norms_of_every_stage_on_every_rank(jobs: dict, tmp_path_factory) -> None:
     """``lightning_spot.grad_norm`` in ``on_before_optimizer_step``: every rank logs the norm of every parameter of
     the model (the tied weight once, under the name one process gives it) and their total, as one process does with
-    Lightning's ``grad_norm`` (which, in a pipeline, sees one stage's parameters: each rank would log its share)."""
-    case = next(s for s in WORLD_3 if s["name"] == "P3D1-grad-norm-tied")
-    ranks = _results(jobs, 3, tmp_path_factory)[case["name"]]
-    ref = reference_run(case)
-    names = {k for k in ref["metrics"] if k.startswith("grad_")}
-    assert {"grad_2.0_norm_total", "grad_inf_norm_total", "grad_2.0_norm/embed.1.weight"} <= names
-    assert "grad_2.0_norm/head.0.weight" not in names  # (the tied weight's other name)
-    for r in ranks:
-        assert {k for k in r["metrics"] if k.startswith("grad_")} == names
-        for name in names:
-            assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-4, abs=1e-7), name
+    Lightning's ``grad_norm`` (which, in a pipeline, sees one stage's parameters: each rank would log its share); on
+    three stages, and on pipelines of depths 1 and 3 (where only the first pipeline's ranks count)."""
+    for world, name in ((3, "P3D1-grad-norm-tied"), (4, "mixed-P1+P3-tied-embeddings")):
+        case = next(s for s in ALL[world] if s["name"] == name)
+        ranks = _results(jobs, world, tmp_path_factory)[name]
+        ref = reference_run(case)
+        names = {k for k in ref["metrics"] if k.startswith("grad_")}
+        assert {"grad_2.0_norm_total", "grad_inf_norm_total", "grad_2.0_norm/embed.1.weight"} <= names
+        assert "grad_2.0_norm/head.0.weight" not in names  # (the tied weight's other name)
+        for r in ranks:
+            assert {k for k in r["metrics"] if k.startswith("grad_")} == names
+            for key in names:
+                assert r["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-7), (name, key)
 
 
 def test_fp16_agrees_on_one_loss_scale(jobs: dict, tmp_path_factory) -> None:
