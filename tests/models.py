@@ -389,6 +389,22 @@ class GradNormModel(TiedEmbeddingModel):
         self.log_dict(grad_norm(self, norm_type="inf"))
 
 
+class OutputsModel(TinyPipelineModel):
+    """Returns its predictions with the loss, as Lightning users do to read them in ``on_train_batch_end``, and logs
+    what it reads there: their mean and row count (the global batch's in one process)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        preds = self(x)
+        loss = F.mse_loss(preds, y)
+        self.log("train_loss", loss)
+        return {"loss": loss, "preds": preds.detach()}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("preds_mean", outputs["preds"].mean())
+        self.log("preds_rows", float(outputs["preds"].shape[0]))
+
+
 class MetricModel(TinyPipelineModel):
     """Logs torchmetrics objects as Lightning users do: R^2 (not a mean over samples, so a step's value is not the
     mean of its micro-batches' values) on steps and epochs in training, MSE and R^2 per epoch in validation."""

@@ -261,6 +261,8 @@ WORLD_3 = [
     scenario("P3D1-1F1B-uneven", strategy={"pipeline_stages": 3, "microbatches": 4}, model={"num_layers": 5}),
     # gradient norms logged before each update (lightning_spot.grad_norm), a weight tied across the first and last stage
     scenario("P3D1-grad-norm-tied", strategy={"pipeline_stages": 3, "microbatches": 2}, model={"cls": "GradNormModel"}),
+    # a training step that returns its predictions besides the loss, read in on_train_batch_end
+    scenario("P3D1-step-outputs", strategy={"pipeline_stages": 3, "microbatches": 4}, model={"cls": "OutputsModel"}),
     scenario(
         "P3D1-GPipe-explicit-cuts",
         strategy={"pipeline_stages": 3, "microbatches": 2, "schedule": "GPipe", "partition": [1, 4]},
@@ -514,6 +516,18 @@ def test_grad_norm_logs_the_norms_of_every_stage_on_every_rank(jobs: dict, tmp_p
             assert {k for k in r["metrics"] if k.startswith("grad_")} == names
             for key in names:
                 assert r["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-4, abs=1e-7), (name, key)
+
+
+def test_what_a_training_step_returns_besides_its_loss_reaches_every_rank_s_outputs(jobs, tmp_path_factory) -> None:
+    """``return {"loss": loss, "preds": preds}``: every rank's ``on_train_batch_end`` gets the step's predictions,
+    the micro-batches' rows put back together: one process's batch (the same rows and values)."""
+    case = next(s for s in WORLD_3 if s["name"] == "P3D1-step-outputs")
+    ranks = _results(jobs, 3, tmp_path_factory)[case["name"]]
+    ref = reference_run(case)
+    assert ref["metrics"]["preds_rows"] == 16
+    for r in ranks:
+        assert r["metrics"]["preds_rows"] == 16
+        assert r["metrics"]["preds_mean"] == pytest.approx(ref["metrics"]["preds_mean"], rel=1e-5, abs=1e-7)
 
 
 def test_fp16_agrees_on_one_loss_scale(jobs: dict, tmp_path_factory) -> None:

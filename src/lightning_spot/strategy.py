@@ -34,6 +34,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -554,7 +555,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         return self.engine
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context(), self._watched("training_step"):
             engine, batch, size = self._engine(), args[0], None
             if self.replicas is not None:  # this pipeline's rows of the global batch, among those in the quorum

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
 from lightning_spot._metric_states import copied_states, restore_states
@@ -47,7 +48,7 @@ from lightning_spot.runtime.logging_bridge import (
 from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
-from lightning_spot.runtime.step_runner import Mode, StepRunner, batch_signature, batch_size_of
+from lightning_spot.runtime.step_runner import STEP_OUTPUTS, Mode, StepRunner, batch_signature, batch_size_of
 from lightning_spot.runtime.tied import TiedCopies
 from lightning_spot.runtime.trace_hooks import AllreduceTrace, traced_allreduce_hook, traced_p2p
 from lightning_spot.runtime.weight_streaming import WeightStreaming
@@ -343,7 +344,7 @@ class PipelineEngine:
         kwargs: dict[str, Any],
         global_batch: int | None = None,
         release_grads: bool = False,
-    ) -> Tensor:
+    ) -> Tensor | dict[str, Any]:
         """Forward and backward of this replica's ``batch`` (of a global batch of ``global_batch`` samples, by
         default what the layout makes of it); the gradients wait for :meth:`restore_grads`. ``release_grads``: the
         gradients ``.grad`` holds now are not read again (``runtime/zero_grad.py``): dropped before the schedule."""
@@ -382,7 +383,11 @@ class PipelineEngine:
         put_grads(self.params, saved)
         self.samples_seen += global_batch
         weights = self.runner.loss_weights
-        logged = self._share_logs(weights.records() if self.holds_last else [], training=True)
+        records = weights.records() if self.holds_last else []
+        if self.runner.step_outputs:  # (the last stage) every rank learns with the logged values that outputs follow
+            records.append(LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"}))
+        logged = self._share_logs(records, training=True)
+        outputs = self._step_outputs() if logged.pop(STEP_OUTPUTS, None) is not None else {}
         # losses that are means over items (tokens) count by their items: the gradients get the step's factor
         loss, factor = weights.settle(logged, self.layout.total_microbatches)
         self._pending_factor = factor * divisor
@@ -391,7 +396,14 @@ class PipelineEngine:
             self.held_logs.hold(logged, global_batch, self._shown)
         else:
             replay(self.module, logged, batch_size=global_batch, device=self.ctx.device, shown=self._shown)
-        return torch.full((), loss, device=self.ctx.device)  # (a fill: no wait for the device, as a copy would)
+        step_loss = torch.full((), loss, device=self.ctx.device)  # (a fill: no wait for the device, as a copy would)
+        return {"loss": step_loss, **outputs} if outputs else step_loss
+
+    def _step_outputs(self) -> dict[str, Any]:
+        """What the step returned besides its loss (and item count), on every rank of the pipeline: the last stage's
+        micro-batches merged (per-sample tensors concatenated, other values listed), as this replica's outputs."""
+        merged = _merge_outputs(self.runner.step_outputs) if self.holds_last else None
+        return tree_map(lambda t: t.to(self.ctx.device) if isinstance(t, Tensor) else t, self.share(merged))
 
     @contextlib.contextmanager
     def _streaming(self, key: tuple) -> Iterator[None]:

@@ -38,7 +38,7 @@ from lightning_spot.partition.stage_run import (
     running,
 )
 from lightning_spot.runtime.clock import StepClock
-from lightning_spot.runtime.item_counts import ItemCounts, either
+from lightning_spot.runtime.item_counts import NUM_ITEMS, ItemCounts, either
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.metric_bridge import MetricCalls
@@ -49,6 +49,9 @@ Mode = Literal["train", "eval", "predict"]
 
 #: training steps during which losses are watched for means over ignored targets (for the warning)
 WATCHED_STEPS = 8
+#: the name under which the last stage tells, with a step's logged values, that the step returned outputs besides
+#: its loss (``StepRunner.step_outputs``), which every rank of the pipeline then receives
+STEP_OUTPUTS = "__outputs__"
 
 
 UNWEIGHTED_MEAN = (
@@ -116,6 +119,9 @@ class StepRunner:
         self.step_args: tuple = ()
         self.step_kwargs: dict[str, Any] = {}
         self.results: list[tuple[Tensor, Any]] = []
+        #: (training, the last stage) what each micro-batch's step returned besides its loss and item count, detached:
+        #: Lightning's ``outputs`` of the step (``on_train_batch_end``)
+        self.step_outputs: list[dict[str, Any]] = []
         self._inferring = 0
         self._losses_computed = 0
         self.clock = StepClock()
@@ -175,6 +181,7 @@ class StepRunner:
         self.local_size = batch_size_of(batch)
         self.step_args, self.step_kwargs = args, kwargs
         self.results = []
+        self.step_outputs = []
         self._losses_computed = 0
         self._chains.clear()  # (decided again by each step's first replay: the step's code may change between steps)
         if mode == "train":
@@ -341,6 +348,10 @@ class StepRunner:
                 )
             if not loss.requires_grad:
                 raise ModelContractError("the loss returned by training_step does not depend on the model's output.")
+            if loss is not result:
+                extra = {k: v for k, v in result.items() if k not in ("loss", NUM_ITEMS)}
+                if extra:
+                    self.step_outputs.append(tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, extra))
             count = None
             # (a bare loss with nothing counted, the common case, has no count and nothing to weigh: skipped, as this
             # runs once per micro-batch on the critical path of 1F1B)
