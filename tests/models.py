@@ -390,8 +390,9 @@ class GradNormModel(TiedEmbeddingModel):
 
 
 class OutputsModel(TinyPipelineModel):
-    """Returns its predictions with the loss, as Lightning users do to read them in ``on_train_batch_end``, and logs
-    what it reads there: their mean and row count (the global batch's in one process)."""
+    """Returns its predictions with the loss (and from validation steps), as Lightning users do to read them in
+    ``on_train_batch_end`` (``on_validation_batch_end``), and logs what it reads there: their mean and row count (the
+    global batch's in one process)."""
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         x, y = batch
@@ -403,6 +404,16 @@ class OutputsModel(TinyPipelineModel):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.log("preds_mean", outputs["preds"].mean())
         self.log("preds_rows", float(outputs["preds"].shape[0]))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        preds = self(x)
+        self.log("val_loss", F.mse_loss(preds, y))
+        return {"preds": preds}
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_preds_mean", outputs["preds"].mean())
+        self.log("val_preds_rows", float(outputs["preds"].shape[0]), reduce_fx="max")
 
 
 class MetricModel(TinyPipelineModel):

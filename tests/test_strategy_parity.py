@@ -262,7 +262,13 @@ WORLD_3 = [
     # gradient norms logged before each update (lightning_spot.grad_norm), a weight tied across the first and last stage
     scenario("P3D1-grad-norm-tied", strategy={"pipeline_stages": 3, "microbatches": 2}, model={"cls": "GradNormModel"}),
     # a training step that returns its predictions besides the loss, read in on_train_batch_end
-    scenario("P3D1-step-outputs", strategy={"pipeline_stages": 3, "microbatches": 4}, model={"cls": "OutputsModel"}),
+    scenario(
+        "P3D1-step-outputs",
+        strategy={"pipeline_stages": 3, "microbatches": 4},
+        model={"cls": "OutputsModel"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     scenario(
         "P3D1-GPipe-explicit-cuts",
         strategy={"pipeline_stages": 3, "microbatches": 2, "schedule": "GPipe", "partition": [1, 4]},
@@ -519,15 +525,17 @@ def test_grad_norm_logs_the_norms_of_every_stage_on_every_rank(jobs: dict, tmp_p
 
 
 def test_what_a_training_step_returns_besides_its_loss_reaches_every_rank_s_outputs(jobs, tmp_path_factory) -> None:
-    """``return {"loss": loss, "preds": preds}``: every rank's ``on_train_batch_end`` gets the step's predictions,
-    the micro-batches' rows put back together: one process's batch (the same rows and values)."""
+    """``return {"loss": loss, "preds": preds}`` (and ``{"preds": preds}`` from ``validation_step``): every rank's
+    ``on_train_batch_end`` (``on_validation_batch_end``) gets the step's predictions, the micro-batches' rows put back
+    together: one process's batch (the same rows and values)."""
     case = next(s for s in WORLD_3 if s["name"] == "P3D1-step-outputs")
     ranks = _results(jobs, 3, tmp_path_factory)[case["name"]]
     ref = reference_run(case)
-    assert ref["metrics"]["preds_rows"] == 16
+    assert ref["metrics"]["preds_rows"] == 16 and ref["metrics"]["val_preds_rows"] == 12
     for r in ranks:
-        assert r["metrics"]["preds_rows"] == 16
-        assert r["metrics"]["preds_mean"] == pytest.approx(ref["metrics"]["preds_mean"], rel=1e-5, abs=1e-7)
+        assert r["metrics"]["preds_rows"] == 16 and r["metrics"]["val_preds_rows"] == 12
+        for name in ("preds_mean", "val_preds_mean"):
+            assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-7), name
 
 
 def test_fp16_agrees_on_one_loss_scale(jobs: dict, tmp_path_factory) -> None:

@@ -399,9 +399,10 @@ class PipelineEngine:
         step_loss = torch.full((), loss, device=self.ctx.device)  # (a fill: no wait for the device, as a copy would)
         return {"loss": step_loss, **outputs} if outputs else step_loss
 
-    def _step_outputs(self) -> dict[str, Any]:
-        """What the step returned besides its loss (and item count), on every rank of the pipeline: the last stage's
-        micro-batches merged (per-sample tensors concatenated, other values listed), as this replica's outputs."""
+    def _step_outputs(self) -> Any:
+        """What the step returned (in training: besides its loss and item count), on every rank of the pipeline: the
+        last stage's micro-batches merged (per-sample tensors concatenated, other values listed), as this replica's
+        outputs."""
         merged = _merge_outputs(self.runner.step_outputs) if self.holds_last else None
         return tree_map(lambda t: t.to(self.ctx.device) if isinstance(t, Tensor) else t, self.share(merged))
 
@@ -463,11 +464,14 @@ class PipelineEngine:
         extra = (
             [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []
         )
+        if self.runner.step_outputs:  # (the last stage, validation or test: the step returned something)
+            extra.append(LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"}))
         logged = self._share_logs(extra, training=False)
         total = int(logged.pop("__samples__")[0])
+        outputs = self._step_outputs() if logged.pop(STEP_OUTPUTS, None) is not None else None
         replay(self.module, logged, batch_size=total, device=self.ctx.device, shown=self._shown)
         if mode != "predict":
-            return None
+            return outputs
         merged = _merge_outputs([r[1] for r in results]) if self.holds_last else None
         return self.share(merged)
 

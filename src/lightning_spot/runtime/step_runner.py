@@ -90,6 +90,10 @@ def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
     return tree_map(fn, tree)
 
 
+def _detached(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
+
+
 def _as_tensors(out: Any, where: str) -> tuple[Tensor, ...]:
     items = out if isinstance(out, (tuple, list)) else (out,)
     if not items or not all(isinstance(t, Tensor) for t in items):
@@ -119,8 +123,8 @@ class StepRunner:
         self.step_args: tuple = ()
         self.step_kwargs: dict[str, Any] = {}
         self.results: list[tuple[Tensor, Any]] = []
-        #: (training, the last stage) what each micro-batch's step returned besides its loss and item count, detached:
-        #: Lightning's ``outputs`` of the step (``on_train_batch_end``)
+        #: (the last stage) what each micro-batch's step returned besides its loss and item count (training), or
+        #: whatever it returned (validation, test), detached: Lightning's ``outputs`` of the step's batch hooks
         self.step_outputs: list[dict[str, Any]] = []
         self._inferring = 0
         self._losses_computed = 0
@@ -351,7 +355,7 @@ class StepRunner:
             if loss is not result:
                 extra = {k: v for k, v in result.items() if k not in ("loss", NUM_ITEMS)}
                 if extra:
-                    self.step_outputs.append(tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, extra))
+                    self.step_outputs.append(_detached(extra))
             count = None
             # (a bare loss with nothing counted, the common case, has no count and nothing to weigh: skipped, as this
             # runs once per micro-batch on the critical path of 1F1B)
@@ -371,5 +375,7 @@ class StepRunner:
             return backed
         self.capture.weigh(first_record, self.items.counts_by_tensor())
         if self.mode == "predict":
-            self.results.append((idx, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, result)))
+            self.results.append((idx, _detached(result)))
+        elif result is not None:  # (validation and test: what the step returns is the outputs of their batch hooks)
+            self.step_outputs.append(_detached(result))
         return torch.zeros((), device=idx.device)
