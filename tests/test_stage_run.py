@@ -235,3 +235,24 @@ def test_a_forward_pre_hook_that_changes_a_stage_s_first_input_is_refused() -> N
     bound = runner.bind("training_step", "train", (torch.randn(8, WIDTH), torch.randn(8, WIDTH)), (0,), {}, 2)
     with bound, pytest.raises(ModelContractError, match="a forward pre-hook on `layers.2`"):
         runner.stage_forward(1, (torch.randn(4, WIDTH),))
+
+
+def test_a_collective_inside_a_step_stops_with_where_to_do_it_instead() -> None:
+    """``self.all_gather`` (or the strategy's reduce, broadcast, barrier) inside a step function would be reached by
+    the last stage only (the others leave the step at their last layer): every rank would wait until the step
+    timeout. Inside a stage's run it stops at once, naming the hooks to use; outside a step it works as in Lightning."""
+    from lightning_spot import SpotPipelineStrategy
+
+    strategy = SpotPipelineStrategy()
+    value = torch.ones(2)
+    run = StageRun(1, first_stage=False, incoming=None, exit_after=False)
+    calls = {
+        "`self.all_gather`": lambda: strategy.all_gather(value),
+        "`reduce`": lambda: strategy.reduce(value),
+        "`broadcast`": lambda: strategy.broadcast(value),
+        "`barrier`": lambda: strategy.barrier(),
+    }
+    for name, call in calls.items():
+        with running(run), pytest.raises(ModelContractError, match=f"{name}.*on_validation_epoch_end"):
+            call()
+    assert torch.equal(strategy.all_gather(value), value)  # (no process group: Lightning gives the tensor back)

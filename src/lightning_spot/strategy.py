@@ -57,6 +57,7 @@ from lightning_spot.partition.discovery import ModelContractError, ModelSplit, d
 from lightning_spot.partition.placement import placement_of
 from lightning_spot.partition.pretrained import SafetensorsWeights, load_stage_weights
 from lightning_spot.partition.run_order import place_by_run
+from lightning_spot.partition.stage_run import refuse_collective_in_step
 from lightning_spot.planning.choose import (
     LayoutChoice,
     Requested,
@@ -779,7 +780,13 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     # -------------------------------------------------------------- collectives
     @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        refuse_collective_in_step("`self.all_gather`")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
+        refuse_collective_in_step("The strategy's `barrier`")
         if not is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
@@ -789,6 +796,7 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        refuse_collective_in_step("The strategy's `broadcast`")
         return broadcast_object(obj, group_src=src)
 
     @override
@@ -800,6 +808,7 @@ class SpotPipelineStrategy(ParallelStrategy):
     ) -> Union[Tensor, Any]:
         if group == ALREADY_REDUCED or not isinstance(tensor, Tensor):
             return tensor  # values the logging bridge reduced over replicas and micro-batches already
+        refuse_collective_in_step("The strategy's `reduce`")
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override

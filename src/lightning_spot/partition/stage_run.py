@@ -195,6 +195,20 @@ def check_reproducible(fqn: str, first: dict[str, Any], second: dict[str, Any]) 
             )
 
 
+def refuse_collective_in_step(collective: str) -> None:
+    """A collective (``self.all_gather``, the strategy's ``reduce``/``broadcast``/``barrier``) called while a stage
+    runs the user's step: the stages run the step only up to their layers, or from them on, so the other ranks never
+    reach it and every rank would wait until the step timeout. Stop at once, naming where to do it instead."""
+    if active_run() is None:
+        return
+    raise ModelContractError(
+        f"{collective} was called inside a step function under spot_pipeline. Each pipeline stage runs the step only "
+        f"up to its layers (the last stage from its layers on), so the other ranks never reach it and the job would "
+        f"wait until the step timeout. Gather or reduce in a hook that every rank runs (`on_validation_epoch_end`, "
+        f"`on_train_batch_end`): the step's returned outputs and its `self.log` values reach every rank."
+    )
+
+
 def instrument_layer(
     layer: nn.Module, fqn: str, stage: int, *, first: bool, last: bool, checkpoint: bool = False
 ) -> None:
