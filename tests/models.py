@@ -418,7 +418,8 @@ class OutputsModel(TinyPipelineModel):
 
 class MetricModel(TinyPipelineModel):
     """Logs torchmetrics objects as Lightning users do: R^2 (not a mean over samples, so a step's value is not the
-    mean of its micro-batches' values) on steps and epochs in training, MSE and R^2 per epoch in validation."""
+    mean of its micro-batches' values) on steps and epochs in training, MSE and R^2 per epoch in validation; and a
+    mean absolute error computed by hand at the validation epoch's end (``compute()``, logged, ``reset()``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         import torchmetrics
@@ -427,6 +428,7 @@ class MetricModel(TinyPipelineModel):
         self.train_r2 = torchmetrics.R2Score()
         self.val_mse = torchmetrics.MeanSquaredError()
         self.val_r2 = torchmetrics.R2Score()
+        self.val_mae = torchmetrics.MeanAbsoluteError()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -445,6 +447,11 @@ class MetricModel(TinyPipelineModel):
         self.log("val_mse", self.val_mse, prog_bar=True)
         self.log("val_r2", self.val_r2)
         self.log("val_loss", F.mse_loss(out, y))
+        self.val_mae.update(out, y)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_mae", self.val_mae.compute())  # (on every rank: the last stages' value, synced over them)
+        self.val_mae.reset()
 
 
 class Overflow(L.Callback):

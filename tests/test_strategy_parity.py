@@ -493,11 +493,12 @@ def test_meta_init_is_layout_independent(jobs: dict, tmp_path_factory) -> None:
 
 def test_torchmetrics_objects_log_what_one_process_logs(jobs: dict, tmp_path_factory) -> None:
     """R^2 of the last step (over its micro-batches of both replicas, not their mean) and of each epoch, MSE and R^2
-    of validation epochs: the values of one process on every rank; ModelCheckpoint keeps the same best epoch."""
+    of validation epochs, and a metric's ``compute()`` called by hand at the epoch's end: the values of one process
+    on every rank; ModelCheckpoint keeps the same best epoch."""
     case = next(s for s in WORLD_4 if s["name"] == "P2D2-torchmetrics")
     ranks = _results(jobs, 4, tmp_path_factory)[case["name"]]
     ref = reference_run(case)
-    names = ("train_r2_step", "train_r2_epoch", "val_mse", "val_r2")
+    names = ("train_r2_step", "train_r2_epoch", "val_mse", "val_r2", "val_mae")
     assert set(names) <= set(ref["metrics"])
     for r in ranks:
         for name in names:

@@ -137,11 +137,11 @@ class PipelineEngine:
         self.holds_first = 0 in placed
         last_stages = ctx.dp_group if self.holds_last else None  # of all pipelines (or None: one pipeline)
         self.runner.loss_weights.use_group(last_stages)
-        self.metric_calls = self.runner.metric_calls = MetricCalls(module, last_stages, self.holds_last)
-        #: what stands for each logged torchmetrics.Metric on this rank, by logged name
-        self.shared_metrics: dict[str, SharedMetric] = {}
         self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
         self.share = LastStageShare(ctx.pp_group, self.last_stage_rank, ctx.device)
+        self.metric_calls = self.runner.metric_calls = MetricCalls(module, last_stages, self.holds_last, self.share)
+        #: what stands for each logged torchmetrics.Metric on this rank, by logged name
+        self.shared_metrics: dict[str, SharedMetric] = {}
         #: torchft: training steps' logged values wait for the commit (``None``: logged at once)
         self.held_logs: HeldLogs | None = None
         self._programs: OrderedDict[tuple, Any] = OrderedDict()

@@ -31,6 +31,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_sum
 
 from lightning_spot._metric_states import restore_states
+from lightning_spot.partition.stage_run import active_run
 
 
 def _detached(value: Any) -> Any:
@@ -40,7 +41,13 @@ def _detached(value: Any) -> Any:
 class MetricCalls:
     """The ``metric(...)`` calls of the current step on this rank's last stage, per metric."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None, holds_last: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None,
+        holds_last: bool,
+        share: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.group = group
         self.calls: dict[int, list[tuple[tuple, dict]]] = {}
         self._collecting = False
@@ -52,6 +59,8 @@ class MetricCalls:
             else:  # never updated here: a compute() of its own must not wait for the last stages
                 sub.sync_on_compute = sub._to_sync = False
             sub.register_forward_pre_hook(self._called, with_kwargs=True)
+            if share is not None:
+                share_computes(sub, holds_last, share)
 
     def _called(self, metric: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._collecting:
@@ -96,9 +105,43 @@ class MetricCalls:
                 metric.update(*args, **kwargs)
             if not calls:  # a replica without this metric's inputs in this step still takes part in the sync
                 metric._update_count = 1
-            return float(metric.compute())
+            with computing_locally():
+                return float(metric.compute())
         finally:
             restore_states(metric, kept)
+
+
+#: how many of the bridge's own computations of a metric are under way (they stay on the rank that makes them)
+_LOCAL_COMPUTES = [0]
+
+
+@contextlib.contextmanager
+def computing_locally() -> Iterator[None]:
+    """``compute()`` of the user's metrics on this rank alone (the bridge's step and epoch values)."""
+    _LOCAL_COMPUTES[0] += 1
+    try:
+        yield
+    finally:
+        _LOCAL_COMPUTES[0] -= 1
+
+
+def share_computes(metric: Metric, holds_last: bool, share: Callable[[Any], Any]) -> None:
+    """Make the user's ``metric.compute()`` give every rank of the pipeline the last stage's value (synced over the
+    last stages of all pipelines), as one process gets it: a hook every rank runs (``on_validation_epoch_end``) may
+    compute and log it, where a first stage's own, never updated, metric would give NaN. Like a DDP metric's
+    ``compute()``, it is collective: every rank of the pipeline calls it. The step's own calls (inside a stage's run
+    of the user's step, as ``metric(preds, y)`` makes) and the bridge's stay local."""
+    local = getattr(metric, "_spot_local_compute", None) or metric.compute  # (once per metric: a later run's engine)
+    metric._spot_local_compute = local
+
+    def compute(*args: Any, **kwargs: Any) -> Any:
+        if _LOCAL_COMPUTES[0] or active_run() is not None:
+            return local(*args, **kwargs)
+        value = _detached(local(*args, **kwargs)) if holds_last else None
+        value = tree_map(lambda t: t.cpu() if isinstance(t, Tensor) else t, value)
+        return tree_map(lambda t: t.to(metric.device) if isinstance(t, Tensor) else t, share(value))
+
+    metric.compute = compute  # type: ignore[method-assign]
 
 
 def summed_states(metric: Metric) -> bool:
@@ -117,7 +160,8 @@ def value_with(metric: Metric, states: dict[str, Tensor]) -> float:
         for attr, value in states.items():
             setattr(metric, attr, value)
         metric._update_count = 1
-        return float(metric.compute())
+        with computing_locally():
+            return float(metric.compute())
     finally:
         restore_states(metric, kept)
 
@@ -158,7 +202,8 @@ class SharedMetric(Metric):
         metric: Metric = self.metric
         value = None
         if self._holds_last:
-            computed = metric.compute() if metric.update_called else torch.tensor(float("nan"))
+            with computing_locally():
+                computed = metric.compute() if metric.update_called else torch.tensor(float("nan"))
             value = computed.detach().cpu()
         shared = self._share(value)
         return torch.as_tensor(shared, device=self.device)
