@@ -383,11 +383,7 @@ class PipelineEngine:
         put_grads(self.params, saved)
         self.samples_seen += global_batch
         weights = self.runner.loss_weights
-        records = weights.records() if self.holds_last else []
-        if self.runner.step_outputs:  # (the last stage) every rank learns with the logged values that outputs follow
-            records.append(LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"}))
-        logged = self._share_logs(records, training=True)
-        outputs = self._step_outputs() if logged.pop(STEP_OUTPUTS, None) is not None else {}
+        logged, outputs = self._share_logs(weights.records() if self.holds_last else [], training=True)
         # losses that are means over items (tokens) count by their items: the gradients get the step's factor
         loss, factor = weights.settle(logged, self.layout.total_microbatches)
         self._pending_factor = factor * divisor
@@ -464,19 +460,20 @@ class PipelineEngine:
         extra = (
             [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []
         )
-        if self.runner.step_outputs:  # (the last stage, validation or test: the step returned something)
-            extra.append(LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"}))
-        logged = self._share_logs(extra, training=False)
+        logged, outputs = self._share_logs(extra, training=False)
         total = int(logged.pop("__samples__")[0])
-        outputs = self._step_outputs() if logged.pop(STEP_OUTPUTS, None) is not None else None
         replay(self.module, logged, batch_size=total, device=self.ctx.device, shown=self._shown)
         if mode != "predict":
             return outputs
         merged = _merge_outputs([r[1] for r in results]) if self.holds_last else None
         return self.share(merged)
 
-    def _share_logs(self, extra: list[LogRecord], training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:
+    def _share_logs(self, extra: list[LogRecord], training: bool) -> tuple[dict[str, tuple[Any, dict[str, Any]]], Any]:
+        """(the step's logged values, what the step returned besides its loss or ``None``) on every rank of the
+        pipeline, from the last stage: the values say whether outputs follow (:data:`STEP_OUTPUTS`)."""
         payload = None
+        if self.runner.step_outputs:  # (the last stage: the step returned something)
+            extra = [*extra, LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"})]
         if self.holds_last:
             records, held = self.capture.records, self.held_logs
             if held is not None and training:  # the user's values: summed over the quorum before the commit
@@ -491,7 +488,9 @@ class PipelineEngine:
                 payload.update(self._metric_values(training))
         self.capture.clear()
         self.metric_calls.clear()
-        return self.share.logged(payload)
+        logged = self.share.logged(payload)
+        outputs = self._step_outputs() if logged.pop(STEP_OUTPUTS, None) is not None else None
+        return logged, outputs
 
     def _metric_values(self, training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:
         """The step's value of each logged ``torchmetrics.Metric`` (when logged on steps; collective over the last

@@ -34,7 +34,8 @@ from lightning_spot._metric_states import restore_states
 from lightning_spot.partition.stage_run import active_run
 
 
-def _detached(value: Any) -> Any:
+def detached(value: Any) -> Any:
+    """``value`` with every tensor in it detached from autograd."""
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, value)
 
 
@@ -64,7 +65,7 @@ class MetricCalls:
 
     def _called(self, metric: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._collecting:
-            self.calls.setdefault(id(metric), []).append((_detached(args), _detached(kwargs)))
+            self.calls.setdefault(id(metric), []).append((detached(args), detached(kwargs)))
 
     def clear(self) -> None:
         self.calls = {}
@@ -137,7 +138,7 @@ def share_computes(metric: Metric, holds_last: bool, share: Callable[[Any], Any]
     def compute(*args: Any, **kwargs: Any) -> Any:
         if _LOCAL_COMPUTES[0] or active_run() is not None:
             return local(*args, **kwargs)
-        value = _detached(local(*args, **kwargs)) if holds_last else None
+        value = detached(local(*args, **kwargs)) if holds_last else None
         value = tree_map(lambda t: t.cpu() if isinstance(t, Tensor) else t, value)
         return tree_map(lambda t: t.to(metric.device) if isinstance(t, Tensor) else t, share(value))
 

@@ -41,7 +41,7 @@ from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.item_counts import NUM_ITEMS, ItemCounts, either
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.loss_weights import LossWeights
-from lightning_spot.runtime.metric_bridge import MetricCalls
+from lightning_spot.runtime.metric_bridge import MetricCalls, detached
 from lightning_spot.runtime.offload import ActivationOffload
 from lightning_spot.runtime.weight_streaming import WeightStreaming
 
@@ -90,10 +90,6 @@ def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
     return tree_map(fn, tree)
 
 
-def _detached(tree: Any) -> Any:
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, tree)
-
-
 def _as_tensors(out: Any, where: str) -> tuple[Tensor, ...]:
     items = out if isinstance(out, (tuple, list)) else (out,)
     if not items or not all(isinstance(t, Tensor) for t in items):
@@ -125,7 +121,7 @@ class StepRunner:
         self.results: list[tuple[Tensor, Any]] = []
         #: (the last stage) what each micro-batch's step returned besides its loss and item count (training), or
         #: whatever it returned (validation, test), detached: Lightning's ``outputs`` of the step's batch hooks
-        self.step_outputs: list[dict[str, Any]] = []
+        self.step_outputs: list[Any] = []
         self._inferring = 0
         self._losses_computed = 0
         self.clock = StepClock()
@@ -355,7 +351,7 @@ class StepRunner:
             if loss is not result:
                 extra = {k: v for k, v in result.items() if k not in ("loss", NUM_ITEMS)}
                 if extra:
-                    self.step_outputs.append(_detached(extra))
+                    self.step_outputs.append(detached(extra))
             count = None
             # (a bare loss with nothing counted, the common case, has no count and nothing to weigh: skipped, as this
             # runs once per micro-batch on the critical path of 1F1B)
@@ -375,7 +371,7 @@ class StepRunner:
             return backed
         self.capture.weigh(first_record, self.items.counts_by_tensor())
         if self.mode == "predict":
-            self.results.append((idx, _detached(result)))
+            self.results.append((idx, detached(result)))
         elif result is not None:  # (validation and test: what the step returns is the outputs of their batch hooks)
-            self.step_outputs.append(_detached(result))
+            self.step_outputs.append(detached(result))
         return torch.zeros((), device=idx.device)
