@@ -83,6 +83,10 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
         callbacks: list[L.Callback] = [epochs, *([best] if best is not None else [])]
         if "overflow" in scenario:
             callbacks.append(Overflow(**scenario["overflow"]))
+        if "ema" in scenario:
+            from lightning.pytorch.callbacks import EMAWeightAveraging
+
+            callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
         plugins = []
         if scenario.get(
             "fp16"

@@ -128,6 +128,23 @@ def test_recall_finds_the_newest_step_that_covers_every_ranks_needs(tmp_path: Pa
     assert _recall(SnapshotStore(tmp_path), [{}, {}], needs).newest_complete() == (None, "no snapshot survives")
 
 
+def test_recall_gives_every_rank_its_names_of_the_model_copies_a_step_holds(tmp_path: Path) -> None:
+    """A checkpoint entry that copies the model's state (EMAWeightAveraging's trained weights beside the average) is
+    recalled by the model's names, onto any layout; a step whose copies lack a name is not complete."""
+    stage0 = {**_meta(0, ["a", "b"]), "names": {"model": ["a", "b"], "copy:current_model_state": ["a", "b"]}}
+    stage1 = {**_meta(1, ["c"]), "names": {"model": ["c"], "copy:current_model_state": ["c"]}}
+    lost_copy = {**_meta(1, ["c"]), "names": {"model": ["c"], "copy:current_model_state": []}}
+    held = [{8: {0: stage0, 1: lost_copy}, 6: {0: stage0, 1: stage1}}]
+    recall = _recall(SnapshotStore(tmp_path), held, [{"model": ["a", "b", "c"]}])
+    assert recall.newest_complete()[0] == 6 and "copy:current_model_state/c" in recall.newest_complete()[1]
+    plan, _ = recall.plan(6)
+    assert plan is not None
+    assert plan[0] == [
+        Source(0, 0, {"model": ["a", "b"], "copy:current_model_state": ["a", "b"]}),
+        Source(0, 1, {"model": ["c"], "copy:current_model_state": ["c"]}),
+    ]
+
+
 def test_recall_reads_its_own_node_in_one_process(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     _write(store, 4, 0, ["a"], pp_rank=0)

@@ -6,6 +6,7 @@ compared with a single-process Lightning run on the same data: parameters within
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -108,6 +109,27 @@ WORLD_4 = [
         strategy={"pipeline_stages": 4, "microbatches": 4, "schedule": "gpipe"},
         trainer={"max_steps": -1, "max_epochs": 2},
         resume={"from": "P2D2-ModelCheckpoint-epoch1", "file": "epoch=0-step=4.ckpt"},
+    ),
+    # Lightning's EMAWeightAveraging with a weight tied across stages: validation runs on the average, the checkpoint
+    # holds the average as the model and the weights being trained beside it (current_model_state); resumed onto four
+    # stages, training goes on from the trained weights and the average (the model after fit: the average)
+    scenario(
+        "P2D2-EMA-tied-checkpoint-step-3",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "TiedEmbeddingModel"},
+        ema=0.5,
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 3, "limit_val_batches": None, "val_check_interval": 2},
+        checkpoint={"every_n_train_steps": 3},
+    ),
+    scenario(
+        "P4D1-EMA-tied-resumed-from-P2D2",
+        strategy={"pipeline_stages": 4, "microbatches": 4},
+        model={"cls": "TiedEmbeddingModel"},
+        ema=0.5,
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 6, "limit_val_batches": None, "val_check_interval": 2},
+        resume={"from": "P2D2-EMA-tied-checkpoint-step-3", "file": "epoch=0-step=3.ckpt"},
     ),
     # mid-epoch, shuffled: the resumed run continues exactly where the global batch sequence stopped
     scenario(
@@ -537,6 +559,25 @@ def test_what_a_training_step_returns_besides_its_loss_reaches_every_rank_s_outp
         assert r["metrics"]["preds_rows"] == 16 and r["metrics"]["val_preds_rows"] == 12
         for name in ("preds_mean", "val_preds_mean"):
             assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-7), name
+
+
+def test_ema_weight_averaging_validates_and_resumes_like_one_process(jobs: dict, tmp_path_factory) -> None:
+    """Lightning's EMAWeightAveraging: validation on the average gives one process's value on every rank, before and
+    after a resume onto another layout (where a checkpoint that lost the trained weights would resume from the
+    average and drift); the checkpoint keeps the trained weights as a copy of the model's state, not in JSON."""
+    results = _results(jobs, 4, tmp_path_factory)
+    for name in ("P2D2-EMA-tied-checkpoint-step-3", "P4D1-EMA-tied-resumed-from-P2D2"):
+        case = next(s for s in WORLD_4 if s["name"] == name)
+        ref = reference_run(case)
+        for r in results[name]:
+            assert r["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=1e-5), name
+    assert {r["restored_step"] for r in results["P4D1-EMA-tied-resumed-from-P2D2"]} == {3}
+    files = results["P2D2-EMA-tied-checkpoint-step-3"][0]["checkpoint_files"]
+    manifest_path = next(f for f in files if f.endswith("manifest.json"))
+    root = tmp_path_factory.getbasetemp()
+    manifest = json.loads(next(root.rglob(f"P2D2-EMA-tied-checkpoint-step-3/ckpts/{manifest_path}")).read_text())
+    assert manifest["lightning"]["current_model_state"] == {"__model_copy__": True}
+    assert set(manifest["lightning"]["averaging_state"]) == {"n_averaged"}
 
 
 def test_fp16_agrees_on_one_loss_scale(jobs: dict, tmp_path_factory) -> None:

@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_spot._dist import broadcast_object, is_initialized
 from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import flat_optimizer, payload
+from lightning_spot.checkpoint.callback import checkpoints_last
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
@@ -84,6 +85,7 @@ from lightning_spot.runtime.process import (
     threads_set_by_user,
 )
 from lightning_spot.runtime.schedules import resolve_schedule
+from lightning_spot.runtime.weight_averaging import average_stages
 from lightning_spot.runtime.zero_grad import zeroed_after_step
 from lightning_spot.streaming import is_stream, stage_feed, stream_dataloader
 
@@ -408,6 +410,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
+            average_stages(trainer, module, self.root_device)
+            checkpoints_last(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._route_gradient_clipping()
@@ -526,7 +530,7 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     def _load_pretrained(self, module: pl.LightningModule, path: str) -> None:
         weights = SafetensorsWeights(path)
-        count = load_stage_weights(module, weights, self._tied_aliases())
+        count = load_stage_weights(module, weights, self.tied_aliases)
         self.pretrained_reads = list(weights.read_names)
         rank_zero_info(
             f"spot_pipeline: {count} pretrained tensors of this rank's stages read from {path} "
@@ -673,16 +677,16 @@ class SpotPipelineStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        return payload.stored_names(
-            flat_optimizer.optimizer_state(self.lightning_module, optimizer), self._tied_aliases()
-        )
+        return payload.stored_names(flat_optimizer.optimizer_state(self.lightning_module, optimizer), self.tied_aliases)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers under the names checkpoints store (a tied parameter once)."""
-        return payload.stored_names(super().lightning_module_state_dict(), self._tied_aliases())
+        return payload.stored_names(super().lightning_module_state_dict(), self.tied_aliases)
 
-    def _tied_aliases(self) -> dict[str, str]:
+    @property
+    def tied_aliases(self) -> dict[str, str]:
+        """This rank's other names of tied parameters -> the name checkpoints store them under."""
         return self.engine.ties.aliases if self.engine is not None else {}
 
     def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -710,7 +714,7 @@ class SpotPipelineStrategy(ParallelStrategy):
     def newest_snapshot(self) -> tuple[Optional[int], str]:
         """Collective: the newest step the surviving in-memory snapshots hold completely for this layout."""
         assert self.lightning_module is not None
-        return self.sources.newest_snapshot(self.lightning_module, list(self.optimizers), self._tied_aliases())
+        return self.sources.newest_snapshot(self.lightning_module, list(self.optimizers), self.tied_aliases)
 
     def _plan_places(self) -> list[PlanPlace]:
         """Where the plan of this job is remembered: its run directory (follows the job) and the local cache."""
@@ -741,7 +745,9 @@ class SpotPipelineStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write a sharded checkpoint directory at ``filepath`` (any fsspec URL; what ModelCheckpoint asks for)."""
         url = self.broadcast(str(filepath))
-        share = payload.split_checkpoint(checkpoint, copy=False, with_lightning=self.is_global_zero)
+        share = payload.split_checkpoint(
+            checkpoint, copy=False, with_lightning=self.is_global_zero, aliases=self.tied_aliases
+        )
         options = storage_options if storage_options is not None else self.sources.storage_options
         write_checkpoint(Storage(url, options), "", share, info=self.checkpoint_info(checkpoint))
         self.barrier("spot_pipeline.save_checkpoint")
@@ -764,7 +770,7 @@ class SpotPipelineStrategy(ParallelStrategy):
                 self.lightning_module,
                 list(self.optimizers),
                 layout=self.pipeline_layout,
-                aliases=self._tied_aliases(),
+                aliases=self.tied_aliases,
             )
         self._engine().samples_seen = int(record.get("data", {}).get("samples_consumed") or 0)
         self.restored_manifest = {**record, "tier": tier, "restore_seconds": time.monotonic() - started}

@@ -145,6 +145,10 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         )
     if "overflow" in scenario:
         callbacks.append(Overflow(**scenario["overflow"]))
+    if "ema" in scenario:  # Lightning's own weight averaging (its decay)
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
     ckpt_path = scenario.get("ckpt_path")
     if "resume" in scenario:
         ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])

@@ -472,21 +472,26 @@ class SpotCheckpoint(L.Callback):
         waited = time.monotonic() - start
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         background = self.async_save and not blocking and self._group is not None
-        info = _host(trainer).checkpoint_info(checkpoint)
+        host = _host(trainer)
+        info = host.checkpoint_info(checkpoint)
         snapshot: Optional[threading.Thread] = None  # the writer of this step's snapshot
         if self.snapshots is not None:  # the same copy is the step's snapshot: memory stays at least as new as
             self._last_snapshot_time = time.monotonic()  # storage, and the upload copies the snapshot's files
             snapshotter = self._snapshotter(trainer)
             copy_start = time.monotonic()
             # into the snapshot's file, or into our staging (free again: the previous save is done)
-            share = snapshotter.copy(checkpoint, info["step"], now=self._buffer_names)
+            share = snapshotter.copy(checkpoint, info["step"], now=self._buffer_names, aliases=host.tied_aliases)
             snapshotter.take(share, dict(info), since=copy_start)
             snapshot = snapshotter.thread
             if snapshot is not None:
                 self.snapshots.pin(info["step"], rank())  # not recycled before the upload has read it
         else:
             share = split_checkpoint(
-                checkpoint, copy=background, with_lightning=trainer.is_global_zero, staging=self._staging
+                checkpoint,
+                copy=background,
+                with_lightning=trainer.is_global_zero,
+                staging=self._staging,
+                aliases=host.tied_aliases,
             )
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
@@ -654,7 +659,7 @@ class SpotCheckpoint(L.Callback):
         # the staging buffers are shared with the durable saves: an upload in progress may still read them (normally
         # it has moved on to the snapshot's files by now)
         self._staging_free.wait()
-        share = snapshotter.copy(checkpoint, info["step"], now=self._buffer_names)
+        share = snapshotter.copy(checkpoint, info["step"], now=self._buffer_names, aliases=_host(trainer).tied_aliases)
         stall = snapshotter.take(share, info, since=start)
         timeline = _timeline(trainer)
         if timeline is not None and stall:
@@ -806,3 +811,12 @@ def _changed_much(intervals: tuple[Optional[float], ...], before: tuple[Optional
         if now is not None and then is not None and not 0.5 <= now / then <= 2.0:
             return True
     return False
+
+
+def checkpoints_last(trainer: L.Trainer) -> None:
+    """Move ``SpotCheckpoint`` after every other callback, as Lightning orders its own checkpoint callbacks: a
+    step's checkpoint then holds what the others changed at that step's end (``EMAWeightAveraging``'s average)."""
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    ours = [c for c in callbacks if isinstance(c, SpotCheckpoint)]
+    if ours and callbacks[-len(ours) :] != ours:
+        callbacks[:] = [c for c in callbacks if not isinstance(c, SpotCheckpoint)] + ours

@@ -55,6 +55,11 @@ class CheckpointHost(Protocol):
         ...
 
     @property
+    def tied_aliases(self) -> dict[str, str]:
+        """This rank's other names of tied parameters -> the name checkpoints store them under."""
+        ...
+
+    @property
     def writes_checkpoints(self) -> bool:
         """Whether this pipeline writes the durable checkpoints (with torchft: the first of the quorum)."""
         ...

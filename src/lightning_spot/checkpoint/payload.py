@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_spot.checkpoint import model_copies
 from lightning_spot.checkpoint.jsonstate import decode, encode
 from lightning_spot.checkpoint.staging import Staging
 from lightning_spot.streaming.fixed_layout import replica_states
@@ -54,10 +56,10 @@ def _copy(t: Tensor, copy: bool, staging: Staging | None = None, group: str = ""
     return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
 
 
-def _encode_lightning(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _encode_lightning(checkpoint: dict[str, Any], copies: Iterable[str] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {key: model_copies.mark() for key in copies}
     for key, value in checkpoint.items():
-        if key in _NOT_STATE:
+        if key in _NOT_STATE or key in out:
             continue
         if key == "callbacks" and isinstance(value, dict):
             callbacks = {}
@@ -76,13 +78,22 @@ def _encode_lightning(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def split_checkpoint(
-    checkpoint: dict[str, Any], *, copy: bool, with_lightning: bool, staging: Staging | None = None
+    checkpoint: dict[str, Any],
+    *,
+    copy: bool,
+    with_lightning: bool,
+    staging: Staging | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> Payload:
     """Split a Lightning checkpoint dict; ``copy`` stages tensors on the CPU (for background writing), into
-    ``staging``'s reused buffers when given."""
-    tensors: dict[str, dict[str, Tensor]] = {
-        "model": {k: _copy(v, copy, staging, "model", k) for k, v in checkpoint["state_dict"].items()}
-    }
+    ``staging``'s reused buffers when given. Entries that copy the model's state (``checkpoint/model_copies.py``)
+    go with the model, under the names checkpoints store (``aliases``: a tied parameter's other names)."""
+    aliases = aliases or {}
+    model = stored_names(checkpoint["state_dict"], aliases)
+    copies = model_copies.find(checkpoint, model, lambda state: stored_names(state, aliases))
+    tensors: dict[str, dict[str, Tensor]] = {}
+    for group, named in [("model", model), *((model_copies.group_of(k), v) for k, v in copies.items())]:
+        tensors[group] = {k: _copy(v, copy, staging, group, k) for k, v in named.items()}
     values = []
     for i, flat in enumerate(checkpoint.get("optimizer_states", [])):
         group = f"optimizer_{i}"
@@ -92,8 +103,20 @@ def split_checkpoint(
         tensors=tensors,
         optimizer_values=values,
         rng=capture_rng(),
-        lightning=_encode_lightning(checkpoint) if with_lightning else _replica_streams(checkpoint),
+        lightning=_encode_lightning(checkpoint, copies) if with_lightning else _replica_streams(checkpoint),
     )
+
+
+def restored_lightning(
+    encoded: dict[str, Any], module: nn.Module, aliases: dict[str, str], tensors: dict[str, dict[str, Tensor]]
+) -> dict[str, Any]:
+    """The Lightning checkpoint dict to hand Lightning after this rank's state was loaded: the manifest's part
+    (``encoded``), with the copies of the model's state among ``tensors`` (read under stored names) in place."""
+    checkpoint = decode(encoded)
+    model_copies.fill(checkpoint, module.state_dict(), tensors, lambda name: stored_name(name, aliases))
+    checkpoint.setdefault("state_dict", {})
+    checkpoint.setdefault("optimizer_states", [])
+    return checkpoint
 
 
 def _replica_streams(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_spot.checkpoint.durable.read import apply_training_state
 from lightning_spot.checkpoint.jsonstate import decode
-from lightning_spot.checkpoint.payload import Payload, restore_rng, split_checkpoint
+from lightning_spot.checkpoint.payload import Payload, restore_rng, restored_lightning, split_checkpoint
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -31,7 +31,8 @@ HEAL_URL = "torchft://peer"
 def stage_state(trainer: pl.Trainer) -> dict[str, Any]:
     """This rank's training state as of now, for a joining peer (its tensors: the live ones, see above)."""
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    payload = split_checkpoint(checkpoint, copy=False, with_lightning=True)
+    aliases: dict[str, str] = getattr(trainer.strategy, "tied_aliases", {})
+    payload = split_checkpoint(checkpoint, copy=False, with_lightning=True, aliases=aliases)
     return {
         "tensors": payload.tensors,
         "optimizer_values": payload.optimizer_values,
@@ -49,7 +50,4 @@ def apply_stage_state(
     values = [decode(v) for v in got.optimizer_values]
     apply_training_state(module, optimizers, got.tensors, values, aliases)
     restore_rng(got.rng)
-    checkpoint = decode(got.lightning)
-    checkpoint.setdefault("state_dict", {})
-    checkpoint.setdefault("optimizer_states", [])
-    return checkpoint
+    return restored_lightning(got.lightning, module, aliases, got.tensors)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lightning_spot._dist import broadcast_object, rank
+from lightning_spot.checkpoint import model_copies
 from lightning_spot.checkpoint.checksum import ChecksumError
 from lightning_spot.checkpoint.durable import shares
 from lightning_spot.checkpoint.durable.shards import load_shards
@@ -35,6 +36,7 @@ from lightning_spot.checkpoint.jsonstate import decode
 from lightning_spot.checkpoint.memory.recall import Recall
 from lightning_spot.checkpoint.payload import (
     restore_rng,
+    restored_lightning,
     stored_name,
     stored_names,
 )
@@ -165,8 +167,9 @@ def restore_training_state(
     group: dist.ProcessGroup | None,
     same_layout: bool,
     aliases: dict[str, str] | None = None,
-) -> None:
-    """Load model and optimizer state for this rank's stages (resharded by name), and RNGs if the layout is unchanged.
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Load model and optimizer state for this rank's stages (resharded by name), and RNGs if the layout is unchanged;
+    return the copies of the model's state the checkpoint holds (``model_copies``: by group, under stored names).
 
     ``aliases`` (other name -> stored name) maps this rank's copies of tied parameters to the one stored copy.
     """
@@ -177,6 +180,7 @@ def restore_training_state(
             f"the checkpoint has {len(saved_values)} optimizer(s) but configure_optimizers returned {len(optimizers)}"
         )
     target = _stored_target(module, optimizers, aliases)
+    target |= model_copies.targets(target["model"], model_copies.marked(manifest.get("lightning", {})))
     if manifest.get("kind") == shares.KIND:  # each rank's snapshot files: read those holding our names
         needs = {group_name: set(named) for group_name, named in target.items()}
         target = shares.read_shares(storage, rel, manifest, needs, prefer=rank() if same_layout else None)
@@ -184,7 +188,7 @@ def restore_training_state(
         state = shares.read_share_state(storage, rel, manifest, rank()) if same_layout else None
         if state is not None:
             restore_rng(state["rng"])
-        return
+        return model_copies.groups_in(target)
     load_shards(storage.url_of(rel), target, storage.options, process_group=group, expected=manifest["files"])
     apply_training_state(module, optimizers, target, saved_values, aliases)
     rng_name = rng_filename(rank())
@@ -193,6 +197,7 @@ def restore_training_state(
             restore_rng(storage.read_json(join(rel, rng_name), expected=manifest["files"][rng_name]))
         except ChecksumError as err:
             log.warning("lightning-spot: not restoring this rank's random state: %s", err)
+    return model_copies.groups_in(target)
 
 
 def load_checkpoint(
@@ -213,13 +218,10 @@ def load_checkpoint(
 
     def restore(rel: str, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         same = layout is not None and written_on(manifest) == layout
-        restore_training_state(
+        copies = restore_training_state(
             storage, rel, manifest, module, optimizers, group=group, same_layout=same, aliases=aliases
         )
-        checkpoint = decode(manifest.get("lightning", {}))
-        checkpoint.setdefault("state_dict", {})
-        checkpoint.setdefault("optimizer_states", [])
-        return checkpoint, manifest
+        return restored_lightning(manifest.get("lightning", {}), module, aliases or {}, copies), manifest
 
     return newest_intact(storage, restore, group=group)
 
@@ -267,7 +269,4 @@ def load_snapshot(
     apply_training_state(module, optimizers, got.tensors, values, aliases or {})
     if got.rng is not None and written_on({"layout": got.layout}) == layout:
         restore_rng(got.rng)
-    checkpoint = decode(got.lightning)
-    checkpoint.setdefault("state_dict", {})
-    checkpoint.setdefault("optimizer_states", [])
-    return checkpoint, got.info
+    return restored_lightning(got.lightning, module, aliases or {}, got.tensors), got.info

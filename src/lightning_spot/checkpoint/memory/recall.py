@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_spot._dist import all_gather_object, exchange_bytes, rank
+from lightning_spot.checkpoint import model_copies
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore, cover, encode_tensors
 
 Needs = dict[str, list[str]]  # group ("model", "optimizer_0", ...) -> stored names
@@ -85,7 +86,10 @@ class Recall:
                 holders.setdefault(old, []).append(current)
                 metas[old] = meta
         plan: dict[int, list[Source]] = {}
+        # copies of the model's state (``model_copies``) hold the model's names: each rank needs its own there too
+        copies = {g for meta in metas.values() for g in meta["names"] if g.startswith(model_copies.PREFIX)}
         for d, needs in enumerate(self.needs):
+            needs = {**needs, **{g: needs.get("model", []) for g in copies}}
             # its own share first (RNG), then shares on its own node, then the others
             order = sorted(metas, key=lambda r: (r != d, d not in holders[r], r))
             used, missing = cover({g: set(n) for g, n in needs.items()}, [(r, metas[r]["names"]) for r in order])

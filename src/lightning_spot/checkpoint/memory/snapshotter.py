@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_spot._dist import all_gather_object, exchange_bytes
-from lightning_spot.checkpoint import tensorfile
+from lightning_spot.checkpoint import model_copies, tensorfile
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.memory.snapshot import TENSORS, SnapshotStore, Staged
 from lightning_spot.checkpoint.payload import Payload, split_checkpoint
@@ -93,14 +93,20 @@ class Snapshotter:
         self.defer = True  # copy parameters and optimizer state in the background (off after a change is seen)
         self._warned = False
 
-    def copy(self, checkpoint: dict[str, Any], step: int, now: frozenset[str] = frozenset()) -> Payload:
+    def copy(
+        self,
+        checkpoint: dict[str, Any],
+        step: int,
+        now: frozenset[str] = frozenset(),
+        aliases: dict[str, str] | None = None,
+    ) -> Payload:
         """This rank's share of a Lightning checkpoint dict, its tensors copied: into the file of the snapshot
         of ``step`` when a mapped spare is ready (the model tensors named in ``now`` here, the rest by the
-        background thread of :meth:`take`), else into the staging buffers."""
+        background thread of :meth:`take`), else into the staging buffers. ``aliases``: see ``split_checkpoint``."""
         waiting = time.monotonic()
         self.wait()  # the previous snapshot's thread is done with its files and buffers
         self._waited = time.monotonic() - waiting
-        share = split_checkpoint(checkpoint, copy=False, with_lightning=True)
+        share = split_checkpoint(checkpoint, copy=False, with_lightning=True, aliases=aliases)
         if not self.taken:
             self._check_room(share.nbytes)
         self._staged = None
@@ -117,7 +123,7 @@ class Snapshotter:
         for group, named in share.tensors.items():
             into = staged.tensors[group]
             for name, t in named.items():
-                if self.defer and not (group == "model" and name in now):
+                if self.defer and not (name in now and (group == "model" or group.startswith(model_copies.PREFIX))):
                     pending.append((f"{group}/{name}", t, into[name], t._version))
                 else:
                     into[name].copy_(t)
