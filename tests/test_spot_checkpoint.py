@@ -31,6 +31,7 @@ MORPHS: dict[str, tuple[tuple[int, dict], tuple[int, dict], str, str]] = {
     "P2D2-to-P1D1-snapshots-s3": ((4, P2D2), (1, {"pipeline_stages": 1, "microbatches": 2}), "s3", "auto"),
 }
 SNAPSHOTS = {"P2D2-to-P1D1-snapshots-s3"}
+EMA: dict[str, Any] = {"model": {"cls": "TiedEmbeddingModel"}, "loader": {"batch_size": 16, "n": 64}, "ema": 0.5}
 
 
 def _phase(name: str, strategy: dict, max_steps: int, spot: dict, **extra: Any) -> dict[str, Any]:
@@ -75,10 +76,24 @@ def morphs(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> dict[s
             kwargs["snapshot_dir"] = str(tmp / "shm" / name / "2")
         extra = {"ckpt_path": runs[name]["dirpath"]} if how == "ckpt_path" else {}
         jobs.setdefault(w2, []).append(_phase(f"{name}-phase2", s2, TOTAL_STEPS, kwargs, **extra))
+    # Lightning's EMAWeightAveraging, snapshots in memory and shares in storage: the trained weights come back beside
+    # the average (phase 1's last snapshot is copied before the callback puts the average into the model)
+    ema = {**EMA, "spot_checkpoint": {"dirpath": str(tmp / "runs" / "ema"), "every_n_train_steps": 2}}
+    shm = {"snapshot_every_n_train_steps": 1, "snapshot_dir": str(tmp / "shm" / "ema")}
+    jobs[4].append({**ema, "name": "ema-phase1", "strategy": P2D2, "trainer": {"max_steps": 3}})
+    jobs[4][-1]["spot_checkpoint"] = {**ema["spot_checkpoint"], **shm}
+    jobs[1].append({**ema, "name": "ema-phase2", "strategy": {"pipeline_stages": 1}, "trainer": {"max_steps": 6}})
     results: dict[str, list[dict]] = {}
     for world in (2, 4, 1, 3):  # phase 1 of every case runs before its phase 2
         results.update(run_scenarios(world, jobs[world], tmp / f"world{world}", timeout=400))
     return {"results": results, "runs": runs, "fs": fs}
+
+
+def test_ema_weight_averaging_resumes_with_its_trained_weights_and_its_average(morphs: dict) -> None:
+    first, second = morphs["results"]["ema-phase1"], morphs["results"]["ema-phase2"]
+    assert {r["spot"]["saves"][-1]["step"] for r in first} == {3}
+    assert second[0]["restored_step"] == 3 and second[0]["restored_kind"] == "shares"
+    assert_same_params(merged_state(second), reference_run({**EMA, "trainer": {"max_steps": 6}}))
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
 from lightning_spot.runtime.clock import Timeline
 from lightning_spot.runtime.process import process_started
+from lightning_spot.runtime.weight_averaging import swaps_weights
 
 log = logging.getLogger(__name__)
 
@@ -679,6 +680,9 @@ class SpotCheckpoint(L.Callback):
                 stage_of=_host(trainer).pipeline_layout.grid.same_state_key,
                 staging=self._staging,
             )
+            # weights written between optimizer steps (an average swapped in for validation) would reach a copy made
+            # in the background: snapshots are copied on the training thread then
+            self.snapshotter.defer = not swaps_weights(trainer)
         return self.snapshotter
 
     def _clear_snapshots(self, trainer: L.Trainer) -> None:
