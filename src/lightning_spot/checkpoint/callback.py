@@ -49,7 +49,6 @@ from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
 from lightning_spot.runtime.clock import Timeline
 from lightning_spot.runtime.process import process_started
-from lightning_spot.runtime.weight_averaging import swaps_weights
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +362,16 @@ class SpotCheckpoint(L.Callback):
             return 0.0, 0
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if self.snapshotter is not None:  # the last snapshot's parameters and optimizer state are copied
+        self._copies_done()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._copies_done()  # (an average swapped in for validation, in the hooks that follow this one)
+
+    def _copies_done(self) -> None:
+        """Wait until the last snapshot's parameters and optimizer state are copied: before what may change them
+        next, the optimizer step, and hooks that write weights between steps (``.data``, which no version counter
+        sees): validation's (an average swapped in for it) and the end of training (the average copied in)."""
+        if self.snapshotter is not None:
             self.snapshotter.wait_copied()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -426,6 +434,7 @@ class SpotCheckpoint(L.Callback):
             self.snapshot(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._copies_done()  # (before on_train_end's hooks: an average copied into the model)
         last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
         if self.save_on_train_end and last_epoch and trainer.global_step != self._last_step:
             self.save(trainer, reason="end")
@@ -680,9 +689,6 @@ class SpotCheckpoint(L.Callback):
                 stage_of=_host(trainer).pipeline_layout.grid.same_state_key,
                 staging=self._staging,
             )
-            # weights written between optimizer steps (an average swapped in for validation) would reach a copy made
-            # in the background: snapshots are copied on the training thread then
-            self.snapshotter.defer = not swaps_weights(trainer)
         return self.snapshotter
 
     def _clear_snapshots(self, trainer: L.Trainer) -> None:

@@ -7,7 +7,6 @@ copy of this rank's stages instead (the whole copy is freed). Checkpoints keep t
 model (``checkpoint/model_copies.py``), so a run resumes onto any layout with its average.
 
     average_stages(trainer, module, device)   # after placement, in the strategy's setup
-    swaps_weights(trainer)                    # whether weights change outside optimizer steps (snapshots wait)
 """
 
 from __future__ import annotations
@@ -44,10 +43,3 @@ def average_stages(trainer: pl.Trainer, module: pl.LightningModule, device: Any)
         averaging._average_model = AveragedModel(
             model=module, device=averaging._device or device, use_buffers=averaging._use_buffers, **averaging._kwargs
         )
-
-
-def swaps_weights(trainer: pl.Trainer) -> bool:
-    """Whether a callback writes the module's weights outside optimizer steps: ``WeightAveraging`` swaps in its
-    average for validation and copies it in at the end of training (through ``.data``, which no version counter
-    sees). A snapshot copied in the background until the next optimizer step would take those weights."""
-    return WeightAveraging is not None and any(isinstance(c, WeightAveraging) for c in trainer.callbacks)  # type: ignore[attr-defined]
