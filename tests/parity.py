@@ -87,6 +87,10 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
             from lightning.pytorch.callbacks import EMAWeightAveraging
 
             callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
+        if "swa" in scenario:
+            from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+            callbacks.insert(0, StochasticWeightAveraging(**scenario["swa"]))
         plugins = []
         if scenario.get(
             "fp16"

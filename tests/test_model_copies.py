@@ -11,6 +11,7 @@ from torch import nn
 from lightning_spot import SpotCheckpoint
 from lightning_spot.checkpoint.callback import checkpoints_last
 from lightning_spot.checkpoint.jsonstate import decode
+from lightning_spot.checkpoint.model_copies import group_of
 from lightning_spot.checkpoint.payload import restored_lightning, split_checkpoint
 
 
@@ -34,9 +35,10 @@ def test_a_copy_of_the_model_state_goes_with_the_model_under_stored_names_and_co
         "global_step": 7,
     }
     share = split_checkpoint(checkpoint, copy=True, with_lightning=True, aliases=aliases)
-    assert set(share.tensors) == {"model", "copy:current_model_state"}
+    copied = group_of(("current_model_state",))
+    assert set(share.tensors) == {"model", copied}
     assert set(share.tensors["model"]) == {"embed.weight", "seen"}, "the average, under the stored name"
-    assert torch.equal(share.tensors["copy:current_model_state"]["embed.weight"], trained["embed.weight"])
+    assert torch.equal(share.tensors[copied]["embed.weight"], trained["embed.weight"])
     assert share.lightning["current_model_state"] == {"__model_copy__": True}
     assert decode(share.lightning["averaging_state"])["n_averaged"] == 5
     assert "ema_of_some" in share.lightning and "ema_of_some" not in share.tensors
@@ -48,6 +50,24 @@ def test_a_copy_of_the_model_state_goes_with_the_model_under_stored_names_and_co
     assert torch.equal(restored["current_model_state"]["head.weight"], trained["embed.weight"])
     assert torch.equal(restored["state_dict"]["head.weight"], average["head.weight"])
     assert restored["global_step"] == 7
+
+
+def test_a_copy_inside_a_callbacks_state_is_found_at_its_path() -> None:
+    """StochasticWeightAveraging keeps its average in its callback state (a key with any characters)."""
+    stage = _last_stage()
+    key = "StochasticWeightAveraging{'swa_lrs': 0.01, 'monitor': 'val/loss'}"
+    average = {"head.weight": torch.randn(4, 4), "seen": torch.tensor(1.0)}
+    swa = {"n_averaged": 2, "average_model_state": average, "scheduler_state": {"__private": 1}}
+    checkpoint = {"state_dict": stage.state_dict(), "callbacks": {key: swa}}
+    share = split_checkpoint(checkpoint, copy=False, with_lightning=True)
+    path = ("callbacks", key, "average_model_state")
+    assert set(share.tensors) == {"model", group_of(path)} and "/" not in group_of(path)
+    assert share.lightning["callbacks"][key]["average_model_state"] == {"__model_copy__": True}
+    assert checkpoint["callbacks"][key]["average_model_state"] is average, "the checkpoint itself is unchanged"
+    restored = restored_lightning(share.lightning, stage, {}, share.tensors)
+    state = restored["callbacks"][key]
+    assert torch.equal(state["average_model_state"]["head.weight"], average["head.weight"])
+    assert state["n_averaged"] == 2 and state["scheduler_state"] == {"__private": 1}
 
 
 def test_a_checkpoint_without_copies_is_restored_as_before() -> None:

@@ -131,6 +131,24 @@ WORLD_4 = [
         trainer={"max_steps": 6, "limit_val_batches": None, "val_check_interval": 2},
         resume={"from": "P2D2-EMA-tied-checkpoint-step-3", "file": "epoch=0-step=3.ckpt"},
     ),
+    # Lightning's StochasticWeightAveraging keeps its average in its callback state: a copy of each rank's stages,
+    # resumed onto four stages in the middle of the averaging (epochs from the second on)
+    scenario(
+        "P2D2-SWA-checkpoint-epoch-3",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        swa={"swa_lrs": 0.01, "swa_epoch_start": 2},
+        loader={"batch_size": 16, "n": 32},
+        trainer={"max_steps": -1, "max_epochs": 3},
+        checkpoint={"every_n_epochs": 1},
+    ),
+    scenario(
+        "P4D1-SWA-resumed-from-P2D2",
+        strategy={"pipeline_stages": 4, "microbatches": 4},
+        swa={"swa_lrs": 0.01, "swa_epoch_start": 2},
+        loader={"batch_size": 16, "n": 32},
+        trainer={"max_steps": -1, "max_epochs": 4},
+        resume={"from": "P2D2-SWA-checkpoint-epoch-3", "file": "epoch=2-step=6.ckpt"},
+    ),
     # mid-epoch, shuffled: the resumed run continues exactly where the global batch sequence stopped
     scenario(
         "P2D2-ModelCheckpoint-every-3-steps-shuffled",
@@ -290,6 +308,15 @@ WORLD_3 = [
         model={"cls": "OutputsModel"},
         val_loader={"batch_size": 12, "n": 36},
         trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    ),
+    # Lightning's StochasticWeightAveraging: averaged from the third of four epochs, its SWALR schedule swapped in,
+    # the average copied into the model at the end
+    scenario(
+        "P3D1-StochasticWeightAveraging",
+        strategy={"pipeline_stages": 3, "microbatches": 2},
+        swa={"swa_lrs": 0.01, "swa_epoch_start": 2},
+        loader={"batch_size": 16, "n": 32},
+        trainer={"max_steps": -1, "max_epochs": 4},
     ),
     scenario(
         "P3D1-GPipe-explicit-cuts",

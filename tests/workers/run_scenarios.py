@@ -149,6 +149,10 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         from lightning.pytorch.callbacks import EMAWeightAveraging
 
         callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
+    if "swa" in scenario:  # Lightning's StochasticWeightAveraging (its arguments)
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        callbacks.insert(0, StochasticWeightAveraging(**scenario["swa"]))
     ckpt_path = scenario.get("ckpt_path")
     if "resume" in scenario:
         ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])

@@ -16,10 +16,19 @@ import torch
 MAX_TENSOR_ELEMENTS = 1 << 16
 
 
+class Encoded:
+    """A value already in its JSON form: :func:`encode` keeps it as it is (a mark that no stored value encodes to)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def encode(obj: Any, where: str = "state") -> Any:
     """A JSON-compatible form of ``obj``; raises ``TypeError`` naming the offending entry."""
     if obj is None or isinstance(obj, (bool, int, str)):
         return obj
+    if isinstance(obj, Encoded):
+        return obj.value
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else {"__float__": repr(obj)}
     if isinstance(obj, torch.Tensor):

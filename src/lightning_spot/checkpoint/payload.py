@@ -56,10 +56,11 @@ def _copy(t: Tensor, copy: bool, staging: Staging | None = None, group: str = ""
     return t.to("cpu", copy=True) if t.device.type != "cpu" else t.clone()
 
 
-def _encode_lightning(checkpoint: dict[str, Any], copies: Iterable[str] = ()) -> dict[str, Any]:
-    out: dict[str, Any] = {key: model_copies.mark() for key in copies}
+def _encode_lightning(checkpoint: dict[str, Any], copies: Iterable[model_copies.Path] = ()) -> dict[str, Any]:
+    checkpoint = model_copies.with_marks(checkpoint, copies)
+    out: dict[str, Any] = {}
     for key, value in checkpoint.items():
-        if key in _NOT_STATE or key in out:
+        if key in _NOT_STATE:
             continue
         if key == "callbacks" and isinstance(value, dict):
             callbacks = {}

@@ -180,7 +180,7 @@ def restore_training_state(
             f"the checkpoint has {len(saved_values)} optimizer(s) but configure_optimizers returned {len(optimizers)}"
         )
     target = _stored_target(module, optimizers, aliases)
-    target |= model_copies.targets(target["model"], model_copies.marked(manifest.get("lightning", {})))
+    target |= model_copies.targets(target["model"], model_copies.marked(decode(manifest.get("lightning", {}))))
     if manifest.get("kind") == shares.KIND:  # each rank's snapshot files: read those holding our names
         needs = {group_name: set(named) for group_name, named in target.items()}
         target = shares.read_shares(storage, rel, manifest, needs, prefer=rank() if same_layout else None)
