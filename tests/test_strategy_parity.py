@@ -335,6 +335,14 @@ WORLD_3 += [
     ),
     # 4 micro-batches split by measured layer times: [1, 3] or [2, 2] (timing decides)
     scenario("mixed-P1+P2-adam", strategy={"pipeline_stages": [1, 2], "microbatches": 4}),
+    # EMAWeightAveraging where one pipeline holds the whole model and the other two stages: each averages its own
+    scenario(
+        "mixed-P1+P2-EMA-validation",
+        strategy={"pipeline_stages": [1, 2], "microbatches": 4},
+        ema=0.7,
+        val_loader={"batch_size": 12, "n": 24},
+        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     scenario(
         "mixed-P1+P2-clip-sgd",
         strategy={"pipeline_stages": [1, 2], "microbatches": [2, 2]},
@@ -409,9 +417,11 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         ref = reference_run(case, initial)
     assert_same_params(merged_state(ranks), ref, atol=5e-3 if bf16 else 1e-5)
 
-    # every rank logs the true loss of the last step (computed on the last stage)
+    # every rank logs the true loss of the last step (computed on the last stage), and of the last validation
     for r in ranks:
         assert r["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=5e-3 if bf16 else 1e-5)
+        if "val_loss" in ref["metrics"]:
+            assert r["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=5e-3 if bf16 else 1e-5)
 
     # no rank holds the whole model: each holds exactly its stages' parameters, under their original names
     if ranks[0]["layout"].startswith(("P2", "P3", "P4")):
