@@ -241,6 +241,15 @@ WORLD_2 += [
         val_loader={"batch_size": 12, "n": 36},
         trainer={"max_steps": 4, "gradient_clip_val": 0.05, "limit_val_batches": None, "val_check_interval": 2},
     ),
+    # EMAWeightAveraging with the weights streamed from host memory: the average is kept there, swapped in for
+    # validation (into the host masters) and copied in at the end
+    scenario(
+        "P2D1-offload-parameters-EMA-validation",
+        strategy={"pipeline_stages": 2, "microbatches": 4, "offload": "parameters"},
+        ema=0.7,
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     # offload="auto" streams the weights when nothing else fits: 8 layers of 64 x 64 in 120 KB per process
     # (the optimizer and activation levels together need ~150 KB). SGD with momentum (state to offload): Adam
     # turns the rounding of a different micro-batch sum into >1e-5 after 4 steps on some CPUs (2.6e-5 seen)

@@ -410,7 +410,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
-            average_stages(trainer, module, self.root_device)
+            # (weights streamed from host memory: their average rests there too)
+            streamed = "parameters" in self._offloaded()
+            average_stages(trainer, module, torch.device("cpu") if streamed else self.root_device)
             checkpoints_last(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
