@@ -389,6 +389,22 @@ class GradNormModel(TiedEmbeddingModel):
         self.log_dict(grad_norm(self, norm_type="inf"))
 
 
+class BackboneModel(TinyPipelineModel):
+    """Fine-tuning as Lightning's ``BackboneFinetuning`` expects it: a ``backbone`` (here the input projection) frozen
+    until an epoch, then trained in a parameter group of its own; the optimizer takes the trainable parameters."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backbone = self.embed
+        del self.embed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(torch.relu(self.backbone(x))))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr, momentum=0.9)
+
+
 class OutputsModel(TinyPipelineModel):
     """Returns its predictions with the loss (and from validation steps), as Lightning users do to read them in
     ``on_train_batch_end`` (``on_validation_batch_end``), and logs what it reads there: their mean and row count (the

@@ -61,8 +61,25 @@ class EpochMetrics(L.Callback):
         self.values.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """The same scenario as plain single-process Lightning training (strategy='auto', 1 CPU)."""
+def reference_run(
+    scenario: dict[str, Any],
+    initial: dict[str, torch.Tensor] | None = None,
+    save_to: str | None = None,
+    resume_from: str | None = None,
+) -> dict[str, Any]:
+    """The same scenario as plain single-process Lightning training (strategy='auto', 1 CPU); ``save_to``: with a
+    checkpoint there each epoch; ``resume_from``: resumed from that checkpoint. A scenario's ``reference_resume``
+    (``{"max_epochs": N, "file": name}``) makes it Lightning's own resume: the scenario run to ``N`` epochs, then
+    resumed from its checkpoint ``file`` to the end."""
+    resume = scenario.get("reference_resume")
+    if resume is not None:
+        first = {k: v for k, v in scenario.items() if k != "reference_resume"}
+        first["trainer"] = {**scenario.get("trainer", {}), "max_epochs": resume["max_epochs"]}
+        with tempfile.TemporaryDirectory() as saved:
+            reference_run(first, initial, save_to=saved)
+            return reference_run(
+                first | {"trainer": scenario["trainer"]}, initial, resume_from=f"{saved}/{resume['file']}"
+            )
     model_kwargs = dict(scenario.get("model", {}))
     if model_kwargs.pop("meta_init", False):
         model = MetaInitPipelineModel(**model_kwargs)
@@ -75,10 +92,12 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
     with tempfile.TemporaryDirectory() as tmp:
         best = None
         options = scenario.get("checkpoint")
-        if isinstance(options, dict) and "monitor" in options:  # the run's ModelCheckpoint, to compare its choice
+        if save_to is not None:
+            options = {"every_n_epochs": 1}
+        if isinstance(options, dict) and ("monitor" in options or save_to is not None):  # the run's ModelCheckpoint
             from lightning.pytorch.callbacks import ModelCheckpoint
 
-            best = ModelCheckpoint(dirpath=tmp, save_top_k=-1, **options)
+            best = ModelCheckpoint(dirpath=save_to or tmp, save_top_k=-1, **options)
         epochs = EpochMetrics()
         callbacks: list[L.Callback] = [epochs, *([best] if best is not None else [])]
         if "overflow" in scenario:
@@ -87,6 +106,10 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
             from lightning.pytorch.callbacks import EMAWeightAveraging
 
             callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
+        if "finetune" in scenario:  # Lightning's BackboneFinetuning (its arguments)
+            from lightning.pytorch.callbacks import BackboneFinetuning
+
+            callbacks.insert(0, BackboneFinetuning(**scenario["finetune"]))
         if "swa" in scenario:
             from lightning.pytorch.callbacks import StochasticWeightAveraging
 
@@ -112,7 +135,7 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
             **{"limit_val_batches": 0, **scenario.get("trainer", {})},
         )
         val = _loader(scenario, "val_loader") if "val_loader" in scenario else None
-        trainer.fit(model, _loader(scenario), val)
+        trainer.fit(model, _loader(scenario), val, ckpt_path=resume_from)
     out: dict[str, Any] = {
         "state_dict": model.state_dict(),
         "initial": start,
@@ -122,7 +145,7 @@ def reference_run(scenario: dict[str, Any], initial: dict[str, torch.Tensor] | N
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
         out["loss_scale"] = float(scaler.get_scale())
-    if best is not None:
+    if best is not None and best.monitor is not None:
         out["best_checkpoint"] = (Path(best.best_model_path).name, float(best.best_model_score))
     for stage in scenario.get("after", []):
         eval_loader = make_loader(**scenario.get("eval_loader", {}))

@@ -151,6 +151,16 @@ def test_trainer_reports_bad_input_on_every_rank(
         assert re.search(pattern, rank_errors[name], flags=re.S), rank_errors[name]
 
 
+def test_parameters_unfrozen_after_setup_with_streamed_weights_are_refused(
+    errors_on_every_rank: list[dict[str, str]],
+) -> None:
+    """BackboneFinetuning unfreezes a module that offload="parameters" does not stream: the rank that holds it says
+    so at the first step, and every rank stops."""
+    errors = [rank_errors["unfrozen-after-setup-with-streamed-weights"] for rank_errors in errors_on_every_rank]
+    assert "no error" not in errors
+    assert re.search(r"became trainable after spot_pipeline set up.*offload='parameters'", errors[0], flags=re.S)
+
+
 @pytest.mark.parametrize(
     ("value", "words"),
     [

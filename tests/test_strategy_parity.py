@@ -131,6 +131,30 @@ WORLD_4 = [
         trainer={"max_steps": 6, "limit_val_batches": None, "val_check_interval": 2},
         resume={"from": "P2D2-EMA-tied-checkpoint-step-3", "file": "epoch=0-step=3.ckpt"},
     ),
+    # Lightning's BackboneFinetuning: the backbone (on the first stage only) frozen at setup, unfrozen at the second
+    # epoch into a parameter group of its own (empty on the ranks without it), whose learning rate then grows; its
+    # gradients are averaged over the replicas although DDP was set up without it
+    scenario(
+        "P2D2-BackboneFinetuning",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "BackboneModel"},
+        finetune={"unfreeze_backbone_at_epoch": 1},
+        loader={"batch_size": 16, "n": 32},
+        trainer={"max_steps": -1, "max_epochs": 4},
+        checkpoint={"every_n_epochs": 1},
+    ),
+    # ... resumed on four stages from its third epoch: the saved groups (rank 0's names) rebuilt on every rank, as
+    # Lightning's own resume does in one process (which is not the uninterrupted run's math: the reference)
+    scenario(
+        "P4D1-BackboneFinetuning-resumed",
+        strategy={"pipeline_stages": 4, "microbatches": 4},
+        model={"cls": "BackboneModel"},
+        finetune={"unfreeze_backbone_at_epoch": 1},
+        loader={"batch_size": 16, "n": 32},
+        trainer={"max_steps": -1, "max_epochs": 4},
+        resume={"from": "P2D2-BackboneFinetuning", "file": "epoch=2-step=6.ckpt"},
+        reference_resume={"max_epochs": 3, "file": "epoch=2-step=6.ckpt"},
+    ),
     # Lightning's StochasticWeightAveraging keeps its average in its callback state: a copy of each rank's stages,
     # resumed onto four stages in the middle of the averaging (epochs from the second on)
     scenario(

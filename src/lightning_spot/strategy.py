@@ -69,6 +69,7 @@ from lightning_spot.planning.choose import (
 )
 from lightning_spot.planning.memory import PlanPlace
 from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
+from lightning_spot.runtime.callbacks_on_stages import on_stages
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
@@ -85,7 +86,6 @@ from lightning_spot.runtime.process import (
     threads_set_by_user,
 )
 from lightning_spot.runtime.schedules import resolve_schedule
-from lightning_spot.runtime.weight_averaging import average_stages
 from lightning_spot.runtime.zero_grad import zeroed_after_step
 from lightning_spot.streaming import is_stream, stage_feed, stream_dataloader
 
@@ -410,9 +410,9 @@ class SpotPipelineStrategy(ParallelStrategy):
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
         if trainer.state.fn == TrainerFn.FITTING:
-            # (weights streamed from host memory: their average rests there too)
+            # (weights streamed from host memory: averages rest there too)
             streamed = "parameters" in self._offloaded()
-            average_stages(trainer, module, torch.device("cpu") if streamed else self.root_device)
+            on_stages(trainer, module, torch.device("cpu") if streamed else self.root_device)
             checkpoints_last(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -423,6 +423,10 @@ class SpotPipelineStrategy(ParallelStrategy):
                 weights = self.engine.runner.weights if self.engine is not None else None
                 masters = weights.masters if weights is not None else None
                 self.offload = OptimizerOffload(list(self.optimizers), masters=masters)
+                if self.engine is not None and self.engine.fixed_params is None:
+                    self.engine.fixed_params = (
+                        "offload='optimizer' (its host masters are the parameters trainable then)"
+                    )
                 if self.offload.fused:
                     rank_zero_info(
                         f"spot_pipeline: the update in host memory runs torch's fused CPU kernel "

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import BackboneFinetuning
 
 from lightning_spot import SpotPipelineStrategy
-from tests.models import ManualOptimModel, NoLayersModel, make_loader, make_model
+from tests.models import BackboneModel, ManualOptimModel, NoLayersModel, make_loader, make_model
 
 WORLD = int(os.environ["WORLD_SIZE"])
 
@@ -33,6 +34,13 @@ SCENARIOS: dict[str, tuple[Callable[[], L.LightningModule], dict[str, Any], dict
         {"batch_size": 12, "n": 48},
     ),
     "manual-optimization": (ManualOptimModel, {"pipeline_stages": 2}, {}, {}),
+    # BackboneFinetuning unfreezes the backbone at the first epoch's start, after setup streamed the other weights
+    "unfrozen-after-setup-with-streamed-weights": (
+        lambda: BackboneModel(),
+        {"pipeline_stages": 2, "offload": "parameters"},
+        {"callbacks": [BackboneFinetuning(unfreeze_backbone_at_epoch=0)]},
+        {},
+    ),
 }
 
 

@@ -149,6 +149,10 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         from lightning.pytorch.callbacks import EMAWeightAveraging
 
         callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
+    if "finetune" in scenario:  # Lightning's BackboneFinetuning (its arguments)
+        from lightning.pytorch.callbacks import BackboneFinetuning
+
+        callbacks.insert(0, BackboneFinetuning(**scenario["finetune"]))
     if "swa" in scenario:  # Lightning's StochasticWeightAveraging (its arguments)
         from lightning.pytorch.callbacks import StochasticWeightAveraging
 

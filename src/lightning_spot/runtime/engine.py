@@ -131,7 +131,14 @@ class PipelineEngine:
         self.cross: CrossPipelineSync | None = None
         self.stage_modules = {s: StageModule(placed[s], self.runner) for s in self.local_stages}
         self.train_modules: dict[int, nn.Module] = dict(self.stage_modules)
+        #: the trainable parameters (whose gradients a step keeps for Lightning's backward), followed step by step
         self.params: list[nn.Parameter] = []
+        #: those whose gradients are averaged over replicas by what :meth:`wrap_data_parallel` set up (ids), and the
+        #: ones made trainable since (a finetuning callback unfreezing a module), averaged after the schedule
+        self._synced: set[int] = set()
+        self._late: list[nn.Parameter] = []
+        #: why parameters may not be made trainable after setup here (``None``: they may)
+        self.fixed_params: str | None = None
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
         self.holds_first = 0 in placed
@@ -220,8 +227,10 @@ class PipelineEngine:
         stage's gradients are averaged when its last backward is done (:class:`WeightStreaming`), not by DDP.
         """
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self._synced = {id(p) for p in self.params}
         self.ties.make_equal()
         if stream_weights:
+            self.fixed_params = "offload='parameters' (the weights streamed are the ones trainable at setup)"
             if self.layout.is_mixed or self.spec.splits_backward:
                 raise LayoutError(
                     f"offload='parameters' runs pipelines of one depth with schedules whose backward computes weight "
@@ -238,6 +247,7 @@ class PipelineEngine:
             self.runner.grads_final.append(self.runner.weights.backward_done)
             return
         if self.layout.is_mixed:
+            self.fixed_params = "pipelines of mixed depths (their gradient sums are set up for the parameters then)"
             placement = placement_of(self.module)
             self.cross = CrossPipelineSync(
                 self.module,
@@ -350,6 +360,7 @@ class PipelineEngine:
         gradients ``.grad`` holds now are not read again (``runtime/zero_grad.py``): dropped before the schedule."""
         local = batch_size_of(batch)
         m = self.train_microbatches(local)
+        self._follow_trainable()
         self.last_microbatches = m
         self.last_global_batch = global_batch = global_batch or self.global_batch_of(local)
         program = self._program("train", "training_step", m, batch)
@@ -372,9 +383,11 @@ class PipelineEngine:
         with self.runner.bind("training_step", "train", batch, args, kwargs, m), tracing, self._streaming(("train", m)):
             program.step(*inputs, target=target, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
-        if self.spec.splits_backward and self.ctx.dp_group is not None and self.layout.data_parallel > 1:
-            with clock.span("all-reduce", "allreduce", lane="allreduce"):
-                all_reduce_mean(self.params, self.ctx.dp_group)
+        if self.ctx.dp_group is not None and self.layout.data_parallel > 1:
+            unsynced = self.params if self.spec.splits_backward else self._late
+            if unsynced:
+                with clock.span("all-reduce", "allreduce", lane="allreduce"):
+                    all_reduce_mean(unsynced, self.ctx.dp_group)
         self.ties.sum_grads(reduce_on=self.ctx.device)
         if self.cross is not None:
             with clock.span("all-reduce", "allreduce", lane="allreduce"):
@@ -394,6 +407,22 @@ class PipelineEngine:
             replay(self.module, logged, batch_size=global_batch, device=self.ctx.device, shown=self._shown)
         step_loss = torch.full((), loss, device=self.ctx.device)  # (a fill: no wait for the device, as a copy would)
         return {"loss": step_loss, **outputs} if outputs else step_loss
+
+    def _follow_trainable(self) -> None:
+        """Parameters made trainable since the last step (``BackboneFinetuning`` unfreezing a module, after the
+        strategy set up with it frozen): their gradients are kept for Lightning's backward too (which zeroes the
+        others), and averaged over replicas after the schedule (DDP knows the parameters trainable at setup only)."""
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        if len(trainable) == len(self.params) and all(a is b for a, b in zip(trainable, self.params)):
+            return
+        late = [p for p in trainable if id(p) not in self._synced]
+        if late and self.fixed_params is not None:
+            raise LayoutError(
+                f"{len(late)} parameter(s) became trainable after spot_pipeline set up (a finetuning callback "
+                f"unfreezing a module?), which {self.fixed_params} does not follow. Unfreeze them before fit, or train "
+                f"without {self.fixed_params.split(' (')[0]}: parameters unfrozen during training are followed there."
+            )
+        self.params, self._late = trainable, late
 
     def _step_outputs(self) -> Any:
         """What the step returned (in training: besides its loss and item count), on every rank of the pipeline: the
