@@ -37,9 +37,10 @@ def on_stages(trainer: pl.Trainer, module: pl.LightningModule, device: Any) -> N
     callback names one."""
     average_stages(trainer, module, device)
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, BaseFinetuning) and "unfreeze_and_add_param_group" not in vars(callback):
+        if isinstance(callback, BaseFinetuning):  # (wrapped again at each fit: the class's methods, this trainer)
             finetuning: Any = callback
-            finetuning.unfreeze_and_add_param_group = _grouping_on_every_rank(callback.unfreeze_and_add_param_group)
+            cls = type(callback)
+            finetuning.unfreeze_and_add_param_group = _grouping_on_every_rank(cls.unfreeze_and_add_param_group)
             finetuning.load_state_dict = _restoring_groups_on_every_rank(callback, trainer)
 
 
@@ -70,7 +71,7 @@ def _restoring_groups_on_every_rank(callback: BaseFinetuning, trainer: pl.Traine
     rebuilt here. They hold rank 0's parameter names only (callback states come from rank 0): each rank keeps the
     names it holds, and the parameters its own groups from ``configure_optimizers`` hold, so that every rank gets
     the saved groups in order, with its own parameters (a group may be empty)."""
-    original = callback.load_state_dict
+    original = type(callback).load_state_dict.__get__(callback)
 
     def load_state_dict(state_dict: dict[str, Any]) -> None:
         original(state_dict)
