@@ -31,13 +31,14 @@ MORPHS: dict[str, tuple[tuple[int, dict], tuple[int, dict], str, str]] = {
     "P2D2-to-P1D1-snapshots-s3": ((4, P2D2), (1, {"pipeline_stages": 1, "microbatches": 2}), "s3", "auto"),
 }
 SNAPSHOTS = {"P2D2-to-P1D1-snapshots-s3"}
-# (validation after every step: the callback swaps its average into the model while a snapshot may be copied)
 EMA: dict[str, Any] = {
     "model": {"cls": "TiedEmbeddingModel"},
     "loader": {"batch_size": 16, "n": 64},
     "val_loader": {"batch_size": 16, "n": 32},
     "ema": 0.5,
 }
+#: EMA cases: validation every N steps (1: after phase 1's last step too; 2: not after it)
+EMA_CASES = {"validated": 1, "ended": 2}
 
 
 def _phase(name: str, strategy: dict, max_steps: int, spot: dict, **extra: Any) -> dict[str, Any]:
@@ -83,25 +84,32 @@ def morphs(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> dict[s
         extra = {"ckpt_path": runs[name]["dirpath"]} if how == "ckpt_path" else {}
         jobs.setdefault(w2, []).append(_phase(f"{name}-phase2", s2, TOTAL_STEPS, kwargs, **extra))
     # Lightning's EMAWeightAveraging, snapshots in memory and shares in storage: the trained weights come back beside
-    # the average (phase 1's last snapshot is copied before the callback puts the average into the model)
-    ema = {**EMA, "spot_checkpoint": {"dirpath": str(tmp / "runs" / "ema"), "every_n_train_steps": 2}}
-    shm = {"snapshot_every_n_train_steps": 1, "snapshot_dir": str(tmp / "shm" / "ema")}
-    every_step = {"limit_val_batches": None, "val_check_interval": 1}
-    jobs[4].append({**ema, "name": "ema-phase1", "strategy": P2D2, "trainer": {"max_steps": 3, **every_step}})
-    jobs[4][-1]["spot_checkpoint"] = {**ema["spot_checkpoint"], **shm}
-    phase2 = {"max_steps": 6, **every_step}
-    jobs[1].append({**ema, "name": "ema-phase2", "strategy": {"pipeline_stages": 1}, "trainer": phase2})
+    # the average, although phase 1's last snapshot is still being copied when the callback swaps its average in for
+    # validation ("validated": every step) or copies it in at the end of training ("ended": validation every two
+    # steps, not after the last; the copies start late)
+    for case, every in EMA_CASES.items():
+        ema = {**EMA, "spot_checkpoint": {"dirpath": str(tmp / "runs" / case), "every_n_train_steps": 2}}
+        shm = {"snapshot_every_n_train_steps": 1, "snapshot_dir": str(tmp / "shm" / case)}
+        validation = {"limit_val_batches": None, "val_check_interval": every}
+        jobs[4].append({**ema, "name": f"{case}-phase1", "strategy": P2D2, "trainer": {"max_steps": 3, **validation}})
+        jobs[4][-1]["spot_checkpoint"] = {**ema["spot_checkpoint"], **shm}
+        if case == "ended":  # (validation comes at once, while the copies are under way; the end only after a delay)
+            jobs[4][-1]["slow_snapshot_copies"] = 0.3
+        phase2 = {"max_steps": 6, **validation}
+        jobs[1].append({**ema, "name": f"{case}-phase2", "strategy": {"pipeline_stages": 1}, "trainer": phase2})
     results: dict[str, list[dict]] = {}
     for world in (2, 4, 1, 3):  # phase 1 of every case runs before its phase 2
         results.update(run_scenarios(world, jobs[world], tmp / f"world{world}", timeout=400))
     return {"results": results, "runs": runs, "fs": fs}
 
 
-def test_ema_weight_averaging_resumes_with_its_trained_weights_and_its_average(morphs: dict) -> None:
-    first, second = morphs["results"]["ema-phase1"], morphs["results"]["ema-phase2"]
+@pytest.mark.parametrize("case", list(EMA_CASES))
+def test_ema_weight_averaging_resumes_with_its_trained_weights_and_its_average(case: str, morphs: dict) -> None:
+    first, second = morphs["results"][f"{case}-phase1"], morphs["results"][f"{case}-phase2"]
     assert {r["spot"]["saves"][-1]["step"] for r in first} == {3}
     assert second[0]["restored_step"] == 3 and second[0]["restored_kind"] == "shares"
-    ref = reference_run({**EMA, "trainer": {"max_steps": 6, "limit_val_batches": None, "val_check_interval": 1}})
+    validation = {"limit_val_batches": None, "val_check_interval": EMA_CASES[case]}
+    ref = reference_run({**EMA, "trainer": {"max_steps": 6, **validation}})
     assert_same_params(merged_state(second), ref)
     assert second[0]["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], abs=1e-5)
 
