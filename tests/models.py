@@ -486,6 +486,22 @@ class Overflow(L.Callback):
             param.grad.view(-1)[0] = float("inf")
 
 
+def lightning_callbacks(scenario: dict[str, Any]) -> list[L.Callback]:
+    """Lightning's own callbacks a scenario asks for (the same in the pipelined run and in its reference):
+    ``swa`` (``StochasticWeightAveraging``'s arguments), ``finetune`` (``BackboneFinetuning``'s), ``ema``
+    (``EMAWeightAveraging``'s decay)."""
+    from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
+
+    callbacks: list[L.Callback] = []
+    if "swa" in scenario:
+        callbacks.append(StochasticWeightAveraging(**scenario["swa"]))
+    if "finetune" in scenario:
+        callbacks.append(BackboneFinetuning(**scenario["finetune"]))
+    if "ema" in scenario:
+        callbacks.append(EMAWeightAveraging(decay=scenario["ema"]))
+    return callbacks
+
+
 def fit_in_this_process(root: Any, model: L.LightningModule, data: Any, **trainer_kwargs: Any) -> L.Trainer:
     """Fit ``model`` with ``spot_pipeline`` on one CPU device in the test's own process (P1xD1, quiet); the
     environment and thread pool that the strategy sizes (``OMP_NUM_THREADS``) are restored afterwards, so later

@@ -12,7 +12,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from tests.distributed import launch
-from tests.models import MetaInitPipelineModel, Overflow, make_dataset, make_loader, make_model
+from tests.models import (
+    MetaInitPipelineModel,
+    Overflow,
+    lightning_callbacks,
+    make_dataset,
+    make_loader,
+    make_model,
+)
 
 WORKER = "tests/workers/run_scenarios.py"
 
@@ -102,18 +109,7 @@ def reference_run(
         callbacks: list[L.Callback] = [epochs, *([best] if best is not None else [])]
         if "overflow" in scenario:
             callbacks.append(Overflow(**scenario["overflow"]))
-        if "ema" in scenario:
-            from lightning.pytorch.callbacks import EMAWeightAveraging
-
-            callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
-        if "finetune" in scenario:  # Lightning's BackboneFinetuning (its arguments)
-            from lightning.pytorch.callbacks import BackboneFinetuning
-
-            callbacks.insert(0, BackboneFinetuning(**scenario["finetune"]))
-        if "swa" in scenario:
-            from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-            callbacks.insert(0, StochasticWeightAveraging(**scenario["swa"]))
+        callbacks[:0] = lightning_callbacks(scenario)  # (first: before the checkpoints)
         plugins = []
         if scenario.get(
             "fp16"

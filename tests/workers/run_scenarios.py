@@ -19,7 +19,7 @@ import torch
 import tests.fakefs  # noqa: F401  registers the slowfile:// and flakyfile:// test filesystems
 from lightning_spot import SpotPipelineStrategy
 from lightning_spot.partition.stage_run import active_run
-from tests.models import MetaInitPipelineModel, Overflow, make_loader, make_model
+from tests.models import MetaInitPipelineModel, Overflow, lightning_callbacks, make_loader, make_model
 
 
 class RecordInitial(L.Callback):
@@ -145,18 +145,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         )
     if "overflow" in scenario:
         callbacks.append(Overflow(**scenario["overflow"]))
-    if "ema" in scenario:  # Lightning's own weight averaging (its decay)
-        from lightning.pytorch.callbacks import EMAWeightAveraging
-
-        callbacks.insert(0, EMAWeightAveraging(decay=scenario["ema"]))
-    if "finetune" in scenario:  # Lightning's BackboneFinetuning (its arguments)
-        from lightning.pytorch.callbacks import BackboneFinetuning
-
-        callbacks.insert(0, BackboneFinetuning(**scenario["finetune"]))
-    if "swa" in scenario:  # Lightning's StochasticWeightAveraging (its arguments)
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-        callbacks.insert(0, StochasticWeightAveraging(**scenario["swa"]))
+    callbacks[:0] = lightning_callbacks(scenario)  # (first: before the checkpoints)
     ckpt_path = scenario.get("ckpt_path")
     if "resume" in scenario:
         ckpt_path = str(out / scenario["resume"]["from"] / "ckpts" / scenario["resume"]["file"])
