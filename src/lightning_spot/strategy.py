@@ -425,7 +425,8 @@ class SpotPipelineStrategy(ParallelStrategy):
                 self.offload = OptimizerOffload(list(self.optimizers), masters=masters)
                 if self.engine is not None and self.engine.fixed_params is None:
                     self.engine.fixed_params = (
-                        "offload='optimizer' (its host masters are the parameters trainable then)"
+                        "offload='optimizer'",
+                        "its host masters are the parameters trainable then",
                     )
                 if self.offload.fused:
                     rank_zero_info(

@@ -62,7 +62,7 @@ def attach(
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
-    engine.fixed_params = "fault_tolerance='torchft' (its gradient buckets hold the parameters trainable then)"
+    engine.fixed_params = ("fault_tolerance='torchft'", "its gradient buckets hold the parameters trainable then")
     # logged values wait for the commit (a share of their own to the pipeline's other stages)
     share = LastStageShare(engine.ctx.pp_group, engine.last_stage_rank, engine.ctx.device)
     engine.held_logs = group.held_logs = HeldLogs(engine.module, share, engine.ctx.device, engine.holds_last)

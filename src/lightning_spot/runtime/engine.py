@@ -137,8 +137,8 @@ class PipelineEngine:
         #: ones made trainable since (a finetuning callback unfreezing a module), averaged after the schedule
         self._synced: set[int] = set()
         self._late: list[nn.Parameter] = []
-        #: why parameters may not be made trainable after setup here (``None``: they may)
-        self.fixed_params: str | None = None
+        #: (the setting, why) parameters may not be made trainable after setup here (``None``: they may)
+        self.fixed_params: tuple[str, str] | None = None
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
         self.holds_first = 0 in placed
@@ -230,7 +230,7 @@ class PipelineEngine:
         self._synced = {id(p) for p in self.params}
         self.ties.make_equal()
         if stream_weights:
-            self.fixed_params = "offload='parameters' (the weights streamed are the ones trainable at setup)"
+            self.fixed_params = ("offload='parameters'", "the weights streamed are the ones trainable at setup")
             if self.layout.is_mixed or self.spec.splits_backward:
                 raise LayoutError(
                     f"offload='parameters' runs pipelines of one depth with schedules whose backward computes weight "
@@ -247,7 +247,7 @@ class PipelineEngine:
             self.runner.grads_final.append(self.runner.weights.backward_done)
             return
         if self.layout.is_mixed:
-            self.fixed_params = "pipelines of mixed depths (their gradient sums are set up for the parameters then)"
+            self.fixed_params = ("pipelines of mixed depths", "their gradient sums are set up for the parameters then")
             placement = placement_of(self.module)
             self.cross = CrossPipelineSync(
                 self.module,
@@ -417,10 +417,11 @@ class PipelineEngine:
             return
         late = [p for p in trainable if id(p) not in self._synced]
         if late and self.fixed_params is not None:
+            setting, why = self.fixed_params
             raise LayoutError(
                 f"{len(late)} parameter(s) became trainable after spot_pipeline set up (a finetuning callback "
-                f"unfreezing a module?), which {self.fixed_params} does not follow. Unfreeze them before fit, or train "
-                f"without {self.fixed_params.split(' (')[0]}: parameters unfrozen during training are followed there."
+                f"unfreezing a module?), which {setting} ({why}) does not follow. Unfreeze them before fit, or train "
+                f"without {setting}: parameters unfrozen during training are followed there."
             )
         self.params, self._late = trainable, late
 
