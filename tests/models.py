@@ -470,6 +470,30 @@ class MetricModel(TinyPipelineModel):
         self.val_mae.reset()
 
 
+class SummedLossModel(TinyPipelineModel):
+    """Losses summed over the batch's samples (``reduction="sum"``, as the classic VAE example): the squared error
+    returned as it is (``"returned"``, recognised); plus a penalty summed over the samples and said to be a sum
+    (``"declared"``: ``loss_reduction``); or that, not said (``"undeclared"``: taken for a mean, with a warning).
+    Validation logs the summed squared error. Trained with SGD (Adam would not see the loss's scale)."""
+
+    def __init__(self, kind: str = "returned", **kwargs: Any) -> None:
+        super().__init__(**{"optimizer": "sgd", "lr": 0.002, **kwargs})
+        self.kind = kind
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        out = self(x)
+        loss = nn.MSELoss(reduction="sum")(out, y)
+        if self.kind != "returned":
+            loss = loss + 0.01 * out.pow(2).sum()
+        self.log("train_loss", loss)
+        return {"loss": loss, "loss_reduction": "sum"} if self.kind == "declared" else loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y, reduction="sum"))
+
+
 class Overflow(L.Callback):
     """Puts an inf into one gradient element of parameter ``param`` after the backward of step ``step``, on the
     ranks holding it in data-parallel replica ``replica`` (a single process holds every parameter)."""

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.utils.data import default_collate
 
 from lightning_spot import ModelContractError
@@ -122,3 +123,87 @@ def test_unweighted_losses_count_alike_and_a_mix_is_refused() -> None:
     weights.add(torch.tensor(1.0), None, samples=2)
     with pytest.raises(ModelContractError, match="1 of this step's 2 micro-batches gave an item count.*num_items"):
         weights.records()
+
+
+@pytest.mark.filterwarnings("ignore:size_average and reduce args")
+def test_losses_summed_over_samples_are_noticed_only_when_summed() -> None:
+    """Sums (however a loss function is asked for one) are kept; means, and a sum's later transforms, are not."""
+    model = torch.nn.Linear(3, 2)
+    x, y, labels = torch.randn(4, 3), torch.randn(4, 2), torch.tensor([0, 1, 1, 0])
+    counts = ItemCounts(model)
+    with counts.micro_batch(watch=True):
+        out = model(x)
+        sums = [
+            torch.nn.MSELoss(reduction="sum")(out, y),
+            F.cross_entropy(out, labels, reduction="sum"),
+            F.l1_loss(out, y, size_average=False),  # (the legacy spelling of a sum)
+        ]
+        means = [F.mse_loss(out, y), F.cross_entropy(out, labels), F.mse_loss(out, y, reduction="none").sum(1).mean()]
+        scaled = sums[0] / 4
+    assert all(counts.summed(s) for s in sums) and not any(counts.summed(m) for m in (*means, scaled))
+    assert not counts.plain()
+    with counts.micro_batch(watch=False):  # not watched: nothing seen
+        unseen = F.mse_loss(model(x), y, reduction="sum")
+    assert not counts.summed(unseen) and counts.plain()
+
+
+def test_summed_micro_batches_give_the_gradient_of_the_batch_sum() -> None:
+    """Two replicas x two micro-batches of summed losses (uneven: 3, 1, 2 and 2 samples): their sum is the step's
+    loss, and what is back-propagated (divided by the micro-batches and replicas), times the factor, is the gradient
+    of the sum over the global batch. A mix with means, or with an item count, is refused."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    rows = [torch.randn(n, 3) for n in (3, 1, 2, 2)]
+    reference = torch.cat([r @ w for r in rows]).pow(2).sum()
+    (want,) = torch.autograd.grad(reference, w)
+    replicas = [LossWeights(), LossWeights()]
+    grad = torch.zeros(3)
+    for weights in replicas:
+        weights.start()
+    for i, r in enumerate(rows):
+        backed = replicas[i // 2].add((r @ w).pow(2).sum(), None, samples=len(r), summed=True)
+        (g,) = torch.autograd.grad(backed, w)
+        grad += g / 2 / 2
+    value, factor, _ = _settle(replicas, total=4)
+    assert value == pytest.approx(reference.item(), rel=1e-6) and factor == 4.0
+    assert torch.allclose(grad * factor, want, atol=1e-5)
+
+    weights = LossWeights()
+    weights.start()
+    weights.add(torch.tensor(1.0), None, samples=2, summed=True)
+    weights.add(torch.tensor(1.0), None, samples=2)
+    with pytest.raises(ModelContractError, match="1 of this step's 2 micro-batches returned a loss summed"):
+        weights.records()
+    with pytest.raises(ModelContractError, match="both an item count .* and a loss summed"):
+        weights.add(torch.tensor(1.0), torch.tensor(3), samples=2, summed=True)
+
+
+def test_a_step_says_what_its_loss_is_and_a_logged_sum_is_summed_from_then_on() -> None:
+    from lightning_spot.runtime.logging_bridge import LogRecord, PackedLogs
+    from lightning_spot.runtime.summed_losses import SummedLosses
+
+    model = torch.nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    counts, sums = ItemCounts(model), SummedLosses()
+    with counts.micro_batch(watch=True):
+        total = F.mse_loss(model(x), y, reduction="sum")
+    vae = total + 1.0
+    assert sums.loss_is_sum({"loss": vae, "loss_reduction": "sum"}, vae, counts)
+    assert not sums.loss_is_sum({"loss": vae, "loss_reduction": "mean"}, vae, counts)
+    with pytest.raises(ModelContractError, match="loss_reduction='avg'.*'sum' or 'mean'"):
+        sums.loss_is_sum({"loss": vae, "loss_reduction": "avg"}, vae, counts)
+    with pytest.warns(UserWarning, match="loss_reduction"):  # a sum was computed, another tensor returned
+        assert not sums.loss_is_sum(vae, vae, counts)
+        sums.warn_unsure()
+    assert sums.loss_is_sum(total, total, counts) and sums.loss_is_sum(vae, vae, ItemCounts(model)), "remembered"
+
+    def records(logged: Tensor) -> list[LogRecord]:
+        return [LogRecord("sse", logged.detach(), 2.0, {}, id(logged)), LogRecord("mse", logged.detach(), 2.0, {})]
+
+    first = records(total)
+    sums.mark("validation_step", first, counts)  # (the watched micro-batch: "sse" is the summed tensor)
+    later = records(torch.tensor(3.0))
+    sums.mark("validation_step", later, ItemCounts(model))  # not watched: by name
+    packed = PackedLogs(first + later, torch.device("cpu")).values()
+    assert packed["sse"][0] == pytest.approx(total.item() + 3.0) and packed["sse"][1] == {}
+    assert packed["mse"][0] == pytest.approx((total.item() + 3.0) / 2)

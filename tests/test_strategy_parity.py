@@ -402,6 +402,36 @@ WORLD_4 += [
         expect_split=[2, 6],
     ),
 ]
+# losses summed over the batch's samples (reduction="sum"), trained with SGD: a step's micro-batch sums add up over
+# micro-batches and replicas, as one process's sum over the batch; recognised (the loss and the validation's logged
+# value are what the loss function returned; past the first 8 steps, which are watched for them: remembered), and
+# declared (`loss_reduction`); epochs of 5 batches of 16 rows and one of 8
+SUMMED = {"batch_size": 16, "n": 88}
+WORLD_4 += [
+    scenario(
+        "P2D2-summed-loss-validation",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "SummedLossModel"},
+        trainer={"max_steps": 10, "limit_val_batches": None, "val_check_interval": 3},
+        loader=SUMMED,
+        val_loader={"batch_size": 4, "n": 36},
+    ),
+    scenario(
+        "P4D1-summed-loss-declared-fp16",
+        strategy={"pipeline_stages": 4, "microbatches": 4},
+        model={"cls": "SummedLossModel", "kind": "declared"},
+        fp16=256,
+        loader=SUMMED,
+    ),
+    # not said to be a sum: taken for a mean (warned about), so not the same math: not among the parity cases
+    scenario(
+        "P2D2-summed-loss-undeclared",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "SummedLossModel", "kind": "undeclared"},
+        differs=True,
+        loader=SUMMED,
+    ),
+]
 WORLD_5 = [
     scenario("mixed-P2+P3-uneven-split-3-5", strategy={"pipeline_stages": [2, 3], "microbatches": [3, 5]}),
     scenario(
@@ -433,7 +463,7 @@ def _results(jobs: dict, world: int, tmp_path_factory: pytest.TempPathFactory) -
     return jobs[world]
 
 
-CASES = [(w, s) for w, group in ALL.items() for s in group]
+CASES = [(w, s) for w, group in ALL.items() for s in group if not s.get("differs")]
 
 
 @pytest.mark.parametrize(("world", "case"), CASES, ids=[s["name"] for _, s in CASES])
@@ -662,3 +692,18 @@ def test_fp16_agrees_on_one_loss_scale(jobs: dict, tmp_path_factory) -> None:
     assert {r["loss_scale"] for r in overflow} == {128.0}
     resumed = results["P4D1-fp16-mixed-resumed-after-overflow"]  # (its parameters: test_matches_single_process...)
     assert {r["loss_scale"] for r in resumed} == {128.0}, "the scaler's state is restored onto another layout"
+
+
+def test_a_loss_summed_over_samples_adds_up_over_micro_batches_or_is_warned_about(
+    jobs: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Recognised or declared sums train as one process does (the parity cases above); an undeclared one is warned
+    about once per rank that computes it, and trains as a mean would (not the single-process math)."""
+    results = _results(jobs, 4, tmp_path_factory)
+    warned = {name: [w for r in results[name] for w in r["warnings"] if "loss_reduction" in w] for name in results}
+    assert not [w for name, ws in warned.items() if name != "P2D2-summed-loss-undeclared" for w in ws], warned
+    undeclared = warned["P2D2-summed-loss-undeclared"]
+    assert len(undeclared) == 2 and "reduction='sum'" in undeclared[0], undeclared  # the last stage of each replica
+    case = next(s for s in WORLD_4 if s["name"] == "P2D2-summed-loss-undeclared")
+    with pytest.raises(AssertionError, match="differ from the single-process run"):
+        assert_same_params(merged_state(results[case["name"]]), reference_run(case))

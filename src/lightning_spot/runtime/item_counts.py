@@ -17,6 +17,9 @@ combined over micro-batches and replicas as a sum over items divided by the item
 With ``watch``, cross-entropy and NLL losses averaged over targets that hold their ``ignore_index`` are
 noticed, so that a loss averaged over a varying count that nobody declared can be warned about: as a flag on the
 targets' device (reading it would make the host wait for the device; the step runner reads it once per step).
+So are the results of ``torch.nn.functional`` losses summed over their samples (``reduction="sum"``): a step
+loss (or logged value) that is one of them is a sum over the micro-batch, which combines over micro-batches as
+a sum, where a mean combines as a mean.
 """
 
 from __future__ import annotations
@@ -30,13 +33,27 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn import _reduction as _Reduction
 from torch.overrides import TorchFunctionMode
 
 from lightning_spot.runtime.layer_outputs import refuse_partial_router_logits
 
 #: the key of a step result that says how many items its loss is a mean over
 NUM_ITEMS = "num_items"
+#: the key of a step result that says whether its loss is a "sum" over the batch's samples or a "mean"
+LOSS_REDUCTION = "loss_reduction"
 IGNORE_INDEX = -100
+#: the ``torch.nn.functional`` losses with a ``reduction`` argument, whose sums over samples are noticed
+SUMMABLE_LOSSES = frozenset(
+    getattr(F, name)
+    for name in (
+        "binary_cross_entropy", "binary_cross_entropy_with_logits", "cosine_embedding_loss", "cross_entropy",
+        "gaussian_nll_loss", "hinge_embedding_loss", "huber_loss", "kl_div", "l1_loss", "margin_ranking_loss",
+        "mse_loss", "multi_margin_loss", "multilabel_margin_loss", "multilabel_soft_margin_loss", "nll_loss",
+        "poisson_nll_loss", "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss",
+    )
+    if hasattr(F, name)
+)  # fmt: skip
 
 
 def transformers_item_count(model: nn.Module, kwargs: Mapping[str, Any]) -> Tensor | None:
@@ -69,27 +86,36 @@ def either(flag: Tensor | None, other: Tensor) -> Tensor:
     return other if flag is None else flag | other.to(flag.device)
 
 
-class _IgnoredTargets(TorchFunctionMode):
-    """Notices mean-reduced cross-entropy / NLL losses over targets that hold their ``ignore_index``."""
+class _WatchedLosses(TorchFunctionMode):
+    """Notices mean-reduced cross-entropy / NLL losses over targets that hold their ``ignore_index``, and keeps the
+    results of losses summed over their samples."""
 
-    WATCHED = (F.cross_entropy, F.nll_loss)
+    MEANS_OVER_TARGETS = (F.cross_entropy, F.nll_loss)
 
     def __init__(self) -> None:
         super().__init__()
         #: whether a watched loss's targets held the ignore index, on their device (``None``: no such loss)
         self.seen: Tensor | None = None
+        #: what losses with ``reduction="sum"`` returned (kept: their ``id`` names them)
+        self.sums: list[Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in self.WATCHED:
-            bound = inspect.signature(func).bind(*args, **kwargs)
-            target = bound.arguments.get("target")
-            reduction = bound.arguments.get("reduction", "mean")
-            legacy = bound.arguments.get("size_average") is not None or bound.arguments.get("reduce") is not None
-            ignore = bound.arguments.get("ignore_index", IGNORE_INDEX)
-            if reduction == "mean" and not legacy and isinstance(target, Tensor) and not target.is_floating_point():
+        if func not in SUMMABLE_LOSSES:
+            return func(*args, **kwargs)
+        bound = inspect.signature(func).bind(*args, **kwargs).arguments
+        reduction = bound.get("reduction", "mean")
+        legacy = bound.get("size_average") is not None or bound.get("reduce") is not None
+        if legacy:  # (size_average=False: a sum)
+            reduction = _Reduction.legacy_get_string(bound.get("size_average"), bound.get("reduce"), emit_warning=False)
+        result = func(*args, **kwargs)
+        if reduction == "sum" and isinstance(result, Tensor):
+            self.sums.append(result)
+        elif func in self.MEANS_OVER_TARGETS and reduction == "mean" and not legacy:
+            target, ignore = bound.get("target"), bound.get("ignore_index", IGNORE_INDEX)
+            if isinstance(target, Tensor) and not target.is_floating_point():
                 self.seen = either(self.seen, (target == ignore).any())
-        return func(*args, **kwargs)
+        return result
 
 
 class ItemCounts:
@@ -106,6 +132,8 @@ class ItemCounts:
         #: whether the micro-batch's watched losses were means over targets holding their ignore index (a flag on
         #: the device; ``None``: none watched)
         self.ignored_targets: Tensor | None = None
+        #: what the micro-batch's watched losses summed over their samples returned
+        self.sums: list[Tensor] = []
         self._collecting = False
         self._open: list[Tensor | None] = []
         modeling = sys.modules.get("transformers.modeling_utils")  # a model exists only if this was imported
@@ -133,19 +161,24 @@ class ItemCounts:
     @contextlib.contextmanager
     def micro_batch(self, watch: bool, training: bool = False) -> Iterator[None]:
         """Collect the counts of one run of the user's step (and, with ``watch``, look for ignored targets)."""
-        self.seen, self._open, self.ignored_targets, self.training = [], [], None, training
+        self.seen, self._open, self.ignored_targets, self.sums, self.training = [], [], None, [], training
         self._collecting = True
-        mode = _IgnoredTargets() if watch else None
+        mode = _WatchedLosses() if watch else None
         try:
             with mode if mode is not None else contextlib.nullcontext():
                 yield
         finally:
             self._collecting = False
-            self.ignored_targets = mode.seen if mode is not None else None
+            if mode is not None:
+                self.ignored_targets, self.sums = mode.seen, mode.sums
 
     def plain(self) -> bool:
         """Whether the micro-batch just run gave nothing to count: no transformers loss, no watched loss."""
-        return not self.seen and self.ignored_targets is None
+        return not self.seen and self.ignored_targets is None and not self.sums
+
+    def summed(self, value: Any) -> bool:
+        """Whether ``value`` is what a watched loss summed over its samples returned in the micro-batch just run."""
+        return any(value is s for s in self.sums)
 
     def count_of(self, result: Any, loss: Tensor) -> Tensor | None:
         """The item count of ``loss``, returned by the step as ``result``: declared, or the count of the

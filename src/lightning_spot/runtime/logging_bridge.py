@@ -46,6 +46,8 @@ class LogRecord:
     options: dict[str, Any]
     #: ``id`` of the object that was logged (to find the records of a loss)
     source: int = 0
+    #: a sum over the micro-batch's samples: a mean's records add up over micro-batches and replicas
+    summed: bool = False
 
 
 @dataclass
@@ -131,7 +133,12 @@ class PackedLogs:
             by_name.setdefault(r.name, []).append(r)
         self.names = sorted(by_name)
         self.options = [by_name[n][0].options for n in self.names]
-        self.fx = [_reduce_fx(o) for o in self.options]
+        # (Lightning reduces a sum over each batch's samples, logged with its mean, as a mean over batches: the
+        # options it gets stay the user's)
+        self.fx = [
+            "sum" if fx == "mean" and all(r.summed for r in by_name[n]) else fx
+            for n, fx in ((n, _reduce_fx(o)) for n, o in zip(self.names, self.options))
+        ]
         sums, weights, maxes, mins = [], [], [], []
         for n, fx in zip(self.names, self.fx):
             rs = by_name[n]

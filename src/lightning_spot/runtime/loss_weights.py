@@ -18,6 +18,11 @@ step's items per micro-batch keeps what is back-propagated near the size of a me
 micro-batch holds as many items as the last step's did (sequences without padding), both multipliers are
 exactly 1 and the arithmetic is that of unweighted losses. In the first step, ``r`` is the largest count of
 the first micro-batches of all last stages (one all-reduce over ``group``, once).
+
+A loss that is a sum over its micro-batch's samples (``reduction="sum"``) combines as a sum: the step's loss is
+``Σ l_i`` over every micro-batch of every replica, and its gradients (each micro-batch's loss divided by the
+step's ``T`` micro-batches, and averaged over replicas, as for means) are multiplied by ``T``: ``Σ ∇l_i``, what
+one process computes for the sum over the global batch.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.runtime.logging_bridge import LogRecord
 
 _SUM = {"reduce_fx": "sum"}
-LOSS, ITEMS, WEIGHTED, REFERENCE = "__loss__", "__items__", "__weighted__", "__reference__"
+LOSS, ITEMS, WEIGHTED, REFERENCE, SUMMED = "__loss__", "__items__", "__weighted__", "__reference__", "__summed__"
+_NAMES = (LOSS, ITEMS, WEIGHTED, REFERENCE, SUMMED)
 
 
 class LossWeights:
@@ -40,7 +46,8 @@ class LossWeights:
         #: the reference count ``r``: the previous step's items per micro-batch (the same on every rank)
         self.reference: float | None = None
         self.use_group(group)
-        self._parts: list[tuple[Tensor, Tensor | None, int]] = []
+        #: each micro-batch's (loss, item count, samples, whether the loss is a sum over the samples)
+        self._parts: list[tuple[Tensor, Tensor | None, int, bool]] = []
         #: what the last step's gradient is a mean over: its samples, or its items when losses came with counts
         self.items = 0.0
 
@@ -54,10 +61,15 @@ class LossWeights:
     def start(self) -> None:
         self._parts = []
 
-    def add(self, loss: Tensor, count: Tensor | None, samples: int) -> Tensor:
-        """Record one micro-batch's loss (``count``: the items it is a mean over, if known); return what the
-        schedule back-propagates for it."""
-        self._parts.append((loss.detach().float(), count, samples))
+    def add(self, loss: Tensor, count: Tensor | None, samples: int, summed: bool = False) -> Tensor:
+        """Record one micro-batch's loss (``count``: the items it is a mean over, if known; ``summed``: a sum over its
+        samples); return what the schedule back-propagates for it."""
+        if summed and count is not None:
+            raise ModelContractError(
+                "training_step declared both an item count (`num_items`) and a loss summed over samples: a count "
+                "belongs to a mean. Return the one that describes the loss."
+            )
+        self._parts.append((loss.detach().float(), count, samples, summed))
         if count is None:
             return loss
         if self.reference is None:
@@ -74,29 +86,28 @@ class LossWeights:
     def records(self) -> list[LogRecord]:
         """The sums this rank contributes: the weighted losses, their weights, the micro-batches with counts."""
         parts = self._parts
-        with_counts = sum(count is not None for _, count, _ in parts)
-        if 0 < with_counts < len(parts):
-            raise ModelContractError(
-                f"{with_counts} of this step's {len(parts)} micro-batches gave an item count for their loss and the "
-                f"others did not. Return `num_items` from every training step (or from none)."
-            )
+        with_counts = sum(count is not None for _, count, _, _ in parts)
+        _check_all_or_none(with_counts, len(parts), "gave an item count for their loss", "Return `num_items`")
+        summed = sum(s for *_, s in parts)
+        _check_all_or_none(summed, len(parts), "returned a loss summed over samples", "Return such a loss")
         if not parts:
             zero = torch.zeros(())
-            return [LogRecord(name, zero, 1.0, _SUM) for name in (LOSS, ITEMS, WEIGHTED, REFERENCE)]
+            return [LogRecord(name, zero, 1.0, _SUM) for name in _NAMES]
         if with_counts:
-            counts = [count.float().to(loss.device) for loss, count, _ in parts if count is not None]
+            counts = [count.float().to(loss.device) for loss, count, _, _ in parts if count is not None]
             # a micro-batch without items has a NaN mean (0 / 0) and adds nothing
-            total = torch.stack([torch.where(n > 0, loss * n, 0.0) for (loss, _, _), n in zip(parts, counts)]).sum()
+            total = torch.stack([torch.where(n > 0, part[0] * n, 0.0) for part, n in zip(parts, counts)]).sum()
             items = torch.stack(counts).sum()
-        else:
-            total = torch.stack([loss * samples for loss, _, samples in parts]).sum()
-            items = torch.full((), float(sum(samples for _, _, samples in parts)), device=total.device)
+        else:  # (a sum over samples adds up as it is)
+            total = torch.stack([loss if summed else loss * samples for loss, _, samples, _ in parts]).sum()
+            items = torch.full((), float(sum(samples for _, _, samples, _ in parts)), device=total.device)
         # (fills: a copy of a number to a GPU, as torch.tensor(number, device=...) makes, waits for the device)
         return [
             LogRecord(LOSS, total, 1.0, _SUM),
             LogRecord(ITEMS, items, 1.0, _SUM),
             LogRecord(WEIGHTED, torch.full((), float(with_counts), device=total.device), 1.0, _SUM),
             LogRecord(REFERENCE, torch.full((), self._reference_share(), device=total.device), 1.0, _SUM),
+            LogRecord(SUMMED, torch.full((), float(summed), device=total.device), 1.0, _SUM),
         ]
 
     def _reference_share(self) -> float:
@@ -107,17 +118,25 @@ class LossWeights:
     def settle(self, logged: dict[str, tuple[float, dict]], total: int) -> tuple[float, float]:
         """(the step's loss, the factor for its gradients) from the reduced sums, which are removed from
         ``logged``; the same on every rank. ``total``: the step's micro-batches over all replicas."""
-        loss_sum, items, weighted, reference = (logged.pop(name)[0] for name in (LOSS, ITEMS, WEIGHTED, REFERENCE))
+        loss_sum, items, weighted, reference, summed = (logged.pop(name)[0] for name in _NAMES)
         self.items = float(items)
+        _check_all_or_none(round(summed), total, "returned a loss summed over samples", "Return such a loss")
+        if summed:
+            return loss_sum, float(total)
         if weighted == 0:
             return loss_sum / items, 1.0
-        if round(weighted) != total:
-            raise ModelContractError(
-                f"{round(weighted)} of this step's {total} micro-batches gave an item count for their loss and the "
-                f"others did not. Return `num_items` from every training step (or from none)."
-            )
+        _check_all_or_none(round(weighted), total, "gave an item count for their loss", "Return `num_items`")
         if items <= 0:  # nothing to learn from: no gradient (one process would get NaN)
             return float("nan"), 0.0
         per_microbatch = items / total
         factor, self.reference = reference / per_microbatch, per_microbatch  # (what the last stages used)
         return loss_sum / items, factor
+
+
+def _check_all_or_none(some: int, total: int, what: str, fix: str) -> None:
+    """Every micro-batch of a step, or none, must have returned a loss of one kind (``what``)."""
+    if 0 < some < total:
+        raise ModelContractError(
+            f"{some} of this step's {total} micro-batches {what} and the others did not. {fix} from every training "
+            f"step (or from none)."
+        )

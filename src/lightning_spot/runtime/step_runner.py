@@ -38,16 +38,18 @@ from lightning_spot.partition.stage_run import (
     running,
 )
 from lightning_spot.runtime.clock import StepClock
-from lightning_spot.runtime.item_counts import NUM_ITEMS, ItemCounts, either
+from lightning_spot.runtime.item_counts import LOSS_REDUCTION, NUM_ITEMS, ItemCounts, either
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.metric_bridge import MetricCalls, detached
 from lightning_spot.runtime.offload import ActivationOffload
+from lightning_spot.runtime.summed_losses import SummedLosses
 from lightning_spot.runtime.weight_streaming import WeightStreaming
 
 Mode = Literal["train", "eval", "predict"]
 
-#: training steps during which losses are watched for means over ignored targets (for the warning)
+#: the steps of each step function during which losses are watched for means over ignored targets (training, for
+#: the warning) and sums over samples
 WATCHED_STEPS = 8
 #: the name under which the last stage tells, with a step's logged values, that the step returned outputs besides
 #: its loss (``StepRunner.step_outputs``), which every rank of the pipeline then receives
@@ -134,13 +136,16 @@ class StepRunner:
         #: what each micro-batch's loss is a mean over, and how the step's losses combine
         self.items = ItemCounts(module, stages=num_stages)
         self.loss_weights = LossWeights()
+        #: which losses and logged values are sums over samples
+        self.sums = SummedLosses()
         #: the step's calls of the module's torchmetrics metrics (set up by the engine, which knows the groups)
         self.metric_calls: MetricCalls | None = None
         #: fp16 (``precision="16-mixed"``): the gradient scaler every rank agrees with (runtime/loss_scale.py), and
         #: the step's micro-batches over all replicas, which each scaled loss is divided by in the backward
         self.scaler: GradScaler | None = None
         self.scale_divisor = 1
-        self._train_steps = 0
+        #: the steps run of each step function (the first are watched)
+        self._steps: dict[str, int] = {}
         self._warned_unweighted = False
         #: (watched steps) whether a loss given without an item count was a mean over targets holding an ignore
         #: index: a flag on the device, read once after the step (:meth:`warn_unweighted`), not per micro-batch
@@ -184,9 +189,9 @@ class StepRunner:
         self.step_outputs = []
         self._losses_computed = 0
         self._chains.clear()  # (decided again by each step's first replay: the step's code may change between steps)
+        self._steps[fn_name] = self._steps.get(fn_name, 0) + 1
         if mode == "train":
             self.loss_weights.start()
-            self._train_steps += 1
         try:
             yield
         finally:
@@ -281,7 +286,7 @@ class StepRunner:
         # the last stage's layers run here (its forward_one_chunk only passes activations on)
         timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
         first_record = len(self.capture.records)
-        watch = self.mode == "train" and self._train_steps <= WATCHED_STEPS and not self._warned_unweighted
+        watch = self.mode != "predict" and self._steps.get(self.fn_name, 0) <= WATCHED_STEPS
         with (
             timed,
             running(run),
@@ -305,6 +310,7 @@ class StepRunner:
         if flag is not None and not self._warned_unweighted and bool(flag):
             self._warned_unweighted = True
             warnings.warn(UNWEIGHTED_MEAN, UserWarning, stacklevel=1)
+        self.sums.warn_unsure()
 
     def _saving(self) -> Any:
         """Where autograd keeps what the forward saves: host memory when activations are offloaded (training)."""
@@ -349,27 +355,31 @@ class StepRunner:
             if not loss.requires_grad:
                 raise ModelContractError("the loss returned by training_step does not depend on the model's output.")
             if loss is not result:
-                extra = {k: v for k, v in result.items() if k not in ("loss", NUM_ITEMS)}
+                extra = {k: v for k, v in result.items() if k not in ("loss", NUM_ITEMS, LOSS_REDUCTION)}
                 if extra:
                     self.step_outputs.append(detached(extra))
-            count = None
+            count, summed = None, self.sums.loss_sum
             # (a bare loss with nothing counted, the common case, has no count and nothing to weigh: skipped, as this
             # runs once per micro-batch on the critical path of 1F1B)
-            if loss is not result or not self.items.plain():
+            if loss is not result or not self.items.plain() or summed or self.sums.names:
                 counts = self.items.counts_by_tensor()
                 count = self.items.count_of(result, loss)
+                summed = self.sums.loss_is_sum(result, loss, self.items, counted=count is not None)
                 if count is not None:
                     counts[id(loss)] = count
                 elif (flag := self.items.ignored_targets) is not None:
                     self._ignored = either(self._ignored, flag)
                 self.capture.weigh(first_record, counts)
-            backed = self.loss_weights.add(loss, count, int(idx.numel()))
+                records = self.capture.records[first_record:]
+                self.sums.mark(self.fn_name, records, self.items, summed_loss=loss if summed else None)
+            backed = self.loss_weights.add(loss, count, int(idx.numel()), summed)
             if self.scaler is not None:  # fp16: one scale everywhere; per-sample gradients as large as on one
                 backed = self.scaler.scale(backed) / self.scale_divisor  # process (the engine multiplies back)
             elif self.microbatches > 1:  # the step's mean over micro-batches (see divides_losses)
                 backed = backed / self.microbatches
             return backed
         self.capture.weigh(first_record, self.items.counts_by_tensor())
+        self.sums.mark(self.fn_name, self.capture.records[first_record:], self.items)
         if self.mode == "predict":
             self.results.append((idx, detached(result)))
         elif result is not None:  # (validation and test: what the step returns is the outputs of their batch hooks)
