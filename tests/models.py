@@ -494,6 +494,45 @@ class SummedLossModel(TinyPipelineModel):
         self.log("val_loss", F.mse_loss(self(x), y, reduction="sum"))
 
 
+class CollectingModel(TinyPipelineModel):
+    """Collects step outputs in lists for the epoch's end, as Lightning 2's documentation shows: the batch index
+    (appended before the forward), the loss per step, per-sample predictions in a dict of lists (one per
+    dataloader, the list made in the step); logs what it computes from them at the epochs' ends."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.batch_indices: list[int] = []
+        self.train_losses: list[torch.Tensor] = []
+        self.val_outputs: dict[str, list[dict[str, torch.Tensor]]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.batch_indices.append(batch_idx)
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.train_losses.append(loss.detach())
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("epoch_mean_loss", torch.stack(self.train_losses).mean())
+        self.log("epoch_steps", float(len(self.train_losses)))
+        self.log("epoch_batch_indices", float(sum(self.batch_indices) + 100 * len(self.batch_indices)))
+        self.train_losses.clear()
+        self.batch_indices.clear()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        preds = self(x)
+        self.val_outputs.setdefault("val", []).append({"preds": preds, "y": y})
+        self.log("val_loss", F.mse_loss(preds, y))
+
+    def on_validation_epoch_end(self) -> None:
+        outputs = self.val_outputs.pop("val")
+        preds, ys = (torch.cat([o[k] for o in outputs]) for k in ("preds", "y"))
+        self.log("val_mse_all", F.mse_loss(preds, ys))
+        self.log("val_rows", float(len(preds)) + 100 * len(outputs))
+
+
 class Overflow(L.Callback):
     """Puts an inf into one gradient element of parameter ``param`` after the backward of step ``step``, on the
     ranks holding it in data-parallel replica ``replica`` (a single process holds every parameter)."""

@@ -29,6 +29,7 @@ ROWS = {
     "_version": 0,
     "_warnings": 0,
     "_metric_states": 0,
+    "_module_lists": 0,
 }
 
 

@@ -432,6 +432,18 @@ WORLD_4 += [
         loader=SUMMED,
     ),
 ]
+# step outputs collected in lists on the module for the epochs' ends (Lightning 2's way): every rank's lists hold what
+# one process's do (one entry per step, micro-batches merged), so what is computed from them at the end is the same
+# (with replicas, a replica's samples, as each DDP process's lists hold)
+WORLD_4 += [
+    scenario(
+        "P4D1-step-outputs-collected-in-lists",
+        strategy={"pipeline_stages": 4, "microbatches": 2},
+        model={"cls": "CollectingModel"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 8, "limit_val_batches": None},
+    ),
+]
 WORLD_5 = [
     scenario("mixed-P2+P3-uneven-split-3-5", strategy={"pipeline_stages": [2, 3], "microbatches": [3, 5]}),
     scenario(
@@ -707,3 +719,18 @@ def test_a_loss_summed_over_samples_adds_up_over_micro_batches_or_is_warned_abou
     case = next(s for s in WORLD_4 if s["name"] == "P2D2-summed-loss-undeclared")
     with pytest.raises(AssertionError, match="differ from the single-process run"):
         assert_same_params(merged_state(results[case["name"]]), reference_run(case))
+
+
+def test_lists_the_steps_append_to_hold_what_one_process_s_do_on_every_rank(jobs: dict, tmp_path_factory) -> None:
+    case = next(s for s in WORLD_4 if s["name"] == "P4D1-step-outputs-collected-in-lists")
+    ranks = _results(jobs, 4, tmp_path_factory)[case["name"]]
+    ref = reference_run(case)
+    # (callbacks see each epoch's values before the module's epoch-end hook: its training values a epoch later)
+    names = ("epoch_mean_loss", "epoch_steps", "epoch_batch_indices", "val_mse_all", "val_rows")
+    epochs = [{k: v for k, v in e.items() if k in names} for e in ref["epoch_metrics"]] + [ref["metrics"]]
+    assert epochs[-1]["epoch_steps"] == 4.0 and epochs[-1]["val_rows"] == 36 + 100 * 3, epochs
+    assert sum(len(e) for e in epochs) > len(names) + 2, epochs
+    for rank, r in enumerate(ranks):
+        for got, want in zip([*r["epoch_metrics"], r["metrics"]], epochs, strict=True):
+            for name in want.keys() & set(names):
+                assert got[name] == pytest.approx(want[name], abs=1e-5), (rank, name, got, want)

@@ -20,6 +20,7 @@ import tests.fakefs  # noqa: F401  registers the slowfile:// and flakyfile:// te
 from lightning_spot import SpotPipelineStrategy
 from lightning_spot.partition.stage_run import active_run
 from tests.models import MetaInitPipelineModel, Overflow, lightning_callbacks, make_loader, make_model
+from tests.parity import EpochMetrics
 
 
 class RecordInitial(L.Callback):
@@ -105,7 +106,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     record = RecordInitial()
     callbacks: list[L.Callback] = [record]
     watch = WatchWeights()  # (idle unless the weights are streamed: offload="parameters", asked or planned)
-    callbacks.append(watch)
+    epochs = EpochMetrics()
+    callbacks += [watch, epochs]
     target = out / scenario["name"]
     if scenario.get("checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -171,6 +173,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "initial": record.state,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "epoch_metrics": epochs.values,
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
         "pipeline": strategy.engine.ctx.dp_rank,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_spot._metric_states import metrics_kept
+from lightning_spot._module_lists import lists_kept
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter
@@ -47,8 +48,9 @@ def shadowed(module: nn.Module, **attributes: Any) -> Iterator[None]:
 
 def run_step_quietly(module: nn.Module, batch: Any, step: str = "training_step") -> Any:
     """Call the module's ``step`` (or its loss hook) on ``batch`` as Lightning would, with ``self.log`` silenced and
-    the module's torchmetrics states left as they were."""
-    with shadowed(module, log=lambda *a, **k: None, log_dict=lambda *a, **k: None), metrics_kept(module):
+    the module's torchmetrics states and lists (step outputs collected for an epoch's end) left as they were."""
+    silent = shadowed(module, log=lambda *a, **k: None, log_dict=lambda *a, **k: None)
+    with silent, metrics_kept(module), lists_kept(module):
         if step == "training_step" and has_loss_hook(module):
             return run_loss_hook(module, batch)
         fn = getattr(module, step)

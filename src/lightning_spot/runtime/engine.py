@@ -48,6 +48,7 @@ from lightning_spot.runtime.logging_bridge import (
 from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
+from lightning_spot.runtime.step_appends import StepAppends
 from lightning_spot.runtime.step_runner import STEP_OUTPUTS, Mode, StepRunner, batch_signature, batch_size_of
 from lightning_spot.runtime.tied import TiedCopies
 from lightning_spot.runtime.trace_hooks import AllreduceTrace, traced_allreduce_hook, traced_p2p
@@ -107,6 +108,8 @@ class PipelineEngine:
         self.ctx = ctx
         self.capture = LogCapture()
         self.runner = StepRunner(module, plan.num_stages, self.capture, ctx.device)
+        #: the module's lists that steps append to (Lightning 2's outputs for an epoch's end), kept on every rank
+        self.appends = StepAppends(module)
         self.activation_checkpointing = activation_checkpointing
         placed = place_stages(
             module,
@@ -361,6 +364,7 @@ class PipelineEngine:
         local = batch_size_of(batch)
         m = self.train_microbatches(local)
         self._follow_trainable()
+        self.appends.before()
         self.last_microbatches = m
         self.last_global_batch = global_batch = global_batch or self.global_batch_of(local)
         program = self._program("train", "training_step", m, batch)
@@ -396,7 +400,9 @@ class PipelineEngine:
         put_grads(self.params, saved)
         self.samples_seen += global_batch
         weights = self.runner.loss_weights
-        logged, outputs = self._share_logs(weights.records() if self.holds_last else [], training=True)
+        logged, outputs = self._share_logs(
+            weights.records() if self.holds_last else [], training=True, local=local, m=m
+        )
         # losses that are means over items (tokens) count by their items: the gradients get the step's factor
         loss, factor = weights.settle(logged, self.layout.total_microbatches)
         self._pending_factor = factor * divisor
@@ -425,12 +431,17 @@ class PipelineEngine:
             )
         self.params, self._late = trainable, late
 
-    def _step_outputs(self) -> Any:
+    def _step_outputs(self, appended: dict | None) -> Any:
         """What the step returned (in training: besides its loss and item count), on every rank of the pipeline: the
         last stage's micro-batches merged (per-sample tensors concatenated, other values listed), as this replica's
-        outputs."""
-        merged = _merge_outputs(self.runner.step_outputs) if self.holds_last else None
-        return tree_map(lambda t: t.to(self.ctx.device) if isinstance(t, Tensor) else t, self.share(merged))
+        outputs; and what it appended to the module's lists (``appended``, on the last stage), put there."""
+        sent = None
+        if self.holds_last:
+            merged = _merge_outputs(self.runner.step_outputs) if self.runner.step_outputs else None
+            sent = tree_map(lambda t: t.cpu() if isinstance(t, Tensor) else t, (merged, appended))
+        outputs, appended = tree_map(lambda t: t.to(self.ctx.device) if isinstance(t, Tensor) else t, self.share(sent))
+        self.appends.put(appended)
+        return outputs
 
     @contextlib.contextmanager
     def _streaming(self, key: tuple) -> Iterator[None]:
@@ -474,6 +485,7 @@ class PipelineEngine:
         local = batch_size_of(batch)
         inputs, target = self._schedule_inputs(local)
         self.capture.clear()
+        self.appends.before()
         error: LayoutError | None = None
         for m in self._eval_candidates(local):
             try:
@@ -490,7 +502,7 @@ class PipelineEngine:
         extra = (
             [LogRecord("__samples__", torch.tensor(float(local)), 1.0, {"reduce_fx": "sum"})] if self.holds_last else []
         )
-        logged, outputs = self._share_logs(extra, training=False)
+        logged, outputs = self._share_logs(extra, training=False, local=local, m=m)
         total = int(logged.pop("__samples__")[0])
         replay(self.module, logged, batch_size=total, device=self.ctx.device, shown=self._shown)
         if mode != "predict":
@@ -498,11 +510,18 @@ class PipelineEngine:
         merged = _merge_outputs([r[1] for r in results]) if self.holds_last else None
         return self.share(merged)
 
-    def _share_logs(self, extra: list[LogRecord], training: bool) -> tuple[dict[str, tuple[Any, dict[str, Any]]], Any]:
+    def _share_logs(
+        self, extra: list[LogRecord], training: bool, local: int, m: int
+    ) -> tuple[dict[str, tuple[Any, dict[str, Any]]], Any]:
         """(the step's logged values, what the step returned besides its loss or ``None``) on every rank of the
-        pipeline, from the last stage: the values say whether outputs follow (:data:`STEP_OUTPUTS`)."""
+        pipeline, from the last stage (whose step ran ``m`` micro-batches of a local batch of ``local`` samples): the
+        values say whether outputs, or entries the step appended to the module's lists, follow (:data:`STEP_OUTPUTS`).
+        """
         payload = None
-        if self.runner.step_outputs:  # (the last stage: the step returned something)
+        appended = None
+        if self.holds_last:
+            appended = self.appends.take([len(rows) for rows in self.runner.row_chunks(local, m)])
+        if self.runner.step_outputs or appended:  # (the last stage: the step returned or appended something)
             extra = [*extra, LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"})]
         if self.holds_last:
             records, held = self.capture.records, self.held_logs
@@ -519,7 +538,7 @@ class PipelineEngine:
         self.capture.clear()
         self.metric_calls.clear()
         logged = self.share.logged(payload)
-        outputs = self._step_outputs() if logged.pop(STEP_OUTPUTS, None) is not None else None
+        outputs = self._step_outputs(appended) if logged.pop(STEP_OUTPUTS, None) is not None else None
         return logged, outputs
 
     def _metric_values(self, training: bool) -> dict[str, tuple[Any, dict[str, Any]]]:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.amp import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_spot._module_lists import lists_kept
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import (
@@ -335,7 +336,7 @@ class StepRunner:
         run.probe = True
         devices = [self.device] if self.device is not None and self.device.type == "cuda" else []
         quiet = self.capture.capturing(self.module, weight=0.0, keep=False)
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), running(run), quiet:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), running(run), quiet, lists_kept(self.module):
             try:
                 self._call(micro_batch)
             except StageProbe as probe:
