@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -187,8 +188,13 @@ def make_loader(
     stream: bool | str = False,
     litdata: str = "",
     passes: list[list[int]] | None = None,
+    container: str = "",
     **kwargs: Any,
 ) -> DataLoader:
+    if (
+        container
+    ):  # batches of make_dataset(n)'s (x, y) in a container type: "BatchEncoding" (transformers) or "dataclass"
+        return DataLoader(make_dataset(n), batch_size=batch_size, collate_fn=ContainerCollate(container), **kwargs)
     if passes:  # make_dataset(n)'s samples, pass k in the order passes[k] (a LitData run's, for its reference)
         return DataLoader(OrderedPasses(n, passes), batch_size=batch_size, **kwargs)
     if litdata:  # a LitData StreamingDataLoader over tests.litdata_data.write_litdata's chunks (sharded mode)
@@ -368,6 +374,43 @@ class DictDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         x, y = self.inner[i]
         return {"x": x, "y": y}
+
+
+@dataclass
+class XYBatch:
+    """A batch as a dataclass (read by key, like a dict)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return getattr(self, key)  # type: ignore[no-any-return]
+
+
+class ContainerCollate:
+    """Collates ``(x, y)`` samples into a container that is not a dict: a tokenizer's ``BatchEncoding`` (what
+    transformers' data collators return), or :class:`XYBatch`."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __call__(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        x, y = (torch.stack([s[i] for s in samples]) for i in (0, 1))
+        if self.kind == "BatchEncoding":
+            from transformers import BatchEncoding
+
+            return BatchEncoding({"x": x, "y": y})
+        return XYBatch(x, y)
+
+
+class ContainerBatchModel(TinyPipelineModel):
+    """Reads its batches by key (``batch["x"]``): dicts, or the containers of :class:`ContainerCollate`."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step((batch["x"], batch["y"]), batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step((batch["x"], batch["y"]), batch_idx)
 
 
 class UnevenPipelineModel(TinyPipelineModel):

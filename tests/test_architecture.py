@@ -30,6 +30,7 @@ ROWS = {
     "_warnings": 0,
     "_metric_states": 0,
     "_module_lists": 0,
+    "_batch_containers": 0,
 }
 
 

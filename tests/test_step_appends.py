@@ -43,6 +43,7 @@ class Lists(nn.Module):
 
 
 def test_the_last_stage_s_merged_entries_replace_every_rank_s() -> None:
+    torch.manual_seed(0)
     last, first = Lists(), Lists()
     ends, starts = StepAppends(last), StepAppends(first)
     ends.before()
@@ -58,7 +59,7 @@ def test_the_last_stage_s_merged_entries_replace_every_rank_s() -> None:
     for appends in (ends, starts):
         appends.put(taken)
     for m in (last, first):
-        assert m.losses[0] == 0.5 and m.losses[1] == pytest.approx(float(torch.cat(parts).sum()) / 2)
+        assert m.losses[0] == 0.5 and m.losses[1] == pytest.approx(float(torch.cat(parts).sum()) / 2, abs=1e-5)
         assert m.losses[2] == 1.0 and len(m.losses) == 3
         (val,) = m.by_loader["val"]
         assert torch.equal(val, torch.cat(parts))

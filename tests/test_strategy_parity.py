@@ -232,6 +232,19 @@ WORLD_2 = [
         trainer={"precision": "bf16-mixed"},
     ),
 ]
+# batches in containers that torch's pytree takes for leaves: a tokenizer's BatchEncoding (transformers' collators) and
+# a dataclass, cut into micro-batches like dicts (they had "no tensor to split")
+WORLD_2 += [
+    scenario(
+        f"P2D1-{kind}-batches-validation",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "ContainerBatchModel"},
+        loader={"batch_size": 16, "n": 64, "container": kind},
+        val_loader={"batch_size": 12, "n": 36, "container": kind},
+        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    )
+    for kind in ("BatchEncoding", "dataclass")
+]
 # offload="optimizer": fp32 masters and optimizer state in host memory, the update there; the same math
 WORLD_2 += [
     scenario(

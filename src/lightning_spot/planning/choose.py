@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._pytree import tree_map
 
+from lightning_spot._batch_containers import register_containers
 from lightning_spot._dist import broadcast_object, rank
 from lightning_spot._units import divisors
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
@@ -151,7 +152,10 @@ def sample_batch(trainer: Any) -> tuple[int, Any] | None:
 
 def shared_sample_batch(trainer: Any) -> tuple[int, Any] | None:
     """Collective: rank 0's :func:`sample_batch` on every rank."""
-    return broadcast_object(sample_batch(trainer) if rank() == 0 else None)
+    sample = broadcast_object(sample_batch(trainer) if rank() == 0 else None)
+    if sample is not None:
+        register_containers(sample[1])
+    return sample
 
 
 def first_samples(batch: Any, size: int, count: int) -> Any:

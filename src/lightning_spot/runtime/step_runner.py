@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.amp import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_spot._batch_containers import register_containers
 from lightning_spot._module_lists import lists_kept
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
@@ -68,6 +69,7 @@ UNWEIGHTED_MEAN = (
 
 
 def batch_size_of(batch: Any) -> int:
+    register_containers(batch)  # (a tokenizer's BatchEncoding, a dataclass: walked like a dict from now on)
     leaves, _ = tree_flatten(batch)
     for leaf in leaves:
         if isinstance(leaf, Tensor) and leaf.dim() > 0:
