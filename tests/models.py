@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -251,6 +252,23 @@ class TiedEmbeddingModel(TinyPipelineModel):
         self.embed = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, HIDDEN, bias=False))
         self.head = nn.Sequential(nn.Linear(HIDDEN, HIDDEN, bias=False), nn.Linear(HIDDEN, OUT))
         self.head[0].weight = self.embed[1].weight
+
+
+class ExampleInputModel(TiedEmbeddingModel):
+    """Sets ``example_input_array``, as Lightning's tutorials do: the model summary runs it through the model."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.example_input_array = torch.zeros(2, IN)
+
+
+class RecordSummary(ModelSummary):
+    """Lightning's model summary, kept (``table``: the columns it prints, ``totals``) instead of printed."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        summary = self._summary(trainer, pl_module)
+        self.table = dict(summary._get_summary_data())
+        self.totals = [summary.total_parameters, summary.trainable_parameters, summary.total_flops]
 
 
 class NoLayersModel(L.LightningModule):
@@ -595,7 +613,7 @@ class Overflow(L.Callback):
 def lightning_callbacks(scenario: dict[str, Any]) -> list[L.Callback]:
     """Lightning's own callbacks a scenario asks for (the same in the pipelined run and in its reference):
     ``swa`` (``StochasticWeightAveraging``'s arguments), ``finetune`` (``BackboneFinetuning``'s), ``ema``
-    (``EMAWeightAveraging``'s decay)."""
+    (``EMAWeightAveraging``'s decay), ``summary`` (the model summary, kept: :class:`RecordSummary`)."""
     from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
 
     callbacks: list[L.Callback] = []
@@ -605,6 +623,8 @@ def lightning_callbacks(scenario: dict[str, Any]) -> list[L.Callback]:
         callbacks.append(BackboneFinetuning(**scenario["finetune"]))
     if "ema" in scenario:
         callbacks.append(EMAWeightAveraging(decay=scenario["ema"]))
+    if scenario.get("summary"):
+        callbacks.append(RecordSummary())
     return callbacks
 
 

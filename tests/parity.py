@@ -15,6 +15,7 @@ from tests.distributed import launch
 from tests.models import (
     MetaInitPipelineModel,
     Overflow,
+    RecordSummary,
     lightning_callbacks,
     make_dataset,
     make_loader,
@@ -137,6 +138,7 @@ def reference_run(
         "initial": start,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "epoch_metrics": epochs.values,
+        "summary": next(([c.table, c.totals] for c in trainer.callbacks if isinstance(c, RecordSummary)), None),
     }
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:

@@ -457,6 +457,16 @@ WORLD_4 += [
         trainer={"max_steps": 8, "limit_val_batches": None},
     ),
 ]
+# Lightning's model summary with example_input_array (run through the model: it stopped the run on a later stage),
+# showing the whole model's figures on every rank, with tied weights across the first and the last stage
+WORLD_4 += [
+    scenario(
+        "P4D1-model-summary-example-input-tied",
+        strategy={"pipeline_stages": 4, "microbatches": 4},
+        model={"cls": "ExampleInputModel"},
+        summary=True,
+    ),
+]
 WORLD_5 = [
     scenario("mixed-P2+P3-uneven-split-3-5", strategy={"pipeline_stages": [2, 3], "microbatches": [3, 5]}),
     scenario(
@@ -747,3 +757,12 @@ def test_lists_the_steps_append_to_hold_what_one_process_s_do_on_every_rank(jobs
         for got, want in zip([*r["epoch_metrics"], r["metrics"]], epochs, strict=True):
             for name in want.keys() & set(names):
                 assert got[name] == pytest.approx(want[name], abs=1e-5), (rank, name, got, want)
+
+
+def test_the_model_summary_shows_the_whole_model_on_every_rank(jobs: dict, tmp_path_factory) -> None:
+    case = next(s for s in WORLD_4 if s["name"] == "P4D1-model-summary-example-input-tied")
+    ranks = _results(jobs, 4, tmp_path_factory)[case["name"]]
+    table, totals = reference_run(case)["summary"]
+    assert "In sizes" in table and table["Type"] == ["Sequential", "Sequential", "Sequential"], table
+    for r in ranks:
+        assert r["summary"] == [table, totals]

@@ -412,7 +412,7 @@ class SpotPipelineStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             # (weights streamed from host memory: averages rest there too)
             streamed = "parameters" in self._offloaded()
-            on_stages(trainer, module, torch.device("cpu") if streamed else self.root_device)
+            on_stages(trainer, module, torch.device("cpu") if streamed else self.root_device, self.engine)
             checkpoints_last(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -19,7 +19,14 @@ import torch
 import tests.fakefs  # noqa: F401  registers the slowfile:// and flakyfile:// test filesystems
 from lightning_spot import SpotPipelineStrategy
 from lightning_spot.partition.stage_run import active_run
-from tests.models import MetaInitPipelineModel, Overflow, lightning_callbacks, make_loader, make_model
+from tests.models import (
+    MetaInitPipelineModel,
+    Overflow,
+    RecordSummary,
+    lightning_callbacks,
+    make_loader,
+    make_model,
+)
 from tests.parity import EpochMetrics
 
 
@@ -174,6 +181,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "initial": record.state,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "epoch_metrics": epochs.values,
+        "summary": next(([c.table, c.totals] for c in trainer.callbacks if isinstance(c, RecordSummary)), None),
         "layout": str(strategy.layout),
         "cuts": strategy.engine.plan.cuts,
         "pipeline": strategy.engine.ctx.dp_rank,

@@ -345,6 +345,34 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+#: whether stand-ins called outside a step give zeros where their input is (:func:`shapes_only`)
+_SHAPES_ONLY = False
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Outside a step, stand-ins for other stages' modules give zeros of their outputs' shapes on their input's
+    device (not meta tensors), so that a forward that only reads shapes (Lightning's model summary of
+    ``example_input_array``) runs through this rank's modules."""
+    global _SHAPES_ONLY
+    before, _SHAPES_ONLY = _SHAPES_ONLY, True
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY = before
+
+
+def _device_of(value: Any) -> torch.device | None:
+    """The device of the first tensor in ``value`` that is not on the meta device."""
+    leaves = value if isinstance(value, (list, tuple)) else list(value.values()) if isinstance(value, dict) else [value]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
+            return leaf.device
+        if isinstance(leaf, (list, tuple, dict)) and (found := _device_of(leaf)) is not None:
+            return found
+    return None
+
+
 class RemoteModule(nn.Module):
     """Stands in for a module that lives on another pipeline stage; computes shapes on the meta device.
 
@@ -372,9 +400,14 @@ class RemoteModule(nn.Module):
                 f"`SpotPipelineStrategy({side}=['{self.fqn}'])`, or register it on the right side of the sequence."
             )
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
-        if run is None or run.device is None:
+        if run is None and _SHAPES_ONLY:
+            device, value = _device_of((args, kwargs)), 0.0
+            if device is None:
+                return out
+        elif run is None or run.device is None:
             return out
-        device, value = run.device, run.stand_in
+        else:
+            device, value = run.device, run.stand_in
         return tree_map(
             lambda t: (
                 torch.full(t.shape, value, dtype=t.dtype, device=device)

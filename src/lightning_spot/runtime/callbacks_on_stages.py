@@ -9,8 +9,9 @@
   optimizer, on the ranks that hold some of its parameters only; later changes address the groups by position
   (``param_groups[-1]``), which on the other ranks is the model's own group. Every rank now adds the group (empty
   where the rank holds none of the module), as one process does.
+* The model summary, ``ModelSummary``: figures of the whole model (``runtime/model_summary.py``).
 
-    on_stages(trainer, module, device)   # after placement, in the strategy's setup
+    on_stages(trainer, module, device, engine)   # after placement, in the strategy's setup
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveragin
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_spot.runtime.engine import PipelineEngine
+from lightning_spot.runtime.model_summary import whole_model_summaries
+
 #: the callbacks' base class (``None`` in a Lightning without it)
 WeightAveraging: type | None = getattr(callbacks, "WeightAveraging", None)
 
@@ -32,10 +36,11 @@ WeightAveraging: type | None = getattr(callbacks, "WeightAveraging", None)
 _ATTRIBUTES = ("_average_model", "_device", "_use_buffers", "_kwargs")
 
 
-def on_stages(trainer: pl.Trainer, module: pl.LightningModule, device: Any) -> None:
+def on_stages(trainer: pl.Trainer, module: pl.LightningModule, device: Any, engine: PipelineEngine) -> None:
     """Adapt the trainer's callbacks to this rank's stages (see above); ``device``: where averages are kept unless a
     callback names one."""
     average_stages(trainer, module, device)
+    whole_model_summaries(trainer, engine.sum_over_pipeline, {id(p) for p in engine.ties.duplicates})
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, BaseFinetuning):  # (wrapped again at each fit: the class's methods, this trainer)
             finetuning: Any = callback

@@ -205,11 +205,15 @@ class PipelineEngine:
         """Parameters of the whole model, over all pipeline stages (collective over the pipeline group)."""
         duplicates = {id(p) for p in self.ties.duplicates}  # a tied weight counts once
         local = sum(p.numel() for p in self.module.parameters() if id(p) not in duplicates)
+        return int(self.sum_over_pipeline(torch.tensor([local], dtype=torch.int64)).item())
+
+    def sum_over_pipeline(self, values: Tensor) -> Tensor:
+        """``values`` summed over the ranks of this rank's pipeline (collective over the pipeline group), on the host."""
         if self.ctx.pp_group is None:
-            return local
-        total = torch.tensor([float(local)], device=self.ctx.device)
+            return values
+        total = values.to(self.ctx.device)
         dist.all_reduce(total, group=self.ctx.pp_group)
-        return int(total.item())
+        return total.cpu()
 
     @property
     def microbatches(self) -> int:
