@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -269,6 +269,21 @@ class RecordSummary(ModelSummary):
         summary = self._summary(trainer, pl_module)
         self.table = dict(summary._get_summary_data())
         self.totals = [summary.total_parameters, summary.trainable_parameters, summary.total_flops]
+
+
+class RecordWriter(BasePredictionWriter):
+    """A prediction writer that keeps what it is given to write (per batch and at the epoch's end) instead."""
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="batch_and_epoch")
+        self.batches: list[tuple[list[int], torch.Tensor]] = []
+        self.epochs: list[tuple[list[list[int]], list[torch.Tensor]]] = []
+
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, batch_indices: Any, *args: Any) -> None:
+        self.batches.append((list(batch_indices or []), prediction.detach().cpu()))
+
+    def write_on_epoch_end(self, trainer: Any, pl_module: Any, predictions: Any, batch_indices: Any) -> None:
+        self.epochs.append(([list(b) for b in batch_indices[0]], [p.detach().cpu() for p in predictions]))
 
 
 class NoLayersModel(L.LightningModule):
@@ -613,7 +628,8 @@ class Overflow(L.Callback):
 def lightning_callbacks(scenario: dict[str, Any]) -> list[L.Callback]:
     """Lightning's own callbacks a scenario asks for (the same in the pipelined run and in its reference):
     ``swa`` (``StochasticWeightAveraging``'s arguments), ``finetune`` (``BackboneFinetuning``'s), ``ema``
-    (``EMAWeightAveraging``'s decay), ``summary`` (the model summary, kept: :class:`RecordSummary`)."""
+    (``EMAWeightAveraging``'s decay), ``summary`` (the model summary, kept: :class:`RecordSummary`), ``writer``
+    (a prediction writer: :class:`RecordWriter`)."""
     from lightning.pytorch.callbacks import BackboneFinetuning, EMAWeightAveraging, StochasticWeightAveraging
 
     callbacks: list[L.Callback] = []
@@ -625,6 +641,8 @@ def lightning_callbacks(scenario: dict[str, Any]) -> list[L.Callback]:
         callbacks.append(EMAWeightAveraging(decay=scenario["ema"]))
     if scenario.get("summary"):
         callbacks.append(RecordSummary())
+    if scenario.get("writer"):
+        callbacks.append(RecordWriter())
     return callbacks
 
 

@@ -53,6 +53,7 @@ WORLD_4 = [
         eval_loader={"batch_size": 10, "n": 30},
         trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
         after=["validate", "test", "predict"],
+        writer=True,
     ),
     scenario("P2D2-meta-init", strategy={"pipeline_stages": 2, "microbatches": 2}, model={"meta_init": True}),
     # fp16 with one loss scale (from 256: no overflow of its own, in one process either): normal steps, then an
@@ -766,3 +767,24 @@ def test_the_model_summary_shows_the_whole_model_on_every_rank(jobs: dict, tmp_p
     assert "In sizes" in table and table["Type"] == ["Sequential", "Sequential", "Sequential"], table
     for r in ranks:
         assert r["summary"] == [table, totals]
+
+
+def test_a_prediction_writer_writes_each_sample_once_with_its_index(jobs: dict, tmp_path_factory) -> None:
+    """A ``BasePredictionWriter`` writes on one rank per replica (the pipeline's others have the same predictions),
+    with the dataset indices of the replica's rows, per batch and at the epoch's end: together, every sample once."""
+    case = next(s for s in WORLD_4 if s["name"] == "P2D2-validation-test-predict")
+    ranks = _results(jobs, 4, tmp_path_factory)[case["name"]]
+    want = torch.cat(reference_run(case)["predict"])  # (the eval loader does not shuffle: row i is sample i)
+    writers = [r["written"] for r in ranks if r["written"]["batches"]]
+    assert len(writers) == 2 and all(not r["written"]["epochs"] for r in ranks if r["written"] not in writers)
+    for kind in ("batches", "epochs"):
+        rows: dict[int, torch.Tensor] = {}
+        for written in writers:
+            pairs = written["batches"] if kind == "batches" else list(zip(*written["epochs"][0]))
+            for indices, prediction in pairs:
+                assert len(indices) == len(prediction) > 0
+                for i, row in zip(indices, prediction):
+                    assert i not in rows, f"sample {i} written twice"
+                    rows[i] = row
+        assert sorted(rows) == list(range(len(want)))
+        torch.testing.assert_close(torch.stack([rows[i] for i in range(len(want))]), want, atol=1e-5, rtol=0)

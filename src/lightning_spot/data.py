@@ -216,7 +216,8 @@ class ShardedDataLoader(DataLoader):
 
     @property
     def replica_sampler(self) -> ReplicaBatchSampler:
-        return self.batch_sampler  # type: ignore[return-value]
+        sampler: Any = self.batch_sampler  # (in prediction, inside Lightning's wrapper that notes the indices)
+        return getattr(sampler, "_batch_sampler", sampler)
 
     @property
     def global_batch_size(self) -> int | None:
@@ -303,7 +304,12 @@ def shard_dataloader(
             "shard_dataloader shards map-style datasets by index; an IterableDataset cannot be sharded that way: "
             "lightning_spot.streaming.stream_dataloader reads it (spot_pipeline does so itself, docs/streaming.md)."
         )
-    batch_sampler = loader.batch_sampler
+    batch_sampler: Any = loader.batch_sampler
+    # prediction: Lightning's wrapper notes each batch's dataset indices (for prediction writers); it wraps this
+    # replica's batches instead, so that they are the indices of the replica's rows
+    indexing: Any = type(batch_sampler) if type(batch_sampler).__name__ == "_IndexBatchSamplerWrapper" else None
+    if indexing is not None:
+        batch_sampler = batch_sampler._batch_sampler
     if batch_sampler is None:
         raise LayoutError(
             "spot_pipeline needs a DataLoader with a batch size (batch_size=None is not supported): "
@@ -327,10 +333,7 @@ def shard_dataloader(
     }
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    sharded = ShardedDataLoader(
-        dataset,
-        batch_sampler=ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size, weights),
-        **kwargs,
-    )
+    replica: Any = ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size, weights)
+    sharded = ShardedDataLoader(dataset, batch_sampler=indexing(replica) if indexing else replica, **kwargs)
     sharded.progress = progress
     return sharded

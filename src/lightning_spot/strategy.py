@@ -69,7 +69,7 @@ from lightning_spot.planning.choose import (
 )
 from lightning_spot.planning.memory import PlanPlace
 from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
-from lightning_spot.runtime.callbacks_on_stages import on_stages
+from lightning_spot.runtime.callbacks_on_stages import on_stages, writers_once_per_pipeline
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
@@ -415,6 +415,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             on_stages(trainer, module, torch.device("cpu") if streamed else self.root_device, self.engine)
             checkpoints_last(trainer)
             self.setup_optimizers(trainer)
+        writers_once_per_pipeline(trainer, self._engine().ctx.pp_rank)
         self.setup_precision_plugin()
         self._route_gradient_clipping()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -23,6 +23,7 @@ from tests.models import (
     MetaInitPipelineModel,
     Overflow,
     RecordSummary,
+    RecordWriter,
     lightning_callbacks,
     make_loader,
     make_model,
@@ -243,6 +244,9 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             result["test"] = trainer.test(model, eval_loader, verbose=False)[0]
         elif stage == "predict":
             result["predict"] = trainer.predict(model, eval_loader)
+            writer = next((c for c in trainer.callbacks if isinstance(c, RecordWriter)), None)
+            if writer is not None:
+                result["written"] = {"batches": writer.batches, "epochs": writer.epochs}
     target.mkdir(parents=True, exist_ok=True)
     torch.save(result, target / f"rank{trainer.global_rank}.pt")
 

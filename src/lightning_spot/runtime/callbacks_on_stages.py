@@ -10,8 +10,11 @@
   (``param_groups[-1]``), which on the other ranks is the model's own group. Every rank now adds the group (empty
   where the rank holds none of the module), as one process does.
 * The model summary, ``ModelSummary``: figures of the whole model (``runtime/model_summary.py``).
+* Prediction writers, ``BasePredictionWriter``: every rank of a pipeline has its predictions; only the pipeline's
+  first rank writes them (one writer per replica, as DDP has one per process), not each stage's rank alike.
 
-    on_stages(trainer, module, device, engine)   # after placement, in the strategy's setup
+    on_stages(trainer, module, device, engine)   # after placement, in the strategy's setup, when fitting
+    writers_once_per_pipeline(trainer, pp_rank)  # in the strategy's setup
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch import callbacks
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, BasePredictionWriter, StochasticWeightAveraging
 from torch import nn
 from torch.optim import Optimizer
 
@@ -47,6 +50,20 @@ def on_stages(trainer: pl.Trainer, module: pl.LightningModule, device: Any, engi
             cls = type(callback)
             finetuning.unfreeze_and_add_param_group = _grouping_on_every_rank(cls.unfreeze_and_add_param_group)
             finetuning.load_state_dict = _restoring_groups_on_every_rank(callback, trainer)
+
+
+def writers_once_per_pipeline(trainer: pl.Trainer, pp_rank: int) -> None:
+    """Prediction writers write on the first rank of each pipeline only (``pp_rank``: this rank's place in it)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, BasePredictionWriter):
+            writer: Any = callback
+            cls = type(callback)
+            for hook in ("write_on_batch_end", "write_on_epoch_end"):  # (set again at each run, from the class)
+                setattr(writer, hook, getattr(cls, hook).__get__(writer) if pp_rank == 0 else _skip)
+
+
+def _skip(*args: Any, **kwargs: Any) -> None:
+    """What a prediction writer does on the pipeline's other ranks."""
 
 
 def _grouping_on_every_rank(unfreeze: Callable[..., None]) -> Callable[..., None]:
