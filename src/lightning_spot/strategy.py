@@ -409,10 +409,8 @@ class SpotPipelineStrategy(ParallelStrategy):
         # our sampler replaces Lightning's DistributedSampler (which would also reshuffle)
         trainer._accelerator_connector.use_distributed_sampler = False
         self.model = module
-        if trainer.state.fn == TrainerFn.FITTING:
-            # (weights streamed from host memory: averages rest there too)
-            streamed = "parameters" in self._offloaded()
-            on_stages(trainer, module, torch.device("cpu") if streamed else self.root_device, self.engine)
+        if trainer.state.fn == TrainerFn.FITTING:  # (weights streamed from host memory: averages rest there too)
+            on_stages(trainer, module, self.engine, streamed="parameters" in self._offloaded())
             checkpoints_last(trainer)
             self.setup_optimizers(trainer)
         writers_once_per_pipeline(trainer, self._engine().ctx.pp_rank)

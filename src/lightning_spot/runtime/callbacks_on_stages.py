@@ -13,7 +13,7 @@
 * Prediction writers, ``BasePredictionWriter``: every rank of a pipeline has its predictions; only the pipeline's
   first rank writes them (one writer per replica, as DDP has one per process), not each stage's rank alike.
 
-    on_stages(trainer, module, device, engine)   # after placement, in the strategy's setup, when fitting
+    on_stages(trainer, module, engine, streamed)  # after placement, in the strategy's setup, when fitting
     writers_once_per_pipeline(trainer, pp_rank)  # in the strategy's setup
 """
 
@@ -24,6 +24,7 @@ from copy import deepcopy
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch import callbacks
 from lightning.pytorch.callbacks import BaseFinetuning, BasePredictionWriter, StochasticWeightAveraging
 from torch import nn
@@ -39,10 +40,10 @@ WeightAveraging: type | None = getattr(callbacks, "WeightAveraging", None)
 _ATTRIBUTES = ("_average_model", "_device", "_use_buffers", "_kwargs")
 
 
-def on_stages(trainer: pl.Trainer, module: pl.LightningModule, device: Any, engine: PipelineEngine) -> None:
-    """Adapt the trainer's callbacks to this rank's stages (see above); ``device``: where averages are kept unless a
-    callback names one."""
-    average_stages(trainer, module, device)
+def on_stages(trainer: pl.Trainer, module: pl.LightningModule, engine: PipelineEngine, streamed: bool) -> None:
+    """Adapt the trainer's callbacks to this rank's stages (see above). Averages are kept on the rank's device unless a
+    callback names one, in host memory with ``streamed`` weights (``offload="parameters"``)."""
+    average_stages(trainer, module, torch.device("cpu") if streamed else engine.ctx.device)
     whole_model_summaries(trainer, engine.sum_over_pipeline, {id(p) for p in engine.ties.duplicates})
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, BaseFinetuning):  # (wrapped again at each fit: the class's methods, this trainer)
