@@ -138,6 +138,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"resumed from step {strategy.restored_manifest['step']} "
                 f"(written on {layout_label(strategy.restored_manifest['layout'])})"
             )
+        restored = strategy.restored_manifest if not args.plain else None
+        if restored is not None and restored["step"] >= args.max_steps:
+            print(
+                f"nothing to train: the checkpoint in {checkpoints.url} is at step {restored['step']} of "
+                f"--max-steps {args.max_steps}; raise --max-steps to train on, or pass --no-resume to start again"
+            )
+            return summary
         print(
             f"done: layout {'plain' if args.plain else strategy.layout}, train_loss {summary.get('train_loss', float('nan')):.3f}, "
             f"val_loss {summary.get('val_loss', float('nan')):.3f}, val_ppl {summary.get('val_ppl', float('nan')):.2f}, "
