@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_spot._module_lists import lists_kept
+from lightning_spot._module_lists import lengths_kept, lists_kept
 from lightning_spot.runtime.step_appends import StepAppends, merge_micro_batches
 
 
@@ -78,3 +78,13 @@ def test_a_throw_away_run_leaves_no_entries() -> None:
         m.losses.append(1.0)
         m.by_loader["val"].append(torch.ones(1))
     assert m.losses == [0.5] and len(m.by_loader["val"]) == 1
+
+
+def test_a_step_undone_leaves_no_entries() -> None:
+    """(torchft runs a step that did not commit again: what it appended is dropped first)"""
+    m = Lists()
+    undo = lengths_kept(m)
+    m.losses.append(2.0)
+    m.by_loader["new"] = [torch.ones(1)]  # (a list made in the step stays, emptied)
+    undo()
+    assert m.losses == [0.5] and m.by_loader == {"new": []}

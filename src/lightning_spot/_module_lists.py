@@ -8,7 +8,7 @@ with lists_kept(module):                         # a run of a step that must lea
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -30,12 +30,23 @@ def module_lists(module: nn.Module) -> Iterator[tuple[Place, list]]:
                     yield (name, key), inner
 
 
+def lengths_kept(module: nn.Module) -> Callable[[], None]:
+    """A function that makes every list of :func:`module_lists` as long as it is now (dropping later entries; a list
+    made since is emptied)."""
+    lengths = {id(values): len(values) for _, values in module_lists(module)}
+
+    def undo() -> None:
+        for _, values in module_lists(module):
+            del values[lengths.get(id(values), 0) :]
+
+    return undo
+
+
 @contextlib.contextmanager
 def lists_kept(module: nn.Module) -> Iterator[None]:
     """Every list of :func:`module_lists` as long as before, afterwards (what a throw-away run appended dropped)."""
-    lengths = [(values, len(values)) for _, values in module_lists(module)]
+    undo = lengths_kept(module)
     try:
         yield
     finally:
-        for values, length in lengths:
-            del values[length:]
+        undo()

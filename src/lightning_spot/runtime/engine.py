@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
 from lightning_spot._metric_states import copied_states, restore_states
+from lightning_spot._module_lists import lengths_kept
 from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError, PipelineLayout
 from lightning_spot.partition.cuts import plan_stages
@@ -463,14 +464,16 @@ class PipelineEngine:
     def keep_step(self) -> Callable[[], None]:
         """What a training step changes besides its gradients, taken before it: the returned function puts it back
         (torchft runs a step that did not commit again): the samples counted, the last stage's metric states, the
-        logged values held."""
+        logged values held, the entries the step appends to the module's lists."""
         samples = self.samples_seen
+        lists = lengths_kept(self.module)
         metrics = [(m, copied_states(m)) for m in self.metric_calls.metrics] if self.holds_last else []
         if self.held_logs is not None:  # (the quorum's step states are added to these once the step commits)
             self.held_logs.before = {id(m): kept for m, kept in metrics}
 
         def undo() -> None:
             self.samples_seen = samples
+            lists()
             for metric, kept in metrics:
                 restore_states(metric, kept)
             if self.held_logs is not None:
