@@ -364,13 +364,7 @@ def shapes_only() -> Iterator[None]:
 
 def _device_of(value: Any) -> torch.device | None:
     """The device of the first tensor in ``value`` that is not on the meta device."""
-    leaves = value if isinstance(value, (list, tuple)) else list(value.values()) if isinstance(value, dict) else [value]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
-            return leaf.device
-        if isinstance(leaf, (list, tuple, dict)) and (found := _device_of(leaf)) is not None:
-            return found
-    return None
+    return next((t.device for t in tree_leaves(value) if isinstance(t, torch.Tensor) and not t.is_meta), None)
 
 
 class RemoteModule(nn.Module):
@@ -400,14 +394,12 @@ class RemoteModule(nn.Module):
                 f"`SpotPipelineStrategy({side}=['{self.fqn}'])`, or register it on the right side of the sequence."
             )
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
-        if run is None and _SHAPES_ONLY:
-            device, value = _device_of((args, kwargs)), 0.0
-            if device is None:
-                return out
-        elif run is None or run.device is None:
-            return out
-        else:
+        if run is not None:
             device, value = run.device, run.stand_in
+        else:  # (outside a step: meta tensors, or zeros where the input is for a forward that reads shapes only)
+            device, value = _device_of((args, kwargs)) if _SHAPES_ONLY else None, 0.0
+        if device is None:
+            return out
         return tree_map(
             lambda t: (
                 torch.full(t.shape, value, dtype=t.dtype, device=device)
