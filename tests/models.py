@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
 
 IN, HIDDEN, OUT = 6, 16, 3
 
@@ -82,6 +83,36 @@ def make_dataset(n: int = 64, seed: int = 1234) -> TensorDataset:
     x = torch.randn(n, IN, generator=g)
     w = torch.randn(IN, OUT, generator=g)
     return TensorDataset(x, torch.tanh(x @ w))
+
+
+class RandomCrops(torch.utils.data.Dataset):
+    """Samples cut at random from a long series, as language-model datasets crop their windows: ``x`` and its target
+    come from one window drawn in ``__getitem__`` (torch), scaled by a factor drawn from Python's ``random`` and
+    shifted by one from NumPy's global generator. A stage that drew another window would pair one sample's input
+    with another one's target."""
+
+    def __init__(self, n: int = 64, length: int = 400) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.n, self.series, self.w = n, torch.randn(length, IN, generator=g), torch.randn(IN, OUT, generator=g)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import random
+
+        import numpy as np
+
+        start = int(torch.randint(0, len(self.series) - 1, ()))
+        x = self.series[start] * random.uniform(0.5, 1.5) + float(np.random.normal(0.0, 0.1))
+        return x, torch.tanh(x @ self.w)
+
+
+def user_distributed_sampler(dataset: Any) -> DistributedSampler:
+    """The ``DistributedSampler`` a user builds for ``trainer.world_size`` processes (as plain PyTorch DDP code
+    does), here from the launcher's environment: one replica in the test's own process."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
 
 
 class StreamDataset(torch.utils.data.IterableDataset):
@@ -190,8 +221,16 @@ def make_loader(
     litdata: str = "",
     passes: list[list[int]] | None = None,
     container: str = "",
+    user_sampler: bool = False,
+    random_draws: bool = False,
     **kwargs: Any,
 ) -> DataLoader:
+    if user_sampler:  # make_dataset(n) through the user's own DistributedSampler (shuffled, seed 0)
+        dataset = make_dataset(n)
+        return DataLoader(dataset, batch_size=batch_size, sampler=user_distributed_sampler(dataset), **kwargs)
+    if random_draws:  # RandomCrops drawn by a WeightedRandomSampler (both draw from the process's generators)
+        weights = torch.linspace(0.1, 1.0, n)
+        return DataLoader(RandomCrops(n), batch_size=batch_size, sampler=WeightedRandomSampler(weights, n), **kwargs)
     if (
         container
     ):  # batches of make_dataset(n)'s (x, y) in a container type: "BatchEncoding" (transformers) or "dataclass"

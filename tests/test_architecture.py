@@ -31,6 +31,7 @@ ROWS = {
     "_metric_states": 0,
     "_module_lists": 0,
     "_batch_containers": 0,
+    "_data_draws": 0,
 }
 
 

@@ -196,3 +196,79 @@ def test_tensor_rows_stay_away_from_subclasses_and_collate_functions_of_the_user
         DataLoader(_dataset(8), batch_size=4, collate_fn=as_dict), dp_rank=0, dp_size=1, divisor=None, seed=0
     )
     assert type(own.dataset) is TensorDataset and next(iter(own))["x"].tolist() == [0, 1, 2, 3]
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1] == b[1] and (a[2] == b[2]).all()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_stage_of_a_replica_draws_its_random_samples_alike(workers: int) -> None:
+    """Two stages of one replica, in different random states (their models drew differently), read the same
+    batches from a WeightedRandomSampler over random crops (torch, random and NumPy draws), and the draws leave
+    the process's own generators as they were."""
+    from tests.models import make_loader
+
+    def read(process_seed: int) -> list[list[torch.Tensor]]:
+        torch.manual_seed(process_seed)
+        loader = make_loader(batch_size=16, n=64, random_draws=True, num_workers=workers)
+        sharded = shard_dataloader(loader, dp_rank=1, dp_size=2, divisor=2, seed=5)
+        sharded.batch_sampler.set_epoch(1)
+        before = _rng_states()
+        batches = list(sharded)
+        assert _same_states(before, _rng_states()), "reading the data changed the process's random states"
+        return batches
+
+    first, last = read(0), read(1)
+    assert len(first) == 4 and all(len(x) == 8 for x, _ in first)
+    for (x0, y0), (x1, y1) in zip(first, last):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    # the other replica draws its own crops; the next epoch draws anew
+    other = shard_dataloader(
+        make_loader(batch_size=16, n=64, random_draws=True), dp_rank=0, dp_size=2, divisor=2, seed=5
+    )
+    other.batch_sampler.set_epoch(1)
+    assert not torch.equal(next(iter(other))[0], first[0][0])
+    later = shard_dataloader(
+        make_loader(batch_size=16, n=64, random_draws=True), dp_rank=1, dp_size=2, divisor=2, seed=5
+    )
+    later.batch_sampler.set_epoch(2)
+    assert not torch.equal(next(iter(later))[0], first[0][0])
+
+
+def test_a_users_distributed_sampler_gives_the_whole_datasets_order() -> None:
+    """A DistributedSampler made for 4 processes: each rank read its quarter, so the stages of a pipeline read
+    different rows. Every rank now reads the order of one process's sampler (shuffle and seed kept), split by
+    the replicas."""
+    dataset = _dataset()
+    one = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    one.set_epoch(1)
+    order = list(one)
+    for rank in range(4):
+        user = DistributedSampler(dataset, num_replicas=4, rank=rank, shuffle=True, seed=3)
+        loaders = [
+            shard_dataloader(DataLoader(dataset, batch_size=8, sampler=user), dp_rank=r, dp_size=2, divisor=2, seed=0)
+            for r in range(2)
+        ]
+        for loader in loaders:
+            loader.batch_sampler.set_epoch(1)
+        read = [[b[0].tolist() for b in loader] for loader in loaders]
+        assert sum((read[0][i] + read[1][i] for i in range(5)), []) == order
+        assert user.num_replicas == 4 and user.rank == rank  # the user's sampler itself is left alone
+
+
+def test_loaders_that_draw_nothing_read_as_before() -> None:
+    """A TensorDataset in order or shuffled by the strategy draws nothing from the process: no seeding there."""
+    for shuffle in (False, True):
+        sharded = shard_dataloader(
+            DataLoader(_dataset(), batch_size=8, shuffle=shuffle), dp_rank=0, dp_size=1, divisor=None, seed=0
+        )
+        assert sharded.draw_seed is None and sharded.batch_sampler.draw_seed is None

@@ -25,6 +25,15 @@ def scenario(name: str, **overrides: Any) -> dict[str, Any]:
 
 WORLD_4 = [
     scenario("P2D2-1F1B-adam", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "1F1B"}),
+    # the user's own DistributedSampler, made for 4 processes (each rank read its quarter: the stages of a pipeline
+    # read different rows): the whole dataset in its order, two epochs (set_epoch reshuffles it)
+    scenario(
+        "P2D2-user-DistributedSampler-2-epochs",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"optimizer": "sgd"},
+        loader={"batch_size": 16, "n": 64, "user_sampler": True},
+        trainer={"max_steps": -1, "max_epochs": 2},
+    ),
     scenario(
         "P2D2-GPipe-sgd",
         strategy={"pipeline_stages": 2, "microbatches": 2, "schedule": "gpipe"},
@@ -245,6 +254,16 @@ WORLD_2 += [
         trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
     )
     for kind in ("BatchEncoding", "dataclass")
+]
+# random draws in data loading (a WeightedRandomSampler, crops drawn in __getitem__ from torch, random and NumPy):
+# every stage draws alike (each stage drew its own: the first forwarded one sample, the last took another's target)
+WORLD_2 += [
+    scenario(
+        "P2D1-random-crops-weighted-sampler",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        loader={"batch_size": 16, "n": 64, "random_draws": True},
+        trainer={"max_steps": -1, "max_epochs": 2},
+    )
 ]
 # offload="optimizer": fp32 masters and optimizer state in host memory, the update there; the same math
 WORLD_2 += [

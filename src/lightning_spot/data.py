@@ -6,7 +6,9 @@ The user's DataLoader ``batch_size`` is the *global* batch. Every replica iterat
 sequence of global batches (the order depends only on the seed and the epoch, never on the
 layout) and takes its contiguous ``1/D`` slice of each; all pipeline stages of a replica load the
 same slice. ``shuffle=True`` is replaced by a sampler seeded with ``seed + epoch`` (the same rule
-as ``DistributedSampler``), because a ``RandomSampler`` draws from each process's global RNG.
+as ``DistributedSampler``), because a ``RandomSampler`` draws from each process's global RNG. A user's own
+``DistributedSampler`` gives the whole dataset's order; other random draws of samplers, ``__getitem__`` and
+``collate_fn`` are seeded alike on every stage of a pipeline (:mod:`lightning_spot._data_draws`).
 A plain ``TensorDataset`` (or a ``Subset`` of one) with the default collate function is read one index per tensor
 (:class:`TensorRows`), as a hand-written loop slices its tensors, instead of one ``__getitem__`` per sample.
 """
@@ -28,6 +30,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from lightning_spot._data_draws import SeededFetches, draw_key, draws_from_process, seeded_draws, whole_dataset_order
 from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError
 
@@ -141,6 +144,9 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         self._skip: tuple[int, int] | None = None
         self._lightning_lag = 0  # this epoch minus Lightning's count of it (see ``from_lightning``)
         self._align: int | None = None  # the epoch Lightning's next ``set_epoch`` stands for, after a resume
+        #: the seed of each epoch's order where the batch sampler draws from the process's generators: the order is
+        #: then drawn whole at the epoch's start, from ``seed + epoch``, the same on every rank (``_data_draws``)
+        self.draw_seed: int | None = None
 
     def resume(self, epoch: int, done: int) -> None:
         """Continue epoch ``epoch`` after its first ``done`` global batches (or the next epoch if it was over)."""
@@ -177,7 +183,7 @@ class ReplicaBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         skip = self._skip[1] if self._skip is not None and self._skip[0] == self.epoch else 0
         self._skip = None
-        for position, batch in enumerate(self.batch_sampler):
+        for position, batch in enumerate(self._batches()):
             if position < skip:
                 continue
             batch = list(batch)
@@ -201,6 +207,12 @@ class ReplicaBatchSampler(Sampler[list[int]]):
                 )
             yield batch[share]
 
+    def _batches(self) -> Any:
+        if self.draw_seed is None:
+            return self.batch_sampler
+        with seeded_draws(draw_key(self.draw_seed, self.epoch)):
+            return [list(batch) for batch in self.batch_sampler]
+
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
@@ -213,6 +225,20 @@ class ShardedDataLoader(DataLoader):
     """
 
     progress: Callable[[], int] | None = None
+    #: what ``__getitem__`` and ``collate_fn`` draw at random comes from this seed, the epoch, the batch and the
+    #: replica (the same on every stage of a pipeline); ``None``: the rows are read without drawing (TensorRows)
+    draw_seed: int | None = None
+    dp_rank: int = 0
+
+    def _get_iterator(self) -> Any:
+        if self.draw_seed is None:
+            return super()._get_iterator()
+        epoch = self.replica_sampler.epoch
+        # (an iterator draws its workers' seeds when it is made; forked workers inherit Python's and NumPy's states)
+        with seeded_draws(draw_key(self.draw_seed, epoch, self.dp_rank)):
+            if self.num_workers == 0:
+                return SeededFetches(self, self.draw_seed, epoch, self.dp_rank)
+            return super()._get_iterator()
 
     @property
     def replica_sampler(self) -> ReplicaBatchSampler:
@@ -317,7 +343,9 @@ def shard_dataloader(
         )
     if type(batch_sampler) is BatchSampler:
         batch_sampler = BatchSampler(
-            _layout_free_sampler(batch_sampler.sampler, seed), batch_sampler.batch_size, batch_sampler.drop_last
+            _layout_free_sampler(whole_dataset_order(batch_sampler.sampler), seed),
+            batch_sampler.batch_size,
+            batch_sampler.drop_last,
         )
     dataset, collate_fn = _fast_rows(loader)
     kwargs: dict[str, Any] = {
@@ -334,6 +362,9 @@ def shard_dataloader(
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     replica: Any = ReplicaBatchSampler(batch_sampler, dp_rank, dp_size, divisor, world_size, weights)
+    replica.draw_seed = seed if draws_from_process(batch_sampler, (EpochShuffleSampler,)) else None
     sharded = ShardedDataLoader(dataset, batch_sampler=indexing(replica) if indexing else replica, **kwargs)
     sharded.progress = progress
+    sharded.draw_seed = None if collate_fn is already_collated else seed
+    sharded.dp_rank = dp_rank
     return sharded

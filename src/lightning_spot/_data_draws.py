@@ -1,0 +1,105 @@
+"""Random draws in data loading that every rank of a pipeline makes alike.
+
+Every stage of a pipeline reads the batch itself (each replays the user's step on it), so the stages must read
+the same rows, drawn the same way. A sampler or dataset that draws from the process's random generators
+(``WeightedRandomSampler``, ``RandomSampler(replacement=True)``, ``SubsetRandomSampler``, a random crop or
+augmentation in ``__getitem__``) would draw differently on each rank: the first stage would forward one sample
+while the last computed the loss against another one's target. Here such draws come from generators seeded by
+(seed, epoch, batch, replica), and the process's own generators are put back afterwards, so that the model's
+draws (dropout) go on as they would have.
+
+    with seeded_draws(draw_key(seed, epoch, batch, dp_rank)):
+        batch = fetch(indices)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+_MASK = (1 << 63) - 1
+
+
+def draw_key(*parts: int) -> int:
+    """One seed from several integers (a polynomial hash: the same on every process, unlike ``hash`` of a str)."""
+    key = 0
+    for part in parts:
+        key = (key * 1_000_003 + int(part)) & _MASK
+    return key
+
+
+@contextlib.contextmanager
+def seeded_draws(key: int) -> Iterator[None]:
+    """Run the block with torch's CPU generator, Python's ``random`` and NumPy's global generator (if NumPy is
+    imported) seeded from ``key``; the process's own states come back afterwards."""
+    generator = torch.default_generator
+    numpy = sys.modules.get("numpy")
+    saved = generator.get_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
+    generator.manual_seed(key)
+    random.seed(key)
+    if numpy is not None:
+        numpy.random.seed(key % (1 << 32))
+    try:
+        yield
+    finally:
+        generator.set_state(saved[0])
+        random.setstate(saved[1])
+        if numpy is not None:
+            numpy.random.set_state(saved[2])
+
+
+def whole_dataset_order(sampler: Any) -> Any:
+    """A ``DistributedSampler`` (the user's own, made for ``trainer.world_size`` processes) as one for a single
+    process: the whole dataset in its order (``shuffle``, ``seed``, ``set_epoch`` kept), which the replica sampler
+    then splits over the data-parallel replicas; any other sampler as it is."""
+    if not isinstance(sampler, DistributedSampler):
+        return sampler
+    whole = copy.copy(sampler)
+    whole.num_replicas, whole.rank = 1, 0
+    whole.num_samples = whole.total_size = len(sampler.dataset)  # type: ignore[arg-type]
+    return whole
+
+
+_OWN_GENERATOR = (RandomSampler, WeightedRandomSampler, SubsetRandomSampler)
+
+
+def draws_from_process(batch_sampler: Any, known: tuple[type, ...] = ()) -> bool:
+    """Whether iterating ``batch_sampler`` may draw from the process's random generators: anything but a plain
+    ``BatchSampler`` around a sequential sampler, a ``DistributedSampler`` (seeded by its ``seed`` and epoch), one of
+    ``known`` or torch's random samplers given a ``generator`` of their own."""
+    if type(batch_sampler) is not BatchSampler:
+        return True
+    inner = batch_sampler.sampler
+    if isinstance(inner, (SequentialSampler, DistributedSampler, *known)):
+        return False
+    return not (isinstance(inner, _OWN_GENERATOR) and inner.generator is not None)
+
+
+class SeededFetches(_SingleProcessDataLoaderIter):
+    """The loader's iterator without worker processes, each batch fetched under :func:`seeded_draws` with the key
+    of (``seed``, the epoch, the batch's place in it, the replica): what ``__getitem__`` or ``collate_fn`` draw is the
+    same on every stage of a pipeline."""
+
+    def __init__(self, loader: Any, seed: int, epoch: int, dp_rank: int) -> None:
+        super().__init__(loader)
+        self._draws = (seed, epoch, dp_rank)
+
+    def _next_data(self) -> Any:
+        seed, epoch, dp_rank = self._draws
+        with seeded_draws(draw_key(seed, epoch, self._num_yielded, dp_rank)):
+            return super()._next_data()
