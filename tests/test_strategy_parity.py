@@ -27,6 +27,16 @@ WORLD_4 = [
     scenario("P2D2-1F1B-adam", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "1F1B"}),
     # the user's own DistributedSampler, made for 4 processes (each rank read its quarter: the stages of a pipeline
     # read different rows): the whole dataset in its order, two epochs (set_epoch reshuffles it)
+    # trainer.should_stop set inside the step, after the forward, by one replica's last stage only (its rows
+    # hold the target that triggers it): every rank stops after that step, validates, and ends fit (the others
+    # went on to the next step, and the run ended with a lost peer)
+    scenario(
+        "P2D2-should_stop-set-in-step-by-one-replica",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "StoppingModel", "optimizer": "sgd"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": -1, "max_epochs": 2, "limit_val_batches": None},
+    ),
     scenario(
         "P2D2-user-DistributedSampler-2-epochs",
         strategy={"pipeline_stages": 2, "microbatches": 2},

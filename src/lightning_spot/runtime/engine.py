@@ -50,7 +50,14 @@ from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_appends import StepAppends
-from lightning_spot.runtime.step_runner import STEP_OUTPUTS, Mode, StepRunner, batch_signature, batch_size_of
+from lightning_spot.runtime.step_runner import (
+    SHOULD_STOP,
+    STEP_OUTPUTS,
+    Mode,
+    StepRunner,
+    batch_signature,
+    batch_size_of,
+)
 from lightning_spot.runtime.tied import TiedCopies
 from lightning_spot.runtime.trace_hooks import AllreduceTrace, traced_allreduce_hook, traced_p2p
 from lightning_spot.runtime.weight_streaming import WeightStreaming
@@ -522,7 +529,8 @@ class PipelineEngine:
     ) -> tuple[dict[str, tuple[Any, dict[str, Any]]], Any]:
         """(the step's logged values, what the step returned besides its loss or ``None``) on every rank of the
         pipeline, from the last stage (whose step ran ``m`` micro-batches of a local batch of ``local`` samples): the
-        values say whether outputs, or entries the step appended to the module's lists, follow (:data:`STEP_OUTPUTS`).
+        values say whether outputs, or entries the step appended to the module's lists, follow (:data:`STEP_OUTPUTS`),
+        and whether a step set ``trainer.should_stop`` (:data:`SHOULD_STOP`): then it is set on every rank.
         """
         payload = None
         appended = None
@@ -530,6 +538,10 @@ class PipelineEngine:
             appended = self.appends.take([len(rows) for rows in self.runner.row_chunks(local, m)])
         if self.runner.step_outputs or appended:  # (the last stage: the step returned or appended something)
             extra = [*extra, LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"})]
+        trainer = getattr(self.module, "_trainer", None)
+        if self.holds_last:  # (every step: the replicas' last stages reduce the same names)
+            stop = float(trainer is not None and trainer.should_stop)
+            extra = [*extra, LogRecord(SHOULD_STOP, torch.tensor(stop), 1.0, {"reduce_fx": "sum"})]
         if self.holds_last:
             records, held = self.capture.records, self.held_logs
             if held is not None and training:  # the user's values: summed over the quorum before the commit
@@ -545,6 +557,9 @@ class PipelineEngine:
         self.capture.clear()
         self.metric_calls.clear()
         logged = self.share.logged(payload)
+        stop = logged.pop(SHOULD_STOP, None)
+        if stop is not None and stop[0] and trainer is not None:  # a step asked Lightning to stop: every rank does
+            trainer.should_stop = True
         outputs = self._step_outputs(appended) if logged.pop(STEP_OUTPUTS, None) is not None else None
         return logged, outputs
 

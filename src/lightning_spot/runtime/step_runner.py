@@ -56,6 +56,9 @@ WATCHED_STEPS = 8
 #: the name under which the last stage tells, with a step's logged values, that the step returned outputs besides
 #: its loss (``StepRunner.step_outputs``), which every rank of the pipeline then receives
 STEP_OUTPUTS = "__outputs__"
+#: the name under which the last stages tell, with a step's logged values, that a step set ``trainer.should_stop``
+#: (after its forward, which only the last stage reaches): summed over replicas, every rank then stops
+SHOULD_STOP = "__should_stop__"
 
 
 UNWEIGHTED_MEAN = (
