@@ -557,8 +557,8 @@ class PipelineEngine:
         self.capture.clear()
         self.metric_calls.clear()
         logged = self.share.logged(payload)
-        stop = logged.pop(SHOULD_STOP, None)
-        if stop is not None and stop[0] and trainer is not None:  # a step asked Lightning to stop: every rank does
+        asked = logged.pop(SHOULD_STOP, None)
+        if asked is not None and asked[0] and trainer is not None:  # a step asked Lightning to stop: every rank does
             trainer.should_stop = True
         outputs = self._step_outputs(appended) if logged.pop(STEP_OUTPUTS, None) is not None else None
         return logged, outputs
