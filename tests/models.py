@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,11 +107,21 @@ class RandomCrops(torch.utils.data.Dataset):
         return x, torch.tanh(x @ self.w)
 
 
-def user_distributed_sampler(dataset: Any) -> DistributedSampler:
-    """The ``DistributedSampler`` a user builds for ``trainer.world_size`` processes (as plain PyTorch DDP code
-    does), here from the launcher's environment: one replica in the test's own process."""
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+class UserSamplerData(L.LightningDataModule):
+    """make_dataset(n) through the ``DistributedSampler`` a user builds for ``trainer.world_size`` processes, as plain
+    PyTorch DDP code does (shuffled, seed 0): one replica in a single process."""
+
+    def __init__(self, batch_size: int, n: int) -> None:
+        super().__init__()
+        self.batch_size, self.n = batch_size, n
+
+    def train_dataloader(self) -> DataLoader:
+        dataset, trainer = make_dataset(self.n), self.trainer
+        assert trainer is not None
+        sampler = DistributedSampler(
+            dataset, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True, seed=0
+        )
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
 
 class StoppingModel(TinyPipelineModel):
@@ -239,9 +248,8 @@ def make_loader(
     random_draws: bool = False,
     **kwargs: Any,
 ) -> DataLoader:
-    if user_sampler:  # make_dataset(n) through the user's own DistributedSampler (shuffled, seed 0)
-        dataset = make_dataset(n)
-        return DataLoader(dataset, batch_size=batch_size, sampler=user_distributed_sampler(dataset), **kwargs)
+    if user_sampler:  # make_dataset(n) through the user's own DistributedSampler (a LightningDataModule)
+        return UserSamplerData(batch_size, n)  # type: ignore[return-value]
     if random_draws:  # RandomCrops drawn by a WeightedRandomSampler (both draw from the process's generators)
         weights = torch.linspace(0.1, 1.0, n)
         return DataLoader(RandomCrops(n), batch_size=batch_size, sampler=WeightedRandomSampler(weights, n), **kwargs)
