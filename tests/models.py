@@ -138,6 +138,32 @@ class StoppingModel(TinyPipelineModel):
         return loss
 
 
+class NoisyStepModel(TinyPipelineModel):
+    """Draws at random where Lightning users do: its step learns to recover noise added to the input (as diffusion
+    models train: the noise is drawn in the step, before the forward, and is the target after it), and augmentations
+    are drawn in both batch transfer hooks (training only). A stage that drew other noise than the last stage's
+    would train on noise the model never saw."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        noise = torch.randn(x.shape[0], OUT)
+        loss = F.mse_loss(self(x + noise.repeat(1, IN // OUT) * 0.5), noise)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training:
+            x, y = batch
+            return x * (1.0 + 0.1 * torch.rand(x.shape[0], 1)), y
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training:
+            x, y = batch
+            return x + 0.1 * torch.randn_like(x), y
+        return batch
+
+
 class StreamDataset(torch.utils.data.IterableDataset):
     """A resumable stream of :func:`make_dataset`'s samples: each pass in the order of a permutation seeded by its
     pass number (shuffled like a stream's shuffle buffer), passes one after another; ``state_dict`` is the pass and

@@ -16,6 +16,7 @@ from tests.models import (
     MetaInitPipelineModel,
     Overflow,
     RecordSummary,
+    fit_in_this_process,
     lightning_callbacks,
     make_dataset,
     make_loader,
@@ -84,6 +85,8 @@ def reference_run(
     checkpoint there each epoch; ``resume_from``: resumed from that checkpoint. A scenario's ``reference_resume``
     (``{"max_epochs": N, "file": name}``) makes it Lightning's own resume: the scenario run to ``N`` epochs, then
     resumed from its checkpoint ``file`` to the end."""
+    if scenario.get("reference") == "P1":
+        return one_stage_run(scenario)
     resume = scenario.get("reference_resume")
     if resume is not None:
         first = {k: v for k, v in scenario.items() if k != "reference_resume"}
@@ -159,6 +162,35 @@ def reference_run(
         elif stage == "predict":
             out["predict"] = trainer.predict(model, eval_loader)
     return out
+
+
+def one_stage_run(scenario: dict[str, Any]) -> dict[str, Any]:
+    """The scenario on one process with ``spot_pipeline`` itself (P1xD1, the scenario's micro-batches): the reference
+    where what is drawn at random cannot be one plain process's (a step's noise per micro-batch), only the same on
+    every stage; the scenario's run must equal it (seed 0, as the workers have no ``seed_everything``)."""
+    import os
+
+    from lightning_spot import SpotPipelineStrategy
+
+    model = make_model(**scenario.get("model", {}))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    epochs, seed = EpochMetrics(), os.environ.pop("PL_GLOBAL_SEED", None)
+    strategy = SpotPipelineStrategy(pipeline_stages=1, microbatches=scenario["strategy"]["microbatches"])
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = fit_in_this_process(
+                tmp,
+                model,
+                make_loader(**scenario.get("loader", {})),
+                strategy=strategy,
+                callbacks=[epochs],
+                **{"limit_val_batches": 0, **scenario.get("trainer", {})},
+            )
+    finally:
+        if seed is not None:
+            os.environ["PL_GLOBAL_SEED"] = seed
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {"state_dict": model.state_dict(), "initial": start, "metrics": metrics, "epoch_metrics": epochs.values}
 
 
 def assert_same_params(got: dict[str, torch.Tensor], ref: dict[str, Any], atol: float = 1e-5) -> None:

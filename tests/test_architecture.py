@@ -31,7 +31,8 @@ ROWS = {
     "_metric_states": 0,
     "_module_lists": 0,
     "_batch_containers": 0,
-    "_data_draws": 0,
+    "_data_draws": 1,
+    "_seeded": 0,
 }
 
 

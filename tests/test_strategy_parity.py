@@ -275,6 +275,18 @@ WORLD_2 += [
         trainer={"max_steps": -1, "max_epochs": 2},
     )
 ]
+# random draws in the step (a diffusion model's noise, drawn before the forward and the target after it) and in the
+# batch transfer hooks (augmentations): the same on every stage, so the pipeline trains as spot_pipeline on one
+# process with the same micro-batches (plain Lightning draws the noise for the whole batch at once)
+WORLD_2 += [
+    scenario(
+        "P2D1-noise-drawn-in-step-and-transfer-hooks",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "NoisyStepModel", "optimizer": "sgd"},
+        trainer={"max_steps": 8},
+        reference="P1",
+    )
+]
 # offload="optimizer": fp32 masters and optimizer state in host memory, the update there; the same math
 WORLD_2 += [
     scenario(

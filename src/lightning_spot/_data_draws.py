@@ -14,14 +14,9 @@ draws (dropout) go on as they would have.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import random
-import sys
-from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
@@ -32,35 +27,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
-_MASK = (1 << 63) - 1
-
-
-def draw_key(*parts: int) -> int:
-    """One seed from several integers (a polynomial hash: the same on every process, unlike ``hash`` of a str)."""
-    key = 0
-    for part in parts:
-        key = (key * 1_000_003 + int(part)) & _MASK
-    return key
-
-
-@contextlib.contextmanager
-def seeded_draws(key: int) -> Iterator[None]:
-    """Run the block with torch's CPU generator, Python's ``random`` and NumPy's global generator (if NumPy is
-    imported) seeded from ``key``; the process's own states come back afterwards."""
-    generator = torch.default_generator
-    numpy = sys.modules.get("numpy")
-    saved = generator.get_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
-    generator.manual_seed(key)
-    random.seed(key)
-    if numpy is not None:
-        numpy.random.seed(key % (1 << 32))
-    try:
-        yield
-    finally:
-        generator.set_state(saved[0])
-        random.setstate(saved[1])
-        if numpy is not None:
-            numpy.random.set_state(saved[2])
+from lightning_spot._seeded import draw_key, seeded_draws
 
 
 def whole_dataset_order(sampler: Any) -> Any:

@@ -30,7 +30,8 @@ from torch.utils.data import (
     default_collate,
 )
 
-from lightning_spot._data_draws import SeededFetches, draw_key, draws_from_process, seeded_draws, whole_dataset_order
+from lightning_spot._data_draws import SeededFetches, draws_from_process, whole_dataset_order
+from lightning_spot._seeded import draw_key, seeded_draws
 from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError
 

@@ -568,11 +568,9 @@ class SpotPipelineStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context(), self._watched("training_step"):
-            engine, batch, size = self._engine(), args[0], None
+            engine, batch, size, module = self._engine(), args[0], None, self.lightning_module
             if self.replicas is not None:  # this pipeline's rows of the global batch, among those in the quorum
-                step = self.lightning_module.global_step if self.lightning_module is not None else 0
-                batch, size = self.replicas.begin_step(batch, engine.microbatches, step)
-            module = self.lightning_module
+                batch, size = self.replicas.begin_step(batch, engine.microbatches, module.global_step if module else 0)
             release = module is not None and zeroed_after_step(module.trainer, module)
             return engine.train_step(batch, args[1:], kwargs, global_batch=size, release_grads=release)
 
@@ -643,7 +641,13 @@ class SpotPipelineStrategy(ParallelStrategy):
 
     # --------------------------------------------------------------------- data
     @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        self._engine().runner.seed_hooks()  # (the transfer hooks' augmentations draw alike on every stage)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
+        self._engine().runner.seed_hooks()  # (and the first batch's on_before_batch_transfer)
         if not isinstance(dataloader, DataLoader):
             return dataloader
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +64,9 @@ def attach(
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
     engine.fixed_params = ("fault_tolerance='torchft'", "its gradient buckets hold the parameters trainable then")
+    # each pipeline is a replica of its own world (data-parallel rank 0): its step's draws (noise for its rows) get
+    # its replica group in their seed, not another pipeline's
+    engine.runner.dp_rank = zlib.crc32(str(group.settings.replica_group).encode())
     # logged values wait for the commit (a share of their own to the pipeline's other stages)
     share = LastStageShare(engine.ctx.pp_group, engine.last_stage_rank, engine.ctx.device)
     engine.held_logs = group.held_logs = HeldLogs(engine.module, share, engine.ctx.device, engine.holds_last)

@@ -34,6 +34,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
+from lightning_spot._seeded import reseed
 from lightning_spot.partition.discovery import ModelContractError
 
 
@@ -84,6 +85,9 @@ class StageRun:
     #: must be called with it unchanged (:func:`check_unchanged_between`)
     passed: Any = None
     passed_by: str = ""
+    #: where the step's own random draws are seeded alike on every stage: the seed of the stage's layers' draws
+    #: (dropout), taken up at its first layer, so that those differ between stages (``_seeded.reseed``)
+    layer_seed: int | None = None
 
 
 _ACTIVE: list[StageRun] = []
@@ -228,6 +232,8 @@ def instrument_layer(
             return _note_passed(hidden_argument(args, kwargs, activation), fqn)
         if first:
             run.layers_started = True
+            if run.layer_seed is not None:
+                reseed(run.layer_seed, run.device)
             if run.find_chain and ambient_state(run.device) == run.ambient:
                 run.chained = sequential_caller(self)
             named = None  # (the arguments besides the activation: for probes, and on stages but the first)

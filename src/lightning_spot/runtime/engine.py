@@ -116,6 +116,7 @@ class PipelineEngine:
         self.ctx = ctx
         self.capture = LogCapture()
         self.runner = StepRunner(module, plan.num_stages, self.capture, ctx.device)
+        self.runner.draw_seed, self.runner.dp_rank = seed, ctx.dp_rank  # (the step's draws: alike on every stage)
         #: the module's lists that steps append to (Lightning 2's outputs for an epoch's end), kept on every rank
         self.appends = StepAppends(module)
         self.activation_checkpointing = activation_checkpointing

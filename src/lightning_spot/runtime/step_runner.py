@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_spot._batch_containers import register_containers
 from lightning_spot._module_lists import lists_kept
+from lightning_spot._seeded import draw_key, reseed, seeded_draws
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import (
@@ -56,6 +58,8 @@ WATCHED_STEPS = 8
 #: the name under which the last stage tells, with a step's logged values, that the step returned outputs besides
 #: its loss (``StepRunner.step_outputs``), which every rank of the pipeline then receives
 STEP_OUTPUTS = "__outputs__"
+#: in the seeds of what hooks draw (:meth:`StepRunner.seed_hooks`): apart from the steps' and the data's
+_HOOKS = 0x4B
 #: the name under which the last stages tell, with a step's logged values, that a step set ``trainer.should_stop``
 #: (after its forward, which only the last stage reaches): summed over replicas, every rank then stops
 SHOULD_STOP = "__should_stop__"
@@ -156,6 +160,12 @@ class StepRunner:
         #: (watched steps) whether a loss given without an item count was a mean over targets holding an ignore
         #: index: a flag on the device, read once after the step (:meth:`warn_unweighted`), not per micro-batch
         self._ignored: Tensor | None = None
+        #: what the user's step draws at random (noise, masks) is seeded alike on every stage of the pipeline from
+        #: this seed, the step and micro-batch, and the replica (``None``: not seeded); see :meth:`_draws`
+        self.draw_seed: int | None = None
+        self.dp_rank = 0
+        self._draw_step = 0
+        self._hooks_seeded = 0
         #: the micro-batch the stage about to run works on (set by the stage), and the step's micro-batches
         self.chunk = 0
         self.microbatches = 1
@@ -196,12 +206,48 @@ class StepRunner:
         self._losses_computed = 0
         self._chains.clear()  # (decided again by each step's first replay: the step's code may change between steps)
         self._steps[fn_name] = self._steps.get(fn_name, 0) + 1
+        self._draw_step = self._step_position(fn_name, mode)
         if mode == "train":
             self.loss_weights.start()
         try:
             yield
         finally:
             self.batch = None
+
+    def _step_position(self, fn_name: str, mode: Mode) -> int:
+        """Where the step stands, the same on every rank: in training the batches the fit has started (restored
+        on resume), otherwise the global step and the steps of ``fn_name`` run so far."""
+        trainer = getattr(self.module, "_trainer", None)
+        if trainer is None:
+            return draw_key(zlib.crc32(fn_name.encode()), self._steps[fn_name])
+        if mode == "train":
+            return draw_key(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+        return draw_key(zlib.crc32(fn_name.encode()), trainer.global_step, self._steps[fn_name])
+
+    def _draws(self, run: StageRun) -> contextlib.AbstractContextManager:
+        """Around a replay of the step for micro-batch :attr:`chunk`: every stage replays the step's code before
+        (and, on the last, after) its layers, so what that code draws (a diffusion model's noise and time steps, a
+        random mask) must be drawn alike on every stage: torch's generators are seeded from (seed, step,
+        micro-batch, replica) and put back afterwards. The stage's own layers draw from a seed of their own (set at
+        its first layer), so that one stage's dropout does not repeat another's."""
+        if self.draw_seed is None or self._inferring:
+            return contextlib.nullcontext()
+        key = draw_key(self.draw_seed, self._draw_step, self.chunk, self.dp_rank)
+        run.layer_seed = draw_key(key, run.stage + 1)
+        return seeded_draws(key, python=False, device=self.device)
+
+    def seed_hooks(self) -> None:
+        """(At each batch's transfer to the device, and as a loader is set up) seed torch's generators from (seed, the
+        global step, the times this was called, replica), the same on every stage of a pipeline: what the hooks every
+        rank runs draw from here on (random augmentations in ``on_after_batch_transfer``, in the next batch's
+        ``on_before_batch_transfer``) is drawn alike on every stage. The step replays in between put the generators
+        back as they found them (:meth:`_draws`)."""
+        if self.draw_seed is None:
+            return
+        trainer = getattr(self.module, "_trainer", None)
+        self._hooks_seeded += 1
+        step = trainer.global_step if trainer is not None else 0
+        reseed(draw_key(self.draw_seed, _HOOKS, step, self._hooks_seeded, self.dp_rank), self.device)
 
     def _micro_batch(self, idx: Tensor) -> Any:
         size = self.local_size
@@ -234,7 +280,7 @@ class StepRunner:
         if chain is not None:  # torch's nn.Sequential chains the stage's layers: only they run (see _chains)
             run = StageRun(stage, first_stage=False, incoming=acts, exit_after=False, device=self.device)
             out = incoming_value(acts)
-            with running(run), self._saving():
+            with running(run), self._saving(), self._draws(run):
                 for layer in chain:
                     out = layer(out)
             return _as_tensors(out, f"the last layer of stage {stage}")
@@ -244,7 +290,12 @@ class StepRunner:
             run.ambient = ambient_state(self.device)
         micro_batch = self._micro_batch(idx)
         self._check_arguments(stage, micro_batch)
-        with running(run), self.capture.capturing(self.module, weight=0.0, keep=False), self._saving():
+        with (
+            running(run),
+            self.capture.capturing(self.module, weight=0.0, keep=False),
+            self._saving(),
+            self._draws(run),
+        ):
             try:
                 self._call(micro_batch)
             except StageExit as stop:
@@ -300,6 +351,7 @@ class StepRunner:
             self._saving(),
             self.items.micro_batch(watch, training=self.mode == "train"),
             self.metric_calls.collecting() if self.metric_calls is not None else contextlib.nullcontext(),
+            self._draws(run),
         ):
             result = self._call(micro_batch)
         if self.last_stage > 0 and not run.layers_started:
