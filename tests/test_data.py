@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
@@ -211,23 +212,28 @@ def _same_states(a: tuple, b: tuple) -> bool:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_every_stage_of_a_replica_draws_its_random_samples_alike(workers: int) -> None:
+def test_every_stage_of_a_replica_draws_its_random_samples_alike(workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two stages of one replica, in different random states (their models drew differently), read the same
     batches from a WeightedRandomSampler over random crops (torch, random and NumPy draws), and the draws leave
     the process's own generators as they were."""
     from tests.models import make_loader
 
-    def read(process_seed: int) -> list[list[torch.Tensor]]:
+    def read(process_seed: int, global_rank: int) -> list[list[torch.Tensor]]:
         torch.manual_seed(process_seed)
         loader = make_loader(batch_size=16, n=64, random_draws=True, num_workers=workers)
         sharded = shard_dataloader(loader, dp_rank=1, dp_size=2, divisor=2, seed=5)
+        # with workers, as Lightning seeds them after seed_everything(workers=True), once the strategy has processed
+        # the loader: with the process's global rank where the loader has no worker_init_fn
+        _auto_add_worker_init_fn(sharded, global_rank)
         sharded.batch_sampler.set_epoch(1)
         before = _rng_states()
         batches = list(sharded)
         assert _same_states(before, _rng_states()), "reading the data changed the process's random states"
         return batches
 
-    first, last = read(0), read(1)
+    if workers:
+        monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    first, last = read(0, global_rank=2), read(1, global_rank=3)  # the two stages of replica 1
     assert len(first) == 4 and all(len(x) == 8 for x, _ in first)
     for (x0, y0), (x1, y1) in zip(first, last):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)

@@ -15,8 +15,11 @@ draws (dropout) go on as they would have.
 from __future__ import annotations
 
 import copy
+import functools
+import os
 from typing import Any
 
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
@@ -40,6 +43,18 @@ def whole_dataset_order(sampler: Any) -> Any:
     whole.num_replicas, whole.rank = 1, 0
     whole.num_samples = whole.total_size = len(sampler.dataset)  # type: ignore[arg-type]
     return whole
+
+
+def replica_worker_init(worker_init_fn: Any, dp_rank: int) -> Any:
+    """Lightning's worker seeding (``seed_everything(workers=True)``) mixes the process's global rank into each
+    worker's seeds, so the stages of a pipeline would draw differently in their workers: it gets the replica's rank
+    instead (the ranks of one pipeline alike, replicas apart). Lightning adds it to loaders without a
+    ``worker_init_fn`` after the strategy has processed them (and only there): such a loader gets it here. Any
+    other ``worker_init_fn`` is kept."""
+    lightnings = isinstance(worker_init_fn, functools.partial) and worker_init_fn.func is pl_worker_init_function
+    if lightnings or (worker_init_fn is None and int(os.environ.get("PL_SEED_WORKERS", 0))):
+        return functools.partial(pl_worker_init_function, rank=dp_rank)
+    return worker_init_fn
 
 
 _OWN_GENERATOR = (RandomSampler, WeightedRandomSampler, SubsetRandomSampler)

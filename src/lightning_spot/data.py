@@ -30,7 +30,7 @@ from torch.utils.data import (
     default_collate,
 )
 
-from lightning_spot._data_draws import SeededFetches, draws_from_process, whole_dataset_order
+from lightning_spot._data_draws import SeededFetches, draws_from_process, replica_worker_init, whole_dataset_order
 from lightning_spot._seeded import draw_key, seeded_draws
 from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError
@@ -354,7 +354,7 @@ def shard_dataloader(
         "collate_fn": collate_fn,
         "pin_memory": loader.pin_memory,
         "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
+        "worker_init_fn": replica_worker_init(loader.worker_init_fn, dp_rank),
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": loader.generator,
         "persistent_workers": loader.persistent_workers,
