@@ -125,17 +125,28 @@ class UserSamplerData(L.LightningDataModule):
 
 
 class StoppingModel(TinyPipelineModel):
-    """Stops training from inside its step, after the forward (which only a pipeline's last stage reaches), from
-    step 2 on once a batch holds a first target above 0.99: with make_dataset(64) in batches of 16, at step 2, whose
-    row above it is in replica 0's rows on P2D2."""
+    """Stops training from inside its step, after the forward (which only a pipeline's last stage reaches). In
+    training (``stop_in="training"``): from step 2 on once a batch holds a first target above 0.99: with
+    make_dataset(64) in batches of 16, at step 2, whose row above it is in replica 0's rows on P2D2. In validation:
+    at the first validation from step 2 on."""
+
+    def __init__(self, stop_in: str = "training", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stop_in = stop_in
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.mse_loss(self(x), y)
         self.log("train_loss", loss)
-        if self.global_step >= 2 and bool((y[:, 0] > 0.99).any()):
+        if self.stop_in == "training" and self.global_step >= 2 and bool((y[:, 0] > 0.99).any()):
             self.trainer.should_stop = True
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+        if self.stop_in == "validation" and self.global_step >= 2:
+            self.trainer.should_stop = True
 
 
 class NoisyStepModel(TinyPipelineModel):

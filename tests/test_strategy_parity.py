@@ -37,6 +37,14 @@ WORLD_4 = [
         val_loader={"batch_size": 12, "n": 36},
         trainer={"max_steps": -1, "max_epochs": 2, "limit_val_batches": None},
     ),
+    # the same set by validation_step (its last stage only): training ends after that validation
+    scenario(
+        "P2D2-should_stop-set-in-validation-step",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "StoppingModel", "stop_in": "validation", "optimizer": "sgd"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": -1, "max_epochs": 2, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     scenario(
         "P2D2-user-DistributedSampler-2-epochs",
         strategy={"pipeline_stages": 2, "microbatches": 2},
