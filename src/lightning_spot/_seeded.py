@@ -32,6 +32,7 @@ def draw_key(*parts: int) -> int:
 def _device_generator(device: torch.device | None) -> torch.Generator | None:
     if device is None or device.type != "cuda":
         return None
+    torch.cuda.init()  # (the generators exist once CUDA is initialised; a no-op after that)
     return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
 
 
