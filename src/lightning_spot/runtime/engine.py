@@ -540,10 +540,10 @@ class PipelineEngine:
         if self.runner.step_outputs or appended:  # (the last stage: the step returned or appended something)
             extra = [*extra, LogRecord(STEP_OUTPUTS, torch.ones(()), 1.0, {"reduce_fx": "sum"})]
         trainer = getattr(self.module, "_trainer", None)
-        if self.holds_last:  # (every step: the replicas' last stages reduce the same names)
+        if self.holds_last:
+            # (every step, so that the replicas' last stages reduce the same names)
             stop = float(trainer is not None and trainer.should_stop)
             extra = [*extra, LogRecord(SHOULD_STOP, torch.tensor(stop), 1.0, {"reduce_fx": "sum"})]
-        if self.holds_last:
             records, held = self.capture.records, self.held_logs
             if held is not None and training:  # the user's values: summed over the quorum before the commit
                 packed = PackedLogs(records, self.ctx.device)

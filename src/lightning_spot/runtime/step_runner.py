@@ -218,11 +218,10 @@ class StepRunner:
         """Where the step stands, the same on every rank: in training the batches the fit has started (restored
         on resume), otherwise the global step and the steps of ``fn_name`` run so far."""
         trainer = getattr(self.module, "_trainer", None)
-        if trainer is None:
-            return draw_key(zlib.crc32(fn_name.encode()), self._steps[fn_name])
-        if mode == "train":
+        if trainer is not None and mode == "train":
             return draw_key(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
-        return draw_key(zlib.crc32(fn_name.encode()), trainer.global_step, self._steps[fn_name])
+        global_step = trainer.global_step if trainer is not None else 0
+        return draw_key(zlib.crc32(fn_name.encode()), global_step, self._steps[fn_name])
 
     def _draws(self, run: StageRun) -> contextlib.AbstractContextManager:
         """Around a replay of the step for micro-batch :attr:`chunk`: every stage replays the step's code before
