@@ -259,3 +259,39 @@ class FineTune(L.LightningModule):
         if self.hparams.scheduler:
             return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
         return opt
+
+
+class Preference(L.LightningModule):
+    """Preference tuning as DPO-style code writes it: the model runs twice per step, on the chosen answer (the
+    sample's labelled tokens) and on a rejected one (those tokens shifted by one id), and the loss is
+    ``-log sigmoid(beta * margin)``, the margin being the difference of the answers' summed token log-probabilities
+    (prompt and padding masked). Batches of :func:`padded_dataset` ``("sft")``."""
+
+    def __init__(self, family: str = "gpt2", tied: bool = True, lr: float = 1e-3) -> None:
+        super().__init__()
+        import transformers
+
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.model = transformers.AutoModelForCausalLM.from_config(hf_config(family, tied))
+
+    def answer_log_prob(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        targets = labels[:, 1:]
+        token = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (token * (targets != -100)).sum(-1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+        answer = labels != -100
+        rejected = torch.where(answer, (ids + 1) % VOCAB, ids)
+        margin = self.answer_log_prob(ids, mask, labels) - self.answer_log_prob(
+            rejected, mask, torch.where(answer, rejected, -100)
+        )
+        loss = -torch.nn.functional.logsigmoid(0.5 * margin).mean()
+        self.log("train_loss", loss)
+        self.log("margin", margin.mean())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

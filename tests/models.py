@@ -175,6 +175,35 @@ class NoisyStepModel(TinyPipelineModel):
         return batch
 
 
+class TwoPassModel(TinyPipelineModel):
+    """A step that runs the model twice, on two views of its batch (as consistency training, contrastive views or
+    chosen/rejected answers do), with a loss that couples the two; validation compares two views as well. ``noise``:
+    the second view's noise is drawn between the two passes and is the second pass's target too, so a stage that drew
+    other noise than the last stage's would train on noise the model never saw."""
+
+    def __init__(self, noise: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.noise = noise
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        first = self(x)
+        if self.noise:
+            noise = torch.randn(x.shape[0], OUT)
+            second = self(x + noise.repeat(1, IN // OUT) * 0.5)
+            loss = F.mse_loss(first, y) + F.mse_loss(second - first.detach(), noise)
+        else:
+            second = self(x * 0.5 + 0.1)
+            loss = F.mse_loss(first, y) + 0.5 * F.mse_loss(second, first)
+        self.log("consistency", F.mse_loss(second, first))
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y) + F.mse_loss(self(x * 0.5), y))
+
+
 class StreamDataset(torch.utils.data.IterableDataset):
     """A resumable stream of :func:`make_dataset`'s samples: each pass in the order of a permutation seeded by its
     pass number (shuffled like a stream's shuffle buffer), passes one after another; ``state_dict`` is the pass and
@@ -319,7 +348,7 @@ def make_loader(
 
 def make_model(seed: int = 7, cls: str = "TinyPipelineModel", **kwargs: Any) -> L.LightningModule:
     torch.manual_seed(seed)
-    if cls in ("CausalLM", "FineTune"):
+    if cls in ("CausalLM", "FineTune", "Preference"):
         import tests.hf_models
 
         return getattr(tests.hf_models, cls)(**kwargs)

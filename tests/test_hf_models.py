@@ -125,6 +125,14 @@ WORLD_4 = [
     hf_scenario("gpt2", "P4D1", "1F1B", tied=True, trainer={"gradient_clip_val": 0.5}),  # norms count a tie once
     # every offload level on a model we did not write: Llama's decoder layers streamed one per stage
     hf_scenario("llama", "P2D2", "LoopedBFS", tied=True, offload=["parameters", "activations"]),
+    # preference tuning: two passes per step (chosen and rejected answers) through GPT-2 whose embedding and head
+    # (tied) sit on different stages, on padded batches
+    {
+        **hf_scenario("gpt2", "P2D2", "1F1B", microbatches=2, tied=True),
+        "name": "preference-gpt2-tied-P2D2",
+        "loader": {"batch_size": 8, "n": 32, "padded": "sft"},
+        "model": {"cls": "Preference", "family": "gpt2", "tied": True, "lr": 1e-3},
+    },
 ]
 TIED_NAMES = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
 TIED_NAMES["llama"] = TIED_NAMES["qwen2"] = ("model.model.embed_tokens.weight", "model.lm_head.weight")

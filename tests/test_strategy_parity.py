@@ -52,6 +52,15 @@ WORLD_4 = [
         loader={"batch_size": 16, "n": 64, "user_sampler": True},
         trainer={"max_steps": -1, "max_epochs": 2},
     ),
+    # a step that runs the model twice (two views of the batch, a loss coupling them), validation too: each stage
+    # sends both passes' activations at once (before, the second pass was refused as a misplaced module)
+    scenario(
+        "P2D2-two-passes-per-step",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "TwoPassModel", "optimizer": "sgd"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     scenario(
         "P2D2-GPipe-sgd",
         strategy={"pipeline_stages": 2, "microbatches": 2, "schedule": "gpipe"},
@@ -293,7 +302,16 @@ WORLD_2 += [
         model={"cls": "NoisyStepModel", "optimizer": "sgd"},
         trainer={"max_steps": 8},
         reference="P1",
-    )
+    ),
+    # noise drawn between two passes of the step through the model, the second pass's input and its target: drawn
+    # alike on both stages (the first stage needs it for the input, the last for the loss)
+    scenario(
+        "P2D1-noise-drawn-between-two-passes",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "TwoPassModel", "noise": True, "optimizer": "sgd"},
+        trainer={"max_steps": 8},
+        reference="P1",
+    ),
 ]
 # offload="optimizer": fp32 masters and optimizer state in host memory, the update there; the same math
 WORLD_2 += [

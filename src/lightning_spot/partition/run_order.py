@@ -60,18 +60,20 @@ def run_step_quietly(module: nn.Module, batch: Any, step: str = "training_step")
 
 def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, set[str]]:
     """Where each module beside the sequence ran in one training step whose layers pass their input through:
-    a set of ``"before"`` (the first layer), ``"inside"``, ``"after"`` (the last layer) per module that ran."""
+    a set of ``"before"`` (the first layer), ``"inside"``, ``"after"`` (the last layer) per module that ran. In a step
+    that runs the sequence several times (two views of a batch), what runs before the first pass is before, what
+    runs after the last pass is after, and what runs only between passes is neither."""
     seq = module.get_submodule(split.layers_path)
     originals = dict(seq._modules)
-    phase = ["before"]
-    ran: dict[str, set[str]] = {}
+    passes = [0, 0]  # (begun, finished)
+    calls: list[tuple[str, int, int]] = []
     handles = []
 
     def enter(*_: Any) -> None:
-        phase[0] = "inside"
+        passes[0] += 1
 
     def leave(*_: Any) -> None:
-        phase[0] = "after"
+        passes[1] += 1
 
     try:
         for index, name in enumerate(split.layer_names):
@@ -83,7 +85,7 @@ def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, 
         for fqn in (*split.first_modules, *split.last_modules):
             handles.append(
                 module.get_submodule(fqn).register_forward_pre_hook(
-                    lambda _m, _a, fqn=fqn: ran.setdefault(fqn, set()).add(phase[0])
+                    lambda _m, _a, fqn=fqn: calls.append((fqn, *passes))
                 )
             )
         training = module.training
@@ -97,6 +99,14 @@ def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, 
         for handle in handles:
             handle.remove()
         seq._modules.update(originals)
+    ran: dict[str, set[str]] = {}
+    for fqn, begun, finished in calls:
+        if begun > finished:
+            ran.setdefault(fqn, set()).add("inside")
+        elif begun == 0:
+            ran.setdefault(fqn, set()).add("before")
+        elif finished == passes[1]:
+            ran.setdefault(fqn, set()).add("after")
     return ran
 
 

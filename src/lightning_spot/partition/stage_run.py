@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import sys
 import types
 import weakref
@@ -34,8 +35,12 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
-from lightning_spot._seeded import reseed
+from lightning_spot._metric_states import metrics_kept
+from lightning_spot._module_lists import lists_kept
+from lightning_spot._seeded import draw_key, reseed
 from lightning_spot.partition.discovery import ModelContractError
+
+log = logging.getLogger(__name__)
 
 
 class StageExit(BaseException):
@@ -86,8 +91,21 @@ class StageRun:
     passed: Any = None
     passed_by: str = ""
     #: where the step's own random draws are seeded alike on every stage: the seed of the stage's layers' draws
-    #: (dropout), taken up at its first layer, so that those differ between stages (``_seeded.reseed``)
+    #: (dropout), taken up at its first layer, so that those differ between stages (``_seeded.reseed``), and the
+    #: seed the step's code draws from between two passes (the same on every stage)
     layer_seed: int | None = None
+    pass_seed: int | None = None
+    #: how many times the step runs the layer sequence (a step that calls the model on two views of its batch): a
+    #: stage sends the outputs of all its passes at once and takes pass ``i``'s input from the ``i``-th part of
+    #: ``incoming``; the passes begun so far, and the outputs of those finished
+    passes: int = 1
+    passes_begun: int = 0
+    outputs: list[Any] = field(default_factory=list)
+    #: only count the passes (:func:`count_passes`): every layer passes on a constant (``pass_fill``), and modules
+    #: of other stages stand in wherever they run; the layer counted (the first one called)
+    counting: bool = False
+    counted_layer: str = ""
+    pass_fill: float = 0.0
 
 
 _ACTIVE: list[StageRun] = []
@@ -108,6 +126,40 @@ def running(run: StageRun) -> Iterator[StageRun]:
 
 def incoming_value(incoming: tuple[torch.Tensor, ...]) -> Any:
     return incoming[0] if len(incoming) == 1 else incoming
+
+
+def pass_input(run: StageRun, index: int, fqn: str) -> Any:
+    """What the stage's first layer ``fqn`` takes in pass ``index`` of the step: the previous stage's output of that
+    pass (the ``index``-th of ``run.passes`` equal parts of what it sent)."""
+    assert run.incoming is not None
+    if index >= run.passes:
+        raise ModelContractError(
+            f"The step ran the layer sequence (layer `{fqn}`) more often than the {run.passes} time(s) counted at its "
+            f"first step. The stages of a pipeline send every pass's activations at once, so each step must call "
+            f"the layers the same number of times."
+        )
+    size = len(run.incoming) // run.passes
+    return incoming_value(run.incoming[index * size : (index + 1) * size])
+
+
+def end_pass(run: StageRun, out: Any) -> Any:
+    """After the stage's last layer: note the pass's output; after the last pass, leave the step (all stages but
+    the last) with every pass's output. Where the step goes on, what its code draws comes from a seed of the pass,
+    the same on every stage (the stages' layers drew from seeds of their own)."""
+    run.finished_layers = True
+    run.outputs.append(out)
+    if run.exit_after and len(run.outputs) >= run.passes:
+        raise StageExit(tuple(run.outputs) if run.passes > 1 else out)
+    if run.pass_seed is not None:
+        reseed(draw_key(run.pass_seed, run.passes_begun), run.device)
+    return out
+
+
+def between_passes(run: StageRun) -> bool:
+    """Whether the step is between two passes of the stage's layers (or, but on the first stage, before the first):
+    modules of other stages beside the layers stand in there, as they do before the layers on later stages."""
+    done = len(run.outputs)
+    return done == run.passes_begun and done < run.passes and (done > 0 or not run.first_stage)
 
 
 def _named_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -143,10 +195,77 @@ def hidden_argument(args: tuple, kwargs: dict[str, Any], activation: str | None)
 
 
 def _note_passed(value: Any, fqn: str) -> Any:
-    """A layer of another stage passes ``value`` through: note it when probing (see :func:`check_unchanged_between`)."""
-    if _ACTIVE and _ACTIVE[-1].probe:
-        _ACTIVE[-1].passed, _ACTIVE[-1].passed_by = value, fqn
+    """A layer of another stage passes ``value`` through: note it when probing (see :func:`check_unchanged_between`);
+    when counting passes (:func:`count_passes`), note the first layer's input and pass on ``stand_in``s instead."""
+    if not _ACTIVE:
+        return value
+    run = _ACTIVE[-1]
+    if run.probe:
+        run.passed, run.passed_by = value, fqn
+    elif run.counting:
+        run.counted_layer = run.counted_layer or fqn
+        if fqn == run.counted_layer:
+            run.passes_begun += 1
+            run.outputs.append(tree_map(_copied, value))
+        return tree_map(lambda t: _filled(t, run.pass_fill), value)
     return value
+
+
+def _copied(t: Any) -> Any:
+    return t.clone() if isinstance(t, torch.Tensor) else t
+
+
+def _filled(t: Any, value: float) -> Any:
+    return torch.full_like(t, value) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def count_passes(step: Any, module: nn.Module, device: torch.device | None) -> int:
+    """How many times ``step()`` (a replay of ``module``'s step on a micro-batch) runs the layer sequence, found by
+    a run with every layer passing on a constant and stand-ins for other stages' modules, without gradients, and
+    with the process's random draws, logged values, metrics and collected outputs left as they were; 1 where the
+    step cannot run so (it then runs as one pass). With several passes, a second run with another constant shows
+    whether a pass's input depends on an earlier pass's output (the sequence applied again to what it returned),
+    which a pipeline cannot do: its stages run all passes of a micro-batch at once."""
+    first = _counting_run(step, module, device, 0.0)
+    if first is None or len(first) < 2:
+        return 1
+    second = _counting_run(step, module, device, 1.0)
+    if second is None or len(second) != len(first):
+        return 1
+    for index, (a, b) in enumerate(zip(first, second)):
+        if not (a is b or _same_values(a, b)):
+            raise ModelContractError(
+                f"Pass {index + 1} of the step through the layer sequence takes an input computed from what an "
+                f"earlier pass returned (the layers applied again to their own output). A pipeline cannot run that: "
+                f"each stage runs all of a micro-batch's passes at once and sends them on together. Passes on "
+                f"inputs of their own (two views of a batch, chosen and rejected answers) work; for repeated layers, "
+                f"let the sequence hold them twice (`nn.Sequential(*layers, *layers)` shares their weights)."
+            )
+    return len(first)
+
+
+def _counting_run(step: Any, module: nn.Module, device: torch.device | None, fill: float) -> list[Any] | None:
+    """The inputs of the layer sequence's first layer in each pass of one counting run (None: the step failed)."""
+    run = StageRun(-1, first_stage=False, incoming=None, exit_after=False, device=device, counting=True, pass_fill=fill)
+    trainer = getattr(module, "_trainer", None)
+    stop = getattr(trainer, "should_stop", False)
+    devices = [device] if device is not None and device.type == "cuda" else []
+    try:
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            running(run),
+            metrics_kept(module),
+            lists_kept(module),
+        ):
+            step()
+    except Exception as err:  # (e.g. code that reads values the stand-ins cannot give)
+        log.info("lightning-spot: the step runs as one pass; it could not run to count its passes (%r)", err)
+        return None
+    finally:
+        if trainer is not None:
+            trainer.should_stop = stop
+    return run.outputs
 
 
 def _same_values(a: Any, b: Any) -> bool:
@@ -232,9 +351,10 @@ def instrument_layer(
             return _note_passed(hidden_argument(args, kwargs, activation), fqn)
         if first:
             run.layers_started = True
+            begun, run.passes_begun = run.passes_begun, run.passes_begun + 1
             if run.layer_seed is not None:
-                reseed(run.layer_seed, run.device)
-            if run.find_chain and ambient_state(run.device) == run.ambient:
+                reseed(draw_key(run.layer_seed, begun) if begun else run.layer_seed, run.device)
+            if run.find_chain and run.passes == 1 and ambient_state(run.device) == run.ambient:
                 run.chained = sequential_caller(self)
             named = None  # (the arguments besides the activation: for probes, and on stages but the first)
             if run.probe or not run.first_stage:
@@ -243,10 +363,11 @@ def instrument_layer(
                 check_unchanged_between(run, fqn, hidden_argument(args, kwargs, activation))
                 raise StageProbe(fqn, named or {})
             if run.incoming is not None:
+                value = pass_input(run, begun, fqn) if run.passes > 1 else incoming_value(run.incoming)
                 if args:
-                    args = (incoming_value(run.incoming), *args[1:])
+                    args = (value, *args[1:])
                 elif activation is not None and activation in kwargs:
-                    kwargs = {**kwargs, activation: incoming_value(run.incoming)}
+                    kwargs = {**kwargs, activation: value}
                 else:
                     raise ModelContractError(
                         f"Layer `{fqn}` was called without its input (`{activation}`); the layer sequence must pass "
@@ -259,9 +380,7 @@ def instrument_layer(
         else:
             out = original(self, *args, **kwargs)
         if last:
-            run.finished_layers = True
-            if run.exit_after:
-                raise StageExit(out)
+            return end_pass(run, out)
         return out
 
     layer.forward = types.MethodType(forward, layer)
@@ -389,16 +508,8 @@ class RemoteModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = active_run()
-        if run is not None and (run.first_stage or run.layers_started):
-            here = "the first stage" if run.first_stage else f"stage {run.stage}, after the layer sequence"
-            side = "first_stage_modules" if run.first_stage else "last_stage_modules"
-            raise ModelContractError(
-                f"Module `{self.fqn}` was placed on the {self.owner} stage but runs on {here}. Modules beside the "
-                f"layer sequence go where one run of the training step on a training batch uses them; without one "
-                f"(validate/test/predict only, or modules built on the meta device) by registration order: before "
-                f"the sequence in __init__ means the first stage, after it the last. Pass "
-                f"`SpotPipelineStrategy({side}=['{self.fqn}'])`, or register it on the right side of the sequence."
-            )
+        if run is not None and (run.first_stage or run.layers_started) and not run.counting and not between_passes(run):
+            raise misplaced_module(self.fqn, self.owner, run)
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
         if run is not None:
             device, value = run.device, run.stand_in
@@ -423,6 +534,25 @@ class RemoteModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"on the {self.owner} stage: {self.fqn}"
+
+
+def misplaced_module(fqn: str, owner: str, run: StageRun) -> ModelContractError:
+    """The error for a module of the ``owner`` stage that the step runs on ``run``'s stage, where it cannot stand in."""
+    here = "the first stage" if run.first_stage else f"stage {run.stage}, after the layer sequence"
+    side = "first_stage_modules" if run.first_stage else "last_stage_modules"
+    again = ""
+    if run.outputs and not run.first_stage:
+        again = (
+            f" If the step calls the model again here, every step must run the layer sequence as many times as its "
+            f"first step did ({run.passes}, counted there): the stages of a pipeline send all passes at once."
+        )
+    return ModelContractError(
+        f"Module `{fqn}` was placed on the {owner} stage but runs on {here}.{again} Modules beside the layer "
+        f"sequence go where one run of the training step on a training batch uses them; without one "
+        f"(validate/test/predict only, or modules built on the meta device) by registration order: before the "
+        f"sequence in __init__ means the first stage, after it the last. Pass `SpotPipelineStrategy({side}="
+        f"['{fqn}'])`, or register it on the right side of the sequence."
+    )
 
 
 def _all_meta(module: nn.Module) -> bool:

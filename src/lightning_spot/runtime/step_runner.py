@@ -28,6 +28,7 @@ from torch.amp import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_spot._batch_containers import register_containers
+from lightning_spot._metric_states import metrics_kept
 from lightning_spot._module_lists import lists_kept
 from lightning_spot._seeded import draw_key, reseed, seeded_draws
 from lightning_spot.partition.discovery import ModelContractError
@@ -38,6 +39,7 @@ from lightning_spot.partition.stage_run import (
     StageRun,
     ambient_state,
     check_reproducible,
+    count_passes,
     incoming_value,
     running,
 )
@@ -174,6 +176,8 @@ class StepRunner:
         #: ``nn.Sequential`` chains them in the state the stage started in (None: the user's code does, or runs them
         #: under a context of its own, and the step is replayed); only stages between the first and the last
         self._chains: dict[tuple[int, str], list[nn.Module] | None] = {}
+        #: how many times each step function runs the layer sequence (counted at its first step; see _passes_of)
+        self._passes: dict[str, int] = {}
 
     @property
     def divides_losses(self) -> bool:
@@ -228,11 +232,12 @@ class StepRunner:
         (and, on the last, after) its layers, so what that code draws (a diffusion model's noise and time steps, a
         random mask) must be drawn alike on every stage: torch's generators are seeded from (seed, step,
         micro-batch, replica) and put back afterwards. The stage's own layers draw from a seed of their own (set at
-        its first layer), so that one stage's dropout does not repeat another's."""
+        its first layer), so that one stage's dropout does not repeat another's; between two passes of a step
+        through the layers the step's code draws from a seed of the step again (``partition.stage_run.end_pass``)."""
         if self.draw_seed is None or self._inferring:
             return contextlib.nullcontext()
         key = draw_key(self.draw_seed, self._draw_step, self.chunk, self.dp_rank)
-        run.layer_seed = draw_key(key, run.stage + 1)
+        run.layer_seed, run.pass_seed = draw_key(key, run.stage + 1), draw_key(key, 0)
         return seeded_draws(key, python=False, device=self.device)
 
     def seed_hooks(self) -> None:
@@ -274,7 +279,8 @@ class StepRunner:
             # the last stage's work happens in loss_fn, where the step's result is available
             return tuple(t.view_as(t) for t in (*acts, idx))
         key = (stage, self.fn_name)
-        middle = stage > 0 and not self._inferring
+        passes = self._passes_of(idx)
+        middle = stage > 0 and not self._inferring and passes == 1
         chain = self._chains.get(key) if middle else None
         if chain is not None:  # torch's nn.Sequential chains the stage's layers: only they run (see _chains)
             run = StageRun(stage, first_stage=False, incoming=acts, exit_after=False, device=self.device)
@@ -283,7 +289,9 @@ class StepRunner:
                 for layer in chain:
                     out = layer(out)
             return _as_tensors(out, f"the last layer of stage {stage}")
-        run = StageRun(stage, first_stage=stage == 0, incoming=acts or None, exit_after=True, device=self.device)
+        run = StageRun(
+            stage, first_stage=stage == 0, incoming=acts or None, exit_after=True, device=self.device, passes=passes
+        )
         run.find_chain = middle and key not in self._chains
         if run.find_chain:
             run.ambient = ambient_state(self.device)
@@ -294,6 +302,7 @@ class StepRunner:
             self.capture.capturing(self.module, weight=0.0, keep=False),
             self._saving(),
             self._draws(run),
+            self._kept_between(passes),
         ):
             try:
                 self._call(micro_batch)
@@ -301,12 +310,39 @@ class StepRunner:
                 out = stop.output
             else:
                 raise ModelContractError(
-                    f"`{self.fn_name}` finished without running the layers of pipeline stage {stage}. The step must "
-                    f"call `self(x)` (or the layer sequence) and `forward` must run every layer of the sequence."
+                    f"`{self.fn_name}` finished without running the layers of pipeline stage {stage}"
+                    + (f" {passes} times, as its first step did" if passes > 1 else "")
+                    + ". The step must call `self(x)` (or the layer sequence) and `forward` must run every layer of "
+                    "the sequence."
                 )
         if run.find_chain:
             self._chains[key] = run.chained
+        if passes > 1:
+            where = f"the last layer of stage {stage}"
+            return tuple(t for output in out for t in _as_tensors(output, where))
         return _as_tensors(out, f"the last layer of stage {stage}")
+
+    def _passes_of(self, idx: Tensor) -> int:
+        """How many times the step function runs the layer sequence (once, mostly; twice where the step calls the
+        model on two views of its batch), counted on micro-batch ``idx`` once per step function
+        (:func:`count_passes`)."""
+        passes = self._passes.get(self.fn_name)
+        if passes is None:
+            micro_batch = self._micro_batch(idx)
+            with self.capture.capturing(self.module, weight=0.0, keep=False):
+                passes = count_passes(lambda: self._call(micro_batch), self.module, self.device)
+            self._passes[self.fn_name] = passes
+        return passes
+
+    def _kept_between(self, passes: int) -> contextlib.AbstractContextManager:
+        """Around a stage's replay of a step with several passes, but the last stage's: the step's code between the
+        passes runs there on stand-ins, whose metric updates and collected outputs are not kept."""
+        if passes == 1:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(metrics_kept(self.module))
+        stack.enter_context(lists_kept(self.module))
+        return stack
 
     def _rows(self, chunk: int) -> Tensor:
         """Micro-batch ``chunk``'s rows of the local batch."""
@@ -329,15 +365,16 @@ class StepRunner:
             # a dense zero gradient: torch derives the backward buffers' strides from it
             parts = [(a.float() * torch.zeros(a.shape, device=a.device)).sum() for a in acts if a.requires_grad]
             return torch.stack(parts).sum() if parts else torch.zeros((), device=idx.device)
+        micro_batch = self._micro_batch(idx)
         run = StageRun(
             self.last_stage,
             first_stage=self.last_stage == 0,
             incoming=acts or None,
             exit_after=False,
             device=self.device,
+            passes=self._passes_of(idx),
         )
         microbatch, self._losses_computed = self._losses_computed, self._losses_computed + 1
-        micro_batch = self._micro_batch(idx)
         self._check_arguments(self.last_stage, micro_batch)
         # the last stage's layers run here (its forward_one_chunk only passes activations on)
         timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
@@ -357,6 +394,12 @@ class StepRunner:
             raise ModelContractError(
                 f"`{self.fn_name}` on the last pipeline stage never ran the layer sequence; it must compute its "
                 f"result from `self(x)`."
+            )
+        if run.passes > 1 and len(run.outputs) != run.passes:
+            raise ModelContractError(
+                f"`{self.fn_name}` ran the layer sequence {len(run.outputs)} time(s), and {run.passes} times at its "
+                f"first step. The stages of a pipeline send every pass's activations at once, so each step must call "
+                f"the layers the same number of times."
             )
         return self._consume(result, idx, first_record)
 
