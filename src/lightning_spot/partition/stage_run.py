@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import sys
 import types
 import weakref
@@ -35,12 +34,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
-from lightning_spot._metric_states import metrics_kept
-from lightning_spot._module_lists import lists_kept
 from lightning_spot._seeded import draw_key, reseed
 from lightning_spot.partition.discovery import ModelContractError
-
-log = logging.getLogger(__name__)
 
 
 class StageExit(BaseException):
@@ -101,11 +96,15 @@ class StageRun:
     passes: int = 1
     passes_begun: int = 0
     outputs: list[Any] = field(default_factory=list)
-    #: only count the passes (:func:`count_passes`): every layer passes on a constant (``pass_fill``), and modules
-    #: of other stages stand in wherever they run; the layer counted (the first one called)
+    #: only count the passes (``step_checks.count_passes``): every layer passes on a constant (``pass_fill``), and
+    #: modules of other stages stand in wherever they run; the layer counted (the first one called)
     counting: bool = False
     counted_layer: str = ""
     pass_fill: float = 0.0
+    #: (``step_checks.stand_ins_used``) the value each module's stand-in holds, by name (others: ``stand_in``), and
+    #: the modules that stood in
+    stand_in_for: dict[str, float] | None = None
+    stood_in: list[str] | None = None
 
 
 _ACTIVE: list[StageRun] = []
@@ -196,7 +195,7 @@ def hidden_argument(args: tuple, kwargs: dict[str, Any], activation: str | None)
 
 def _note_passed(value: Any, fqn: str) -> Any:
     """A layer of another stage passes ``value`` through: note it when probing (see :func:`check_unchanged_between`);
-    when counting passes (:func:`count_passes`), note the first layer's input and pass on ``stand_in``s instead."""
+    when counting passes (``step_checks.count_passes``), note the first layer's input and pass on a constant."""
     if not _ACTIVE:
         return value
     run = _ACTIVE[-1]
@@ -217,55 +216,6 @@ def _copied(t: Any) -> Any:
 
 def _filled(t: Any, value: float) -> Any:
     return torch.full_like(t, value) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-
-def count_passes(step: Any, module: nn.Module, device: torch.device | None) -> int:
-    """How many times ``step()`` (a replay of ``module``'s step on a micro-batch) runs the layer sequence, found by
-    a run with every layer passing on a constant and stand-ins for other stages' modules, without gradients, and
-    with the process's random draws, logged values, metrics and collected outputs left as they were; 1 where the
-    step cannot run so (it then runs as one pass). With several passes, a second run with another constant shows
-    whether a pass's input depends on an earlier pass's output (the sequence applied again to what it returned),
-    which a pipeline cannot do: its stages run all passes of a micro-batch at once."""
-    first = _counting_run(step, module, device, 0.0)
-    if first is None or len(first) < 2:
-        return 1
-    second = _counting_run(step, module, device, 1.0)
-    if second is None or len(second) != len(first):
-        return 1
-    for index, (a, b) in enumerate(zip(first, second)):
-        if not (a is b or _same_values(a, b)):
-            raise ModelContractError(
-                f"Pass {index + 1} of the step through the layer sequence takes an input computed from what an "
-                f"earlier pass returned (the layers applied again to their own output). A pipeline cannot run that: "
-                f"each stage runs all of a micro-batch's passes at once and sends them on together. Passes on "
-                f"inputs of their own (two views of a batch, chosen and rejected answers) work; for repeated layers, "
-                f"let the sequence hold them twice (`nn.Sequential(*layers, *layers)` shares their weights)."
-            )
-    return len(first)
-
-
-def _counting_run(step: Any, module: nn.Module, device: torch.device | None, fill: float) -> list[Any] | None:
-    """The inputs of the layer sequence's first layer in each pass of one counting run (None: the step failed)."""
-    run = StageRun(-1, first_stage=False, incoming=None, exit_after=False, device=device, counting=True, pass_fill=fill)
-    trainer = getattr(module, "_trainer", None)
-    stop = getattr(trainer, "should_stop", False)
-    devices = [device] if device is not None and device.type == "cuda" else []
-    try:
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.no_grad(),
-            running(run),
-            metrics_kept(module),
-            lists_kept(module),
-        ):
-            step()
-    except Exception as err:  # (e.g. code that reads values the stand-ins cannot give)
-        log.info("lightning-spot: the step runs as one pass; it could not run to count its passes (%r)", err)
-        return None
-    finally:
-        if trainer is not None:
-            trainer.should_stop = stop
-    return run.outputs
 
 
 def _same_values(a: Any, b: Any) -> bool:
@@ -513,6 +463,9 @@ class RemoteModule(nn.Module):
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
         if run is not None:
             device, value = run.device, run.stand_in
+            if run.stood_in is not None:
+                run.stood_in.append(self.fqn)
+                value = (run.stand_in_for or {}).get(self.fqn, value)
         else:  # (outside a step: meta tensors, or zeros where the input is for a forward that reads shapes only)
             device, value = _device_of((args, kwargs)) if _SHAPES_ONLY else None, 0.0
         if device is None:

@@ -39,10 +39,10 @@ from lightning_spot.partition.stage_run import (
     StageRun,
     ambient_state,
     check_reproducible,
-    count_passes,
     incoming_value,
     running,
 )
+from lightning_spot.partition.step_checks import count_passes, refuse_stand_ins_used, stand_ins_used
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.item_counts import LOSS_REDUCTION, NUM_ITEMS, ItemCounts, either
 from lightning_spot.runtime.logging_bridge import LogCapture
@@ -178,6 +178,8 @@ class StepRunner:
         self._chains: dict[tuple[int, str], list[nn.Module] | None] = {}
         #: how many times each step function runs the layer sequence (counted at its first step; see _passes_of)
         self._passes: dict[str, int] = {}
+        #: (the last stage) the step functions whose result was shown not to depend on stand-ins (_check_result)
+        self._results_checked: set[str] = set()
 
     @property
     def divides_losses(self) -> bool:
@@ -328,9 +330,11 @@ class StepRunner:
         (:func:`count_passes`)."""
         passes = self._passes.get(self.fn_name)
         if passes is None:
-            micro_batch = self._micro_batch(idx)
-            with self.capture.capturing(self.module, weight=0.0, keep=False):
-                passes = count_passes(lambda: self._call(micro_batch), self.module, self.device)
+            passes = 1  # (one stage runs the step as it is: nothing to count)
+            if self.last_stage > 0:
+                micro_batch = self._micro_batch(idx)
+                with self.capture.capturing(self.module, weight=0.0, keep=False):
+                    passes = count_passes(lambda: self._call(micro_batch), self.module, self.device)
             self._passes[self.fn_name] = passes
         return passes
 
@@ -376,6 +380,7 @@ class StepRunner:
         )
         microbatch, self._losses_computed = self._losses_computed, self._losses_computed + 1
         self._check_arguments(self.last_stage, micro_batch)
+        self._check_result(micro_batch, acts, run.passes)
         # the last stage's layers run here (its forward_one_chunk only passes activations on)
         timed = self.clock.compute("forward", microbatch=microbatch, stage=self.last_stage, part="layers and loss")
         first_record = len(self.capture.records)
@@ -428,6 +433,28 @@ class StepRunner:
         if first is not None and second is not None:
             check_reproducible(first.layer, first.arguments, second.arguments)
         self._checked.add(key)
+
+    def _check_result(self, micro_batch: Any, acts: tuple[Tensor, ...], passes: int) -> None:
+        """Once per step function, on the last stage of a pipeline: the step's result does not depend on what the
+        stand-ins for modules of earlier stages hold (``partition.step_checks.stand_ins_used``)."""
+        if self.last_stage == 0 or self.fn_name in self._results_checked:
+            return
+        self._results_checked.add(self.fn_name)
+        incoming = tuple(a.detach() for a in acts) or None
+
+        def last_stage_run() -> StageRun:
+            return StageRun(
+                self.last_stage,
+                first_stage=False,
+                incoming=incoming,
+                exit_after=False,
+                device=self.device,
+                passes=passes,
+            )
+
+        with self.capture.capturing(self.module, weight=0.0, keep=False):
+            used = stand_ins_used(lambda: self._call(micro_batch), last_stage_run, self.module, self.device)
+        refuse_stand_ins_used(used, self.last_stage)
 
     def _layer_arguments(self, stage: int, micro_batch: Any, fill: float) -> StageProbe | None:
         """What the first layer of ``stage`` is called with when modules of other stages stand in with ``fill``."""

@@ -1,0 +1,138 @@
+"""Runs of the user's step, once per step function, that show what a pipeline can replay of it.
+
+    passes = count_passes(step, module, device)               # how often the step runs the layer sequence
+    used = stand_ins_used(step, last_stage_run, module, device)  # modules of earlier stages the result depends on
+
+``step()`` replays the step on one micro-batch. Each run is quiet: no gradients, the module in eval mode (no
+dropout, no running statistics updated), and the process's random draws, the module's metrics and collected lists
+and ``trainer.should_stop`` as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_spot._metric_states import metrics_kept
+from lightning_spot._module_lists import lists_kept
+from lightning_spot.partition.discovery import ModelContractError
+from lightning_spot.partition.stage_run import StageRun, running
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def quiet_run(module: nn.Module, device: torch.device | None) -> Iterator[None]:
+    """Around an extra run of the step: nothing of it stays (see the module docstring); the draws start from one
+    seed, so that two runs draw alike."""
+    trainer = getattr(module, "_trainer", None)
+    stop = getattr(trainer, "should_stop", False)
+    training = module.training
+    devices = [device] if device is not None and device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), metrics_kept(module), lists_kept(module):
+            module.eval()
+            torch.manual_seed(0)
+            yield
+    finally:
+        module.train(training)
+        if trainer is not None:
+            trainer.should_stop = stop
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Equal tensors (NaNs where the other has NaNs count as equal)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point() and not bool(((x == y) | (x.isnan() & y.isnan())).all()):
+            return False
+        if not x.is_floating_point() and not torch.equal(x, y):
+            return False
+    return True
+
+
+def _quietly(step: Callable[[], Any], run: StageRun, module: nn.Module, device: torch.device | None) -> Any:
+    with quiet_run(module, device), running(run):
+        return step()
+
+
+def count_passes(step: Callable[[], Any], module: nn.Module, device: torch.device | None) -> int:
+    """How many times ``step()`` runs the layer sequence, found by a run in which every layer passes on a constant
+    and modules of other stages stand in; 1 where the step cannot run so (it then runs as one pass). With several
+    passes, a second run with another constant shows whether a pass's input depends on an earlier pass's output (the
+    sequence applied again to what it returned), which a pipeline cannot do: its stages run all passes of a
+    micro-batch at once."""
+    inputs = []
+    for fill in (0.0, 1.0):
+        run = StageRun(-1, first_stage=False, incoming=None, exit_after=False, device=device, counting=True)
+        run.pass_fill = fill
+        try:
+            _quietly(step, run, module, device)
+        except Exception as err:  # (e.g. code that reads values the stand-ins cannot give)
+            log.info("lightning-spot: the step runs as one pass; it could not run to count its passes (%r)", err)
+            return 1
+        inputs.append(run.outputs)  # (the first layer's input in each pass)
+        if len(run.outputs) < 2:
+            return 1
+    if len(inputs[0]) != len(inputs[1]):
+        return 1
+    for index, (a, b) in enumerate(zip(*inputs)):
+        if not _same(_tensors(a), _tensors(b)):
+            raise ModelContractError(
+                f"Pass {index + 1} of the step through the layer sequence takes an input computed from what an "
+                f"earlier pass returned (the layers applied again to their own output). A pipeline cannot run that: "
+                f"each stage runs all of a micro-batch's passes at once and sends them on together. Passes on "
+                f"inputs of their own (two views of a batch, chosen and rejected answers) work; for repeated layers, "
+                f"let the sequence hold them twice (`nn.Sequential(*layers, *layers)` shares their weights)."
+            )
+    return len(inputs[0])
+
+
+def stand_ins_used(
+    step: Callable[[], Any], last_stage_run: Callable[[], StageRun], module: nn.Module, device: torch.device | None
+) -> list[str]:
+    """(The last stage) the modules of earlier stages whose stand-ins the step's result depends on: the step uses,
+    after the layers, what such a module computed (a teacher run before the student, an embedding's output added
+    around the whole sequence), which only the hidden state could have carried to the last stage. Found by runs
+    whose stand-ins hold 0 and 1 (one module's at a time, where they differ); empty where the step cannot run so."""
+
+    def result(fill: float, only: str | None = None) -> tuple[list[torch.Tensor], list[str]]:
+        run = last_stage_run()
+        run.stand_in, run.stood_in = (0.0, []) if only is not None else (fill, [])
+        run.stand_in_for = {only: fill} if only is not None else None
+        return _tensors(_quietly(step, run, module, device)), run.stood_in
+
+    try:
+        base, stood_in = result(0.0)
+        if not stood_in or _same(base, result(1.0)[0]):
+            return []
+        return [fqn for fqn in dict.fromkeys(stood_in) if not _same(base, result(1.0, only=fqn)[0])] or stood_in
+    except Exception as err:  # (the step's own run names what fails in it)
+        log.info("lightning-spot: could not check what the step's result depends on (%r)", err)
+        return []
+
+
+def refuse_stand_ins_used(used: list[str], stage: int) -> None:
+    if used:
+        names = ", ".join(f"`{fqn}`" for fqn in used)
+        raise ModelContractError(
+            f"The step uses, after the layer sequence, what {names} computed on an earlier pipeline stage: only the "
+            f"hidden state travels between stages, so the last stage (stage {stage}) has a stand-in there and "
+            f"training would differ from one process. A teacher or reference model run before the model's forward: "
+            f"run it after `self(x)`, which places it on the last stage. A value used around the layers (an "
+            f"embedding's output added after them, a skip connection over the whole sequence): carry it through the "
+            f"layers, or compute it on the last stage."
+        )

@@ -1,0 +1,77 @@
+"""The last stage refuses a step whose result depends on what a module of an earlier stage computed (it only has a
+stand-in for it there): a teacher run before the student, an embedding's output added around the whole sequence
+(partition/step_checks.py). Before, such steps trained silently on constants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_spot import ModelContractError, discover, plan_stages
+from lightning_spot.partition.placement import place_stages
+from lightning_spot.partition.run_order import place_by_run
+from lightning_spot.runtime.logging_bridge import LogCapture
+from lightning_spot.runtime.step_runner import StepRunner
+from tests.models import HIDDEN, IN, OUT, TinyPipelineModel, make_dataset
+
+
+class _Distilled(TinyPipelineModel):
+    """``uses``: "teacher-before" (a frozen teacher run before the model's forward, its output in the loss),
+    "teacher-after" (the same teacher run after it), "skip" (the embedding's output added after the layers)."""
+
+    def __init__(self, uses: str) -> None:
+        super().__init__()
+        self.uses = uses
+        self.teacher = nn.Linear(IN, OUT).requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.uses == "skip":
+            h = torch.relu(self.embed(x))
+            return F.mse_loss(self.head(self.layers(h) + h), y)
+        if self.uses == "teacher-before":
+            target = self.teacher(x)
+            out = self(x)
+        else:
+            out = self(x)
+            target = self.teacher(x)
+        return F.mse_loss(out, y) + F.mse_loss(out, target)
+
+
+BATCH = make_dataset(8)[:]
+
+
+def _last_stage_loss(module: nn.Module) -> torch.Tensor:
+    split = place_by_run(module, discover(module), BATCH)
+    place_stages(module, split, plan_stages(split.num_layers, 2), pp_rank=1, device=torch.device("cpu"))
+    runner = StepRunner(module, num_stages=2, capture=LogCapture(), device=torch.device("cpu"))
+    with runner.bind("training_step", "train", BATCH, (0,), {}):
+        received = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        return runner.loss_fn((received, torch.arange(8)), torch.arange(8))
+
+
+@pytest.mark.parametrize(("uses", "named"), [("teacher-before", "`teacher`"), ("skip", "`embed`")])
+def test_a_result_from_an_earlier_stage_s_module_is_refused_by_name(uses: str, named: str) -> None:
+    with pytest.raises(ModelContractError) as err:
+        _last_stage_loss(_Distilled(uses))
+    assert f"uses, after the layer sequence, what {named} computed on an earlier pipeline stage" in str(err.value)
+    assert ("run it after `self(x)`" if uses.startswith("teacher") else "carry it through the layers") in str(err.value)
+
+
+def test_a_teacher_run_after_the_forward_goes_last_and_is_used_as_it_is() -> None:
+    module = _Distilled("teacher-after")
+    loss = _last_stage_loss(module)
+    assert loss.requires_grad and torch.isfinite(loss)
+    assert type(module.teacher) is nn.Linear, "the last stage holds the real teacher"
+
+
+def test_checking_keeps_the_module_in_training_mode_and_its_random_state() -> None:
+    module = _Distilled("teacher-after")
+    state = torch.random.get_rng_state()
+    _last_stage_loss(module)
+    assert module.training and all(m.training for m in module.modules())
+    assert torch.equal(torch.random.get_rng_state(), state)
