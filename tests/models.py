@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelSummary
@@ -98,10 +100,6 @@ class RandomCrops(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        import random
-
-        import numpy as np
-
         start = int(torch.randint(0, len(self.series) - 1, ()))
         x = self.series[start] * random.uniform(0.5, 1.5) + float(np.random.normal(0.0, 0.1))
         return x, torch.tanh(x @ self.w)
@@ -172,6 +170,27 @@ class NoisyStepModel(TinyPipelineModel):
         if self.trainer.training:
             x, y = batch
             return x + 0.1 * torch.randn_like(x), y
+        return batch
+
+
+class PythonDrawsModel(TinyPipelineModel):
+    """Draws with Python's ``random`` and NumPy where older and ported code does: its step scales the input by a
+    factor from ``random`` and learns to recover NumPy noise added to it (the target after the forward), and
+    ``on_after_batch_transfer`` flips the sign of the input with ``random``'s coin (training only). A stage that
+    drew otherwise than the last stage would train on noise the model never saw."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        noise = torch.from_numpy(np.random.standard_normal((x.shape[0], OUT))).float()
+        scale = random.uniform(0.5, 1.5)
+        loss = F.mse_loss(self(x * scale + noise.repeat(1, IN // OUT) * 0.5), noise)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer.training and random.random() < 0.5:
+            x, y = batch
+            return -x, y
         return batch
 
 

@@ -4,8 +4,8 @@
     used = stand_ins_used(step, last_stage_run, module, device)  # modules of earlier stages the result depends on
 
 ``step()`` replays the step on one micro-batch. Each run is quiet: no gradients, the module in eval mode (no
-dropout, no running statistics updated), and the process's random draws, the module's metrics and collected lists
-and ``trainer.should_stop`` as they were.
+dropout, no running statistics updated), and the process's random generators (torch's, Python's, NumPy's), the
+module's metrics and collected lists and ``trainer.should_stop`` as they were.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_spot._metric_states import metrics_kept
 from lightning_spot._module_lists import lists_kept
+from lightning_spot._seeded import seeded_draws
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.stage_run import StageRun, running
 
@@ -34,11 +35,9 @@ def quiet_run(module: nn.Module, device: torch.device | None) -> Iterator[None]:
     trainer = getattr(module, "_trainer", None)
     stop = getattr(trainer, "should_stop", False)
     training = module.training
-    devices = [device] if device is not None and device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), metrics_kept(module), lists_kept(module):
+        with seeded_draws(0, python=True, device=device), torch.no_grad(), metrics_kept(module), lists_kept(module):
             module.eval()
-            torch.manual_seed(0)
             yield
     finally:
         module.train(training)
@@ -50,18 +49,33 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    """Equal tensors (NaNs where the other has NaNs count as equal)."""
+def _differences(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float] | None:
+    """The largest difference between each pair of tensors (inf where NaNs do not match); None where the two
+    results have different structures."""
     if len(a) != len(b):
-        return False
+        return None
+    out = []
     for x, y in zip(a, b):
         if x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        if x.is_floating_point() and not bool(((x == y) | (x.isnan() & y.isnan())).all()):
-            return False
-        if not x.is_floating_point() and not torch.equal(x, y):
-            return False
-    return True
+            return None
+        if not x.is_floating_point():
+            out.append(0.0 if torch.equal(x, y) else float("inf"))
+            continue
+        x, y = x.float(), y.float()
+        same = (x == y) | (x.isnan() & y.isnan())
+        gap = torch.where(same, torch.zeros_like(x), (x - y).abs().nan_to_num(nan=float("inf")))
+        out.append(float(gap.max()) if gap.numel() else 0.0)
+    return out
+
+
+def _changed(base: list[torch.Tensor], other: list[torch.Tensor], again: list[torch.Tensor]) -> bool:
+    """Whether ``other`` differs from ``base`` by more than ``again``, a run of the same step, does (none on the CPU;
+    non-deterministic kernels on a GPU can make it more)."""
+    noise = _differences(base, again)
+    if noise is None:  # (the step's result changes from run to run: nothing to tell)
+        return False
+    gaps = _differences(base, other)
+    return gaps is None or any(gap > 10 * tolerated for gap, tolerated in zip(gaps, noise))
 
 
 def _quietly(step: Callable[[], Any], run: StageRun, module: nn.Module, device: torch.device | None) -> Any:
@@ -74,9 +88,9 @@ def count_passes(step: Callable[[], Any], module: nn.Module, device: torch.devic
     and modules of other stages stand in; 1 where the step cannot run so (it then runs as one pass). With several
     passes, a second run with another constant shows whether a pass's input depends on an earlier pass's output (the
     sequence applied again to what it returned), which a pipeline cannot do: its stages run all passes of a
-    micro-batch at once."""
+    micro-batch at once (a third run, with the first constant again, shows how much runs differ anyway)."""
     inputs = []
-    for fill in (0.0, 1.0):
+    for fill in (0.0, 1.0, 0.0):  # (the last: how much a run of the same step differs)
         run = StageRun(-1, first_stage=False, incoming=None, exit_after=False, device=device, counting=True)
         run.pass_fill = fill
         try:
@@ -85,12 +99,10 @@ def count_passes(step: Callable[[], Any], module: nn.Module, device: torch.devic
             log.info("lightning-spot: the step runs as one pass; it could not run to count its passes (%r)", err)
             return 1
         inputs.append(run.outputs)  # (the first layer's input in each pass)
-        if len(run.outputs) < 2:
+        if len(run.outputs) < 2 or len(run.outputs) != len(inputs[0]):
             return 1
-    if len(inputs[0]) != len(inputs[1]):
-        return 1
-    for index, (a, b) in enumerate(zip(*inputs)):
-        if not _same(_tensors(a), _tensors(b)):
+    for index, (base, other, again) in enumerate(zip(*inputs)):
+        if _changed(_tensors(base), _tensors(other), _tensors(again)):
             raise ModelContractError(
                 f"Pass {index + 1} of the step through the layer sequence takes an input computed from what an "
                 f"earlier pass returned (the layers applied again to their own output). A pipeline cannot run that: "
@@ -107,7 +119,8 @@ def stand_ins_used(
     """(The last stage) the modules of earlier stages whose stand-ins the step's result depends on: the step uses,
     after the layers, what such a module computed (a teacher run before the student, an embedding's output added
     around the whole sequence), which only the hidden state could have carried to the last stage. Found by runs
-    whose stand-ins hold 0 and 1 (one module's at a time, where they differ); empty where the step cannot run so."""
+    whose stand-ins hold 0 and 1 (one module's at a time, where they differ), compared with a second run at 0 (a GPU's
+    non-deterministic kernels may differ a little between runs); empty where the step cannot run so."""
 
     def result(fill: float, only: str | None = None) -> tuple[list[torch.Tensor], list[str]]:
         run = last_stage_run()
@@ -117,9 +130,13 @@ def stand_ins_used(
 
     try:
         base, stood_in = result(0.0)
-        if not stood_in or _same(base, result(1.0)[0]):
+        if not stood_in:
             return []
-        return [fqn for fqn in dict.fromkeys(stood_in) if not _same(base, result(1.0, only=fqn)[0])] or stood_in
+        again = result(0.0)[0]  # (how much a run of the same step differs: nothing on the CPU)
+        if not _changed(base, result(1.0)[0], again):
+            return []
+        used = [fqn for fqn in dict.fromkeys(stood_in) if _changed(base, result(1.0, only=fqn)[0], again)]
+        return used or stood_in
     except Exception as err:  # (the step's own run names what fails in it)
         log.info("lightning-spot: could not check what the step's result depends on (%r)", err)
         return []
