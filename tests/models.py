@@ -173,6 +173,25 @@ class NoisyStepModel(TinyPipelineModel):
         return batch
 
 
+class DistilledModel(TinyPipelineModel):
+    """Knowledge distillation as it is often written: a frozen teacher runs on the batch first, then the model, and
+    the loss pulls the model's output towards the labels and the teacher's. Only the loss (after the layers) uses
+    the teacher's output, so it belongs with the last stage although the step runs it first."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.teacher = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT)).requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            target = self.teacher(x)
+        out = self(x)
+        loss = F.mse_loss(out, y) + 0.5 * F.mse_loss(out, target)
+        self.log("train_loss", loss)
+        return loss
+
+
 class PythonDrawsModel(TinyPipelineModel):
     """Draws with Python's ``random`` and NumPy where older and ported code does: its step scales the input by a
     factor from ``random`` and learns to recover NumPy noise added to it (the target after the forward), and

@@ -64,12 +64,33 @@ def _last_stage_loss(module: nn.Module) -> torch.Tensor:
         return runner.loss_fn((received, torch.arange(8)), torch.arange(8))
 
 
-@pytest.mark.parametrize(("uses", "named"), [("teacher-before", "`teacher`"), ("skip", "`embed`")])
-def test_a_result_from_an_earlier_stage_s_module_is_refused_by_name(uses: str, named: str) -> None:
+def test_a_value_used_around_the_layers_is_refused_by_name() -> None:
+    """The embedding feeds the layers (first stage) and its output is added after them too: the last stage has
+    only a stand-in for it."""
     with pytest.raises(ModelContractError) as err:
-        _last_stage_loss(_Distilled(uses))
-    assert f"uses, after the layer sequence, what {named} computed on an earlier pipeline stage" in str(err.value)
-    assert ("run it after `self(x)`" if uses.startswith("teacher") else "carry it through the layers") in str(err.value)
+        _last_stage_loss(_Distilled("skip"))
+    assert "uses, after the layer sequence, what `embed` computed on an earlier pipeline stage" in str(err.value)
+    assert "carry it through the layers" in str(err.value)
+
+
+def test_a_teacher_run_before_the_forward_goes_last_and_stands_in_on_the_first_stage() -> None:
+    """Placement sees that the teacher's output does not reach the layers (only the loss uses it): it goes to the
+    last stage, and the first stage's step runs it as a stand-in before its layers."""
+    module = _Distilled("teacher-before")
+    placed = place_by_run(module, discover(module), BATCH)
+    assert "teacher" in placed.last_modules and placed.stand_in_before == ("teacher",)
+    assert (
+        "embed" in placed.first_modules
+        and not place_by_run(_Distilled("skip"), discover(module), BATCH).stand_in_before
+    )
+    first = _Distilled("teacher-before")
+    place_stages(first, placed, plan_stages(placed.num_layers, 2), pp_rank=0, device=torch.device("cpu"))
+    runner = StepRunner(first, num_stages=2, capture=LogCapture(), device=torch.device("cpu"))
+    with runner.bind("training_step", "train", BATCH, (0,), {}):
+        (out,) = runner.stage_forward(0, (torch.arange(8),))
+    assert out.shape == (8, HIDDEN)
+    loss = _last_stage_loss(module)
+    assert loss.requires_grad and type(module.teacher) is nn.Linear
 
 
 @pytest.mark.parametrize("uses", ["teacher-after", "draws", "clock"])
@@ -88,3 +109,30 @@ def test_checking_keeps_the_module_in_training_mode_and_its_random_state() -> No
     _last_stage_loss(module)
     assert module.training and all(m.training for m in module.modules())
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class _Codes(nn.Linear):
+    """Returns token ids (a quantiser, say): an output that constants cannot stand in for so simply."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x).argmax(-1)
+
+
+class _Quantized(TinyPipelineModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.codes = _Codes(IN, 4)
+        self.embed_codes = nn.Embedding(4, HIDDEN)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.embed_codes(self.codes(x)) + self.embed(x)
+        return F.mse_loss(self.head(self.layers(h)), y)
+
+
+def test_a_module_whose_ids_feed_the_layers_stays_first() -> None:
+    """A module that returns ids feeds the layers through an embedding: it stays on the first stage (had it gone to
+    the last, the first stage would have embedded a stand-in's zeros)."""
+    module = _Quantized()
+    placed = place_by_run(module, discover(module), BATCH)
+    assert "codes" in placed.first_modules and not placed.stand_in_before

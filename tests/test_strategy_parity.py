@@ -61,6 +61,13 @@ WORLD_4 = [
         val_loader={"batch_size": 12, "n": 36},
         trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
     ),
+    # a frozen teacher run before the model's forward, its output used by the loss only: placed on the last stage
+    # (it stands in on the first); before, the last stage computed the loss with a constant stand-in for it
+    scenario(
+        "P2D2-distillation-teacher-run-first",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "DistilledModel", "optimizer": "sgd"},
+    ),
     scenario(
         "P2D2-GPipe-sgd",
         strategy={"pipeline_stages": 2, "microbatches": 2, "schedule": "gpipe"},

@@ -44,6 +44,9 @@ class ModelSplit:
     replicated_modules: tuple[str, ...] = ()
     #: parameters registered directly on the LightningModule or an ancestor of the sequence
     first_direct_params: tuple[str, ...] = field(default=())
+    #: last-stage modules that the step runs before the layers without feeding them (a teacher whose output only the
+    #: loss uses): they stand in on the earlier stages, before the layers too
+    stand_in_before: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:

@@ -220,7 +220,8 @@ def place_stages(
             if stage in placed:
                 placed[stage].modules.append(_child(parent, leaf))
             else:
-                parent._modules[leaf] = RemoteModule(fqn, _child(parent, leaf), owner)
+                anywhere = fqn in split.stand_in_before
+                parent._modules[leaf] = RemoteModule(fqn, _child(parent, leaf), owner, anywhere=anywhere)
 
     for fqn in split.first_direct_params:
         parent, leaf = _resolve(module, fqn)

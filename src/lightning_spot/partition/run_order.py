@@ -23,12 +23,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_spot._metric_states import metrics_kept
 from lightning_spot._module_lists import lists_kept
+from lightning_spot._seeded import seeded_draws
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter
+from lightning_spot.partition.step_checks import changed_beyond_noise, tensors_of
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +61,36 @@ def run_step_quietly(module: nn.Module, batch: Any, step: str = "training_step")
         return fn(batch, 0) if takes_index else fn(batch)
 
 
+@contextlib.contextmanager
+def _layers_passing(module: nn.Module, split: ModelSplit) -> Iterator[list[nn.Module]]:
+    """Every layer of the sequence passes its input through (a :class:`SkippedLayer`) in the block; yields them."""
+    seq = module.get_submodule(split.layers_path)
+    originals = dict(seq._modules)
+    try:
+        for index, name in enumerate(split.layer_names):
+            layer = originals[name]
+            assert layer is not None
+            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(type(layer).forward))
+        yield [seq._modules[name] for name in split.layer_names]  # type: ignore[misc]
+    finally:
+        seq._modules.update(originals)
+
+
+def _quiet_step(module: nn.Module, batch: Any) -> None:
+    training = module.training
+    module.eval()  # no running statistics updated, no dropout
+    try:
+        with torch.no_grad(), seeded_draws(0, python=True):
+            run_step_quietly(module, batch)
+    finally:
+        module.train(training)
+
+
 def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, set[str]]:
     """Where each module beside the sequence ran in one training step whose layers pass their input through:
     a set of ``"before"`` (the first layer), ``"inside"``, ``"after"`` (the last layer) per module that ran. In a step
     that runs the sequence several times (two views of a batch), what runs before the first pass is before, what
     runs after the last pass is after, and what runs only between passes is neither."""
-    seq = module.get_submodule(split.layers_path)
-    originals = dict(seq._modules)
     passes = [0, 0]  # (begun, finished)
     calls: list[tuple[str, int, int]] = []
     handles = []
@@ -76,29 +102,19 @@ def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, 
         passes[1] += 1
 
     try:
-        for index, name in enumerate(split.layer_names):
-            layer = originals[name]
-            assert layer is not None
-            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(type(layer).forward))
-        handles.append(seq._modules[split.layer_names[0]].register_forward_pre_hook(enter))  # type: ignore[union-attr]
-        handles.append(seq._modules[split.layer_names[-1]].register_forward_hook(leave))  # type: ignore[union-attr]
-        for fqn in (*split.first_modules, *split.last_modules):
-            handles.append(
-                module.get_submodule(fqn).register_forward_pre_hook(
-                    lambda _m, _a, fqn=fqn: calls.append((fqn, *passes))
+        with _layers_passing(module, split) as layers:
+            handles.append(layers[0].register_forward_pre_hook(enter))
+            handles.append(layers[-1].register_forward_hook(leave))
+            for fqn in (*split.first_modules, *split.last_modules):
+                handles.append(
+                    module.get_submodule(fqn).register_forward_pre_hook(
+                        lambda _m, _a, fqn=fqn: calls.append((fqn, *passes))
+                    )
                 )
-            )
-        training = module.training
-        module.eval()  # no running statistics updated, no dropout
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                run_step_quietly(module, batch)
-        finally:
-            module.train(training)
+            _quiet_step(module, batch)
     finally:
         for handle in handles:
             handle.remove()
-        seq._modules.update(originals)
     ran: dict[str, set[str]] = {}
     for fqn, begun, finished in calls:
         if begun > finished:
@@ -108,6 +124,43 @@ def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, 
         elif finished == passes[1]:
             ran.setdefault(fqn, set()).add("after")
     return ran
+
+
+def feeds_layers(module: nn.Module, split: ModelSplit, batch: Any, fqn: str) -> bool:
+    """Whether what module ``fqn`` returns reaches the layer sequence's first layer: its inputs in any pass change
+    when the module's output is replaced by zeros or ones (compared with runs where it is not, which also show how
+    much two runs differ anyway). A module the step runs before the layers without feeding them (a teacher whose
+    output only the loss uses) does not. Outputs other than floating-point tensors (token ids, say) count as
+    feeding: constants of them are not told apart so simply."""
+    seen: list[Any] = []
+    floats = [True]
+
+    def constant(fill: float) -> Any:
+        def hook(_m: nn.Module, _a: Any, out: Any) -> Any:
+            leaves = tree_leaves(out)
+            floats[0] &= bool(leaves) and all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves)
+            return tree_map(lambda t: torch.full_like(t, fill) if isinstance(t, torch.Tensor) else t, out)
+
+        return hook
+
+    runs = []
+    target = module.get_submodule(fqn)
+    with _layers_passing(module, split) as layers:
+        watch = layers[0].register_forward_pre_hook(lambda _m, a, k: seen.append((a, k)), with_kwargs=True)
+        try:
+            for fill in (None, 0.0, 1.0, None):  # (as it is, zeros, ones, and as it is again)
+                hook = target.register_forward_hook(constant(fill)) if fill is not None else None
+                try:
+                    seen.clear()
+                    _quiet_step(module, batch)
+                finally:
+                    if hook is not None:
+                        hook.remove()
+                runs.append(tensors_of(list(seen)))
+        finally:
+            watch.remove()
+    real, zeros, ones, again = runs
+    return not floats[0] or changed_beyond_noise(real, zeros, again) or changed_beyond_noise(real, ones, again)
 
 
 def place_by_run(module: nn.Module, split: ModelSplit, batch: Any, fixed: Sequence[str] = ()) -> ModelSplit:
@@ -126,9 +179,20 @@ def place_by_run(module: nn.Module, split: ModelSplit, batch: Any, fixed: Sequen
         log.info("lightning-spot: could not run the step to place the modules beside the layers (%s)", err)
         return split
     first, last = list(split.first_modules), list(split.last_modules)
+    stand_in_before = []
     for fqn in movable:
         side = ran.get(fqn)
-        if side == {"before"} and fqn in last:
+        if side == {"before"} and not _feeds(module, split, batch, fqn):
+            if fqn in first:
+                first.remove(fqn)
+                last.append(fqn)
+            stand_in_before.append(fqn)
+            log.info(
+                "lightning-spot: `%s` runs before the layer sequence, and only the code after it uses what it "
+                "returns: last stage",
+                fqn,
+            )
+        elif side == {"before"} and fqn in last:
             last.remove(fqn)
             first.append(fqn)
             log.info("lightning-spot: `%s` runs before the layer sequence: first stage", fqn)
@@ -136,4 +200,12 @@ def place_by_run(module: nn.Module, split: ModelSplit, batch: Any, fixed: Sequen
             first.remove(fqn)
             last.append(fqn)
             log.info("lightning-spot: `%s` runs after the layer sequence: last stage", fqn)
-    return replace(split, first_modules=tuple(first), last_modules=tuple(last))
+    return replace(split, first_modules=tuple(first), last_modules=tuple(last), stand_in_before=tuple(stand_in_before))
+
+
+def _feeds(module: nn.Module, split: ModelSplit, batch: Any, fqn: str) -> bool:
+    try:
+        return feeds_layers(module, split, batch, fqn)
+    except Exception as err:  # (where the step cannot run so, the module stays where it ran: the first stage)
+        log.info("lightning-spot: could not tell whether `%s` feeds the layer sequence (%r)", fqn, err)
+        return True

@@ -449,16 +449,19 @@ class RemoteModule(nn.Module):
     nothing to ``parameters()`` or ``state_dict()``.
     """
 
-    def __init__(self, fqn: str, original: nn.Module, owner: str) -> None:
+    def __init__(self, fqn: str, original: nn.Module, owner: str, anywhere: bool = False) -> None:
         super().__init__()
         self.fqn = fqn
         self.owner = owner
+        #: stands in wherever it runs (a module of the last stage whose output the layers do not take)
+        self.anywhere = anywhere
         meta = original.to("meta") if _all_meta(original) else meta_copy(original)
         object.__setattr__(self, "_meta_module", meta)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         run = active_run()
-        if run is not None and (run.first_stage or run.layers_started) and not run.counting and not between_passes(run):
+        misplaced = run is not None and (run.first_stage or run.layers_started) and not self.anywhere
+        if run is not None and misplaced and not run.counting and not between_passes(run):
             raise misplaced_module(self.fqn, self.owner, run)
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
         if run is not None:

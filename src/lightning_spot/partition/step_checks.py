@@ -45,7 +45,7 @@ def quiet_run(module: nn.Module, device: torch.device | None) -> Iterator[None]:
             trainer.should_stop = stop
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -68,7 +68,7 @@ def _differences(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float] | 
     return out
 
 
-def _changed(base: list[torch.Tensor], other: list[torch.Tensor], again: list[torch.Tensor]) -> bool:
+def changed_beyond_noise(base: list[torch.Tensor], other: list[torch.Tensor], again: list[torch.Tensor]) -> bool:
     """Whether ``other`` differs from ``base`` by more than ``again``, a run of the same step, does (none on the CPU;
     non-deterministic kernels on a GPU can make it more)."""
     noise = _differences(base, again)
@@ -102,7 +102,7 @@ def count_passes(step: Callable[[], Any], module: nn.Module, device: torch.devic
         if len(run.outputs) < 2 or len(run.outputs) != len(inputs[0]):
             return 1
     for index, (base, other, again) in enumerate(zip(*inputs)):
-        if _changed(_tensors(base), _tensors(other), _tensors(again)):
+        if changed_beyond_noise(tensors_of(base), tensors_of(other), tensors_of(again)):
             raise ModelContractError(
                 f"Pass {index + 1} of the step through the layer sequence takes an input computed from what an "
                 f"earlier pass returned (the layers applied again to their own output). A pipeline cannot run that: "
@@ -126,16 +126,16 @@ def stand_ins_used(
         run = last_stage_run()
         run.stand_in, run.stood_in = (0.0, []) if only is not None else (fill, [])
         run.stand_in_for = {only: fill} if only is not None else None
-        return _tensors(_quietly(step, run, module, device)), run.stood_in
+        return tensors_of(_quietly(step, run, module, device)), run.stood_in
 
     try:
         base, stood_in = result(0.0)
         if not stood_in:
             return []
         again = result(0.0)[0]  # (how much a run of the same step differs: nothing on the CPU)
-        if not _changed(base, result(1.0)[0], again):
+        if not changed_beyond_noise(base, result(1.0)[0], again):
             return []
-        used = [fqn for fqn in dict.fromkeys(stood_in) if _changed(base, result(1.0, only=fqn)[0], again)]
+        used = [fqn for fqn in dict.fromkeys(stood_in) if changed_beyond_noise(base, result(1.0, only=fqn)[0], again)]
         return used or stood_in
     except Exception as err:  # (the step's own run names what fails in it)
         log.info("lightning-spot: could not check what the step's result depends on (%r)", err)
