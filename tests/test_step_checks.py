@@ -103,11 +103,13 @@ def test_a_teacher_run_after_the_forward_goes_last_and_is_used_as_it_is(uses: st
     assert type(module.teacher) is nn.Linear, "the last stage holds the real teacher"
 
 
-def test_checking_keeps_the_module_in_training_mode_and_its_random_state() -> None:
+def test_checking_keeps_each_module_s_mode_and_the_random_state() -> None:
     module = _Distilled("teacher-after")
+    module.teacher.eval()  # (the user keeps the frozen teacher in eval mode)
     state = torch.random.get_rng_state()
     _last_stage_loss(module)
-    assert module.training and all(m.training for m in module.modules())
+    assert not module.teacher.training, "the teacher stays in eval mode"
+    assert all(m.training for name, m in module.named_modules() if not name.startswith("teacher"))
     assert torch.equal(torch.random.get_rng_state(), state)
 
 

@@ -310,8 +310,6 @@ WORLD_2 += [
         trainer={"max_steps": 8},
         reference="P1",
     ),
-    # noise drawn between two passes of the step through the model, the second pass's input and its target: drawn
-    # alike on both stages (the first stage needs it for the input, the last for the loss)
     # the same with Python's random and NumPy (the step's scale and noise, a coin in on_after_batch_transfer)
     scenario(
         "P2D1-python-and-numpy-draws-in-step-and-hook",
@@ -320,6 +318,8 @@ WORLD_2 += [
         trainer={"max_steps": 8},
         reference="P1",
     ),
+    # noise drawn between two passes of the step through the model, the second pass's input and its target: drawn
+    # alike on both stages (the first stage needs it for the input, the last for the loss)
     scenario(
         "P2D1-noise-drawn-between-two-passes",
         strategy={"pipeline_stages": 2, "microbatches": 2},

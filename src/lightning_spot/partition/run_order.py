@@ -31,7 +31,7 @@ from lightning_spot._seeded import seeded_draws
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter
-from lightning_spot.partition.step_checks import changed_beyond_noise, tensors_of
+from lightning_spot.partition.step_checks import changed_beyond_noise, evaluating, tensors_of
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,8 @@ def _layers_passing(module: nn.Module, split: ModelSplit) -> Iterator[list[nn.Mo
 
 
 def _quiet_step(module: nn.Module, batch: Any) -> None:
-    training = module.training
-    module.eval()  # no running statistics updated, no dropout
-    try:
-        with torch.no_grad(), seeded_draws(0, python=True):
-            run_step_quietly(module, batch)
-    finally:
-        module.train(training)
+    with torch.no_grad(), seeded_draws(0, python=True), evaluating(module):  # (no running statistics, no dropout)
+        run_step_quietly(module, batch)
 
 
 def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, set[str]]:

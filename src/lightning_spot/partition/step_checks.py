@@ -29,18 +29,34 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode (no dropout, no running statistics updated) in the block; then each submodule in the
+    mode it had (a frozen teacher the user keeps in eval mode stays so)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
 def quiet_run(module: nn.Module, device: torch.device | None) -> Iterator[None]:
     """Around an extra run of the step: nothing of it stays (see the module docstring); the draws start from one
     seed, so that two runs draw alike."""
     trainer = getattr(module, "_trainer", None)
     stop = getattr(trainer, "should_stop", False)
-    training = module.training
     try:
-        with seeded_draws(0, python=True, device=device), torch.no_grad(), metrics_kept(module), lists_kept(module):
-            module.eval()
+        with (
+            seeded_draws(0, python=True, device=device),
+            torch.no_grad(),
+            evaluating(module),
+            metrics_kept(module),
+            lists_kept(module),
+        ):
             yield
     finally:
-        module.train(training)
         if trainer is not None:
             trainer.should_stop = stop
 
