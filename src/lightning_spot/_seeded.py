@@ -81,11 +81,7 @@ def seeded_draws(key: int, *, python: bool = True, device: torch.device | None =
     saved_gpu = gpu.get_state() if gpu is not None else None
     saved_python = random.getstate() if python else None
     saved_numpy = numpy.random.get_state() if numpy is not None else None
-    reseed(key, device)
-    if python:
-        random.seed(key)
-    if numpy is not None:
-        numpy.random.seed(key % (1 << 32))
+    reseed(key, device, python=python)
     try:
         yield
     finally:

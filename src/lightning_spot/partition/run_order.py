@@ -25,13 +25,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from lightning_spot._metric_states import metrics_kept
-from lightning_spot._module_lists import lists_kept
-from lightning_spot._seeded import seeded_draws
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter
-from lightning_spot.partition.step_checks import changed_beyond_noise, evaluating, tensors_of
+from lightning_spot.partition.step_checks import changed_beyond_noise, quiet_run, step_effects_kept, tensors_of
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +50,7 @@ def run_step_quietly(module: nn.Module, batch: Any, step: str = "training_step")
     """Call the module's ``step`` (or its loss hook) on ``batch`` as Lightning would, with ``self.log`` silenced and
     the module's torchmetrics states and lists (step outputs collected for an epoch's end) left as they were."""
     silent = shadowed(module, log=lambda *a, **k: None, log_dict=lambda *a, **k: None)
-    with silent, metrics_kept(module), lists_kept(module):
+    with silent, step_effects_kept(module):
         if step == "training_step" and has_loss_hook(module):
             return run_loss_hook(module, batch)
         fn = getattr(module, step)
@@ -77,7 +74,7 @@ def _layers_passing(module: nn.Module, split: ModelSplit) -> Iterator[list[nn.Mo
 
 
 def _quiet_step(module: nn.Module, batch: Any) -> None:
-    with torch.no_grad(), seeded_draws(0, python=True), evaluating(module):  # (no running statistics, no dropout)
+    with quiet_run(module, device=None):  # (no running statistics, no dropout, nothing of the run kept)
         run_step_quietly(module, batch)
 
 

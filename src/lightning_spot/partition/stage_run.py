@@ -67,7 +67,6 @@ class StageRun:
     incoming: tuple[torch.Tensor, ...] | None
     exit_after: bool
     layers_started: bool = False
-    finished_layers: bool = False
     meta_args: list[str] = field(default_factory=list)
     #: where stand-ins for modules of other stages are made, and the value they hold (None: meta tensors)
     device: torch.device | None = None
@@ -145,7 +144,6 @@ def end_pass(run: StageRun, out: Any) -> Any:
     """After the stage's last layer: note the pass's output; after the last pass, leave the step (all stages but
     the last) with every pass's output. Where the step goes on, what its code draws comes from a seed of the pass,
     the same on every stage (the stages' layers drew from seeds of their own)."""
-    run.finished_layers = True
     run.outputs.append(out)
     if run.exit_after and len(run.outputs) >= run.passes:
         raise StageExit(tuple(run.outputs) if run.passes > 1 else out)

@@ -42,6 +42,13 @@ def evaluating(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def step_effects_kept(module: nn.Module) -> Iterator[None]:
+    """The module's torchmetrics states and the lists its steps append to as they were before the block."""
+    with metrics_kept(module), lists_kept(module):
+        yield
+
+
+@contextlib.contextmanager
 def quiet_run(module: nn.Module, device: torch.device | None) -> Iterator[None]:
     """Around an extra run of the step: nothing of it stays (see the module docstring); the draws start from one
     seed, so that two runs draw alike."""
@@ -52,8 +59,7 @@ def quiet_run(module: nn.Module, device: torch.device | None) -> Iterator[None]:
             seeded_draws(0, python=True, device=device),
             torch.no_grad(),
             evaluating(module),
-            metrics_kept(module),
-            lists_kept(module),
+            step_effects_kept(module),
         ):
             yield
     finally:

@@ -28,7 +28,6 @@ from torch.amp import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_spot._batch_containers import register_containers
-from lightning_spot._metric_states import metrics_kept
 from lightning_spot._module_lists import lists_kept
 from lightning_spot._seeded import draw_key, python_drew, python_states, reseed, seeded_draws
 from lightning_spot.partition.discovery import ModelContractError
@@ -42,7 +41,7 @@ from lightning_spot.partition.stage_run import (
     incoming_value,
     running,
 )
-from lightning_spot.partition.step_checks import count_passes, refuse_stand_ins_used, stand_ins_used
+from lightning_spot.partition.step_checks import count_passes, refuse_stand_ins_used, stand_ins_used, step_effects_kept
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.item_counts import LOSS_REDUCTION, NUM_ITEMS, ItemCounts, either
 from lightning_spot.runtime.logging_bridge import LogCapture
@@ -340,10 +339,8 @@ class StepRunner:
                 )
         if run.find_chain:
             self._chains[key] = run.chained
-        if passes > 1:
-            where = f"the last layer of stage {stage}"
-            return tuple(t for output in out for t in _as_tensors(output, where))
-        return _as_tensors(out, f"the last layer of stage {stage}")
+        where = f"the last layer of stage {stage}"
+        return tuple(t for output in (out if passes > 1 else (out,)) for t in _as_tensors(output, where))
 
     def _passes_of(self, idx: Tensor) -> int:
         """How many times the step function runs the layer sequence (once, mostly; twice where the step calls the
@@ -362,12 +359,7 @@ class StepRunner:
     def _kept_between(self, passes: int) -> contextlib.AbstractContextManager:
         """Around a stage's replay of a step with several passes, but the last stage's: the step's code between the
         passes runs there on stand-ins, whose metric updates and collected outputs are not kept."""
-        if passes == 1:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(metrics_kept(self.module))
-        stack.enter_context(lists_kept(self.module))
-        return stack
+        return step_effects_kept(self.module) if passes > 1 else contextlib.nullcontext()
 
     def _rows(self, chunk: int) -> Tensor:
         """Micro-batch ``chunk``'s rows of the local batch."""
