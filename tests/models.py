@@ -192,6 +192,42 @@ class DistilledModel(TinyPipelineModel):
         return loss
 
 
+class EncoderModel(L.LightningModule):
+    """A small transformer written with torch's own ``nn.TransformerEncoder`` (a causal mask, pre-norm layers; its
+    forward reads its first layer's attributes) and loose parameters set directly on the module, as ViTs and CLIP
+    have them: a learned position table added before the layers (the first stage's) and a temperature that scales
+    the output after them (registered first too, but used only after the layers: the last stage's). Each sample's
+    six inputs are a sequence of three tokens of two features."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.01, **_: Any) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.pos = nn.Parameter(torch.randn(3, HIDDEN) * 0.1)
+        self.embed = nn.Linear(IN // 3, HIDDEN)
+        layer = nn.TransformerEncoderLayer(HIDDEN, 2, 2 * HIDDEN, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.view(x.shape[0], 3, IN // 3)) + self.pos
+        h = self.encoder(h, mask=nn.Transformer.generate_square_subsequent_mask(3), is_causal=True)
+        return self.head(h.mean(1)) * self.temperature
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
 class PythonDrawsModel(TinyPipelineModel):
     """Draws with Python's ``random`` and NumPy where older and ported code does: its step scales the input by a
     factor from ``random`` and learns to recover NumPy noise added to it (the target after the forward), and

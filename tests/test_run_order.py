@@ -94,3 +94,30 @@ def test_a_step_run_to_find_where_modules_go_leaves_the_metrics_as_they_were() -
     module.seen(torch.tensor(5.0))
     run_step_quietly(module, torch.ones(3, 2))
     assert float(module.seen.compute()) == 5.0 and module.seen._update_count == 1
+
+
+def test_loose_parameters_go_where_the_step_uses_them_and_a_misplaced_one_is_named() -> None:
+    """Parameters set directly on the module are read as tensors, not called: the position table feeds the layers
+    (first stage), the temperature only scales what they return (last stage, though registered first). Pinned to
+    the first stage by the user, the temperature is named at the last stage's first step."""
+    from lightning_spot.partition.loose_params import MisplacedParameterError
+    from tests.models import EncoderModel
+
+    module = EncoderModel()
+    batch = make_dataset(4)[:2]
+    split = discover(module)
+    assert split.first_direct_params == ("temperature", "pos") and not split.last_direct_params
+    placed = place_by_run(module, split, batch)
+    assert placed.first_direct_params == ("pos",) and placed.last_direct_params == ("temperature",)
+    assert place_by_run(module, split, batch) == placed, "the runs left the parameters as they were"
+
+    pinned = discover(module, first_stage_modules=["temperature"])
+    assert place_by_run(module, pinned, batch, fixed=("temperature",)).first_direct_params == ("temperature", "pos")
+    place_stages(module, pinned, plan_stages(pinned.num_layers, 2), pp_rank=1, device=torch.device("cpu"))
+    assert {n for n, _ in module.named_parameters()} >= {"head.weight"} and "pos" not in dict(module.named_parameters())
+    runner = StepRunner(module, num_stages=2, capture=LogCapture(), device=torch.device("cpu"))
+    x, y = make_dataset(4)[:]
+    acts = torch.zeros(4, 3, 16, requires_grad=True)
+    with runner.bind("training_step", "train", (x, y), (0,), {}), pytest.raises(MisplacedParameterError) as err:
+        runner.loss_fn((acts, torch.arange(4)), torch.arange(4))
+    assert "Parameter `temperature` was placed on the first stage but is used on stage 1" in str(err.value)

@@ -68,6 +68,16 @@ WORLD_4 = [
         strategy={"pipeline_stages": 2, "microbatches": 2},
         model={"cls": "DistilledModel", "optimizer": "sgd"},
     ),
+    # torch's nn.TransformerEncoder with a causal mask, a position table set directly on the module (used before
+    # the layers) and a temperature (after them): the later stage failed on the table (a meta tensor) and the
+    # encoder's reads of its first layer, which that stage does not hold
+    scenario(
+        "P2D2-nn-TransformerEncoder-loose-parameters",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "EncoderModel"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     scenario(
         "P2D2-GPipe-sgd",
         strategy={"pipeline_stages": 2, "microbatches": 2, "schedule": "gpipe"},

@@ -42,8 +42,10 @@ class ModelSplit:
     first_modules: tuple[str, ...] = ()
     last_modules: tuple[str, ...] = ()
     replicated_modules: tuple[str, ...] = ()
-    #: parameters registered directly on the LightningModule or an ancestor of the sequence
+    #: parameters registered directly on the LightningModule or an ancestor of the sequence ("loose"), by the stage
+    #: that owns them (the first unless the step uses them only after the layers: CLIP's logit scale)
     first_direct_params: tuple[str, ...] = field(default=())
+    last_direct_params: tuple[str, ...] = ()
     #: last-stage modules that the step runs before the layers without feeding them (a teacher whose output only the
     #: loss uses): they stand in on the earlier stages, before the layers too
     stand_in_before: tuple[str, ...] = ()
@@ -172,11 +174,15 @@ def discover(
                 first.append(fqn)
 
     for fqn in (*first_stage_modules, *last_stage_modules):
-        if fqn not in first and fqn not in last and fqn not in replicated:
+        if fqn not in first and fqn not in last and fqn not in replicated and fqn not in direct:
             raise ModelContractError(
-                f"'{fqn}' is not a module next to the layer sequence `{layers}`; "
-                f"stage overrides name modules outside it, e.g. 'embed' or 'head'."
+                f"'{fqn}' is not a module or parameter next to the layer sequence `{layers}`; "
+                f"stage overrides name modules outside it, e.g. 'embed' or 'head', or loose parameters ('pos_embed')."
             )
+    last_direct = [fqn for fqn in last_stage_modules if fqn in direct]
+    direct = [fqn for fqn in direct if fqn not in last_direct]
+    first_stage_modules = [fqn for fqn in first_stage_modules if fqn not in direct]
+    last_stage_modules = [fqn for fqn in last_stage_modules if fqn not in last_direct]
     for fqns, target in ((first_stage_modules, first), (last_stage_modules, last)):
         for fqn in fqns:
             for group in (first, last, replicated):
@@ -192,4 +198,5 @@ def discover(
         last_modules=tuple(last),
         replicated_modules=tuple(replicated),
         first_direct_params=tuple(direct),
+        last_direct_params=tuple(last_direct),
     )

@@ -20,7 +20,15 @@ from torch import nn
 
 from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import PLACEMENT_MARK, ModelContractError, ModelSplit
-from lightning_spot.partition.stage_run import RemoteModule, SkippedLayer, activation_parameter, instrument_layer
+from lightning_spot.partition.loose_params import LooseStandIn
+from lightning_spot.partition.stage_run import (
+    RemoteModule,
+    SkippedLayer,
+    _all_meta,
+    activation_parameter,
+    instrument_layer,
+    meta_copy,
+)
 
 _MARK = PLACEMENT_MARK
 
@@ -72,7 +80,7 @@ def stage_of_parameter(name: str, split: ModelSplit, plan: StagePlan) -> int | N
         return plan.stage_of_layer(split.layer_names.index(layer))
     if name in split.first_direct_params or any(name.startswith(m + ".") for m in split.first_modules):
         return 0
-    if any(name.startswith(m + ".") for m in split.last_modules):
+    if name in split.last_direct_params or any(name.startswith(m + ".") for m in split.last_modules):
         return plan.num_stages - 1
     return None
 
@@ -212,7 +220,9 @@ def place_stages(
         if stage in placed:
             placed[stage].modules.append(_child(seq, name))
         else:
-            seq._modules[name] = SkippedLayer(fqn, activation_parameter(type(_child(seq, name)).forward))
+            layer = _child(seq, name)
+            like = layer.to("meta") if _all_meta(layer) else meta_copy(layer)
+            seq._modules[name] = SkippedLayer(fqn, activation_parameter(type(layer).forward), like)
 
     for fqns, stage, owner in ((split.first_modules, 0, "first"), (split.last_modules, last, "last")):
         for fqn in fqns:
@@ -223,15 +233,19 @@ def place_stages(
                 anywhere = fqn in split.stand_in_before
                 parent._modules[leaf] = RemoteModule(fqn, _child(parent, leaf), owner, anywhere=anywhere)
 
-    for fqn in split.first_direct_params:
-        parent, leaf = _resolve(module, fqn)
-        param = parent._parameters[leaf]
-        assert param is not None
-        if 0 in placed:
-            placed[0].params.append(param)
-        else:
-            del parent._parameters[leaf]
-            object.__setattr__(parent, leaf, torch.empty_like(param, device="meta"))
+    loose = {0: split.first_direct_params}
+    loose[last] = loose.get(last, ()) + split.last_direct_params
+    for stage, fqns in loose.items():
+        for fqn in fqns:
+            parent, leaf = _resolve(module, fqn)
+            param = parent._parameters[leaf]
+            assert param is not None
+            if stage in placed:
+                placed[stage].params.append(param)
+            else:  # (one used only after the layers stands in before them on the first stage too)
+                del parent._parameters[leaf]
+                owner = "first" if stage == 0 else "last"
+                object.__setattr__(parent, leaf, LooseStandIn(param, fqn, owner, anywhere=stage == last))
 
     _materialize(module, "", device, seed)
     module.to(device)
@@ -240,7 +254,7 @@ def place_stages(
     for owned in placed.values():
         if owned.params:
             live = dict(module.named_parameters())
-            owned.params = [live[f] for f in split.first_direct_params]
+            owned.params = [live[f] for f in loose[owned.stage]]
 
     for stage in local:
         rng = plan.layers_of(stage)

@@ -10,6 +10,8 @@ once on one sample, without gradients and with every layer of the sequence passi
 moves each module that ran only before the first layer to the first stage and each that ran only after the
 last layer to the last stage. Modules named in ``fixed`` (the user's ``first_stage_modules`` /
 ``last_stage_modules``) stay where they were put; modules the run does not reach keep the registration rule.
+Loose parameters (set directly on the module: a class token, a logit scale) go to the first stage where their
+value reaches the layers, to the last where only the code after them uses it (:func:`loose_parameter_sides`).
 """
 
 from __future__ import annotations
@@ -67,15 +69,15 @@ def _layers_passing(module: nn.Module, split: ModelSplit) -> Iterator[list[nn.Mo
         for index, name in enumerate(split.layer_names):
             layer = originals[name]
             assert layer is not None
-            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(type(layer).forward))
+            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(type(layer).forward), layer)
         yield [seq._modules[name] for name in split.layer_names]  # type: ignore[misc]
     finally:
         seq._modules.update(originals)
 
 
-def _quiet_step(module: nn.Module, batch: Any) -> None:
+def _quiet_step(module: nn.Module, batch: Any) -> Any:
     with quiet_run(module, device=None):  # (no running statistics, no dropout, nothing of the run kept)
-        run_step_quietly(module, batch)
+        return run_step_quietly(module, batch)
 
 
 def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, set[str]]:
@@ -155,18 +157,61 @@ def feeds_layers(module: nn.Module, split: ModelSplit, batch: Any, fqn: str) -> 
     return not floats[0] or changed_beyond_noise(real, zeros, again) or changed_beyond_noise(real, ones, again)
 
 
+def loose_parameter_sides(module: nn.Module, split: ModelSplit, batch: Any, names: Sequence[str]) -> dict[str, str]:
+    """Where the step uses each loose parameter in ``names`` (one set directly on the module or an ancestor of the
+    sequence, read as a tensor rather than called): ``"before"`` where its value reaches the first layer's inputs (a
+    position table, a class token), ``"after"`` where only the step's result depends on it (a logit scale); absent
+    where neither changes. Found by runs with each parameter holding zeros and ones, with the layers passing their
+    input through, compared with two runs as it is (which show how much runs differ anyway)."""
+    seen: list[Any] = []
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        seen.clear()
+        result = _quiet_step(module, batch)
+        return tensors_of(list(seen)), tensors_of(result)
+
+    sides: dict[str, str] = {}
+    with _layers_passing(module, split) as layers:
+        watch = layers[0].register_forward_pre_hook(lambda _m, a, k: seen.append((a, k)), with_kwargs=True)
+        try:
+            real, again = run(), run()
+            for fqn in names:
+                param = module.get_parameter(fqn)
+                kept = param.detach().clone()
+                try:
+                    changed = []
+                    for fill in (0.0, 1.0):
+                        with torch.no_grad():
+                            param.fill_(fill)
+                        changed.append([changed_beyond_noise(r, o, a) for r, o, a in zip(real, run(), again)])
+                finally:
+                    with torch.no_grad():
+                        param.copy_(kept)
+                if any(inputs for inputs, _ in changed):
+                    sides[fqn] = "before"
+                elif any(result for _, result in changed):
+                    sides[fqn] = "after"
+        finally:
+            watch.remove()
+    return sides
+
+
 def place_by_run(module: nn.Module, split: ModelSplit, batch: Any, fixed: Sequence[str] = ()) -> ModelSplit:
     """``split`` with the modules beside the sequence moved to the stage where the step runs them (see the
     module docstring). Returns ``split`` unchanged when the step cannot run here (e.g. modules on the meta
     device)."""
     movable = [fqn for fqn in (*split.first_modules, *split.last_modules) if fqn not in fixed]
-    if not movable:
+    loose = [fqn for fqn in (*split.first_direct_params, *split.last_direct_params) if fqn not in fixed]
+    if not movable and not loose:
         return split
-    if any(p.is_meta for fqn in movable for p in module.get_submodule(fqn).parameters()):
+    if any(p.is_meta for fqn in movable for p in module.get_submodule(fqn).parameters()) or any(
+        module.get_parameter(fqn).is_meta for fqn in loose
+    ):
         log.info("lightning-spot: modules beside the layer sequence are on the meta device; placed by registration")
         return split
     try:
-        ran = sides_by_run(module, split, batch)
+        ran = sides_by_run(module, split, batch) if movable else {}
+        used = loose_parameter_sides(module, split, batch, loose) if loose else {}
     except Exception as err:  # the registration rule still applies, and a misplaced module is named at run time
         log.info("lightning-spot: could not run the step to place the modules beside the layers (%s)", err)
         return split
@@ -192,7 +237,24 @@ def place_by_run(module: nn.Module, split: ModelSplit, batch: Any, fixed: Sequen
             first.remove(fqn)
             last.append(fqn)
             log.info("lightning-spot: `%s` runs after the layer sequence: last stage", fqn)
-    return replace(split, first_modules=tuple(first), last_modules=tuple(last), stand_in_before=tuple(stand_in_before))
+    first_loose, last_loose = list(split.first_direct_params), list(split.last_direct_params)
+    for fqn in loose:
+        if used.get(fqn) == "after" and fqn in first_loose:
+            first_loose.remove(fqn)
+            last_loose.append(fqn)
+            log.info("lightning-spot: only the code after the layer sequence uses parameter `%s`: last stage", fqn)
+        elif used.get(fqn) == "before" and fqn in last_loose:
+            last_loose.remove(fqn)
+            first_loose.append(fqn)
+            log.info("lightning-spot: parameter `%s` feeds the layer sequence: first stage", fqn)
+    return replace(
+        split,
+        first_modules=tuple(first),
+        last_modules=tuple(last),
+        stand_in_before=tuple(stand_in_before),
+        first_direct_params=tuple(first_loose),
+        last_direct_params=tuple(last_loose),
+    )
 
 
 def _feeds(module: nn.Module, split: ModelSplit, batch: Any, fqn: str) -> bool:

@@ -396,13 +396,25 @@ def activation_parameter(forward: Any) -> str | None:
 class SkippedLayer(nn.Module):
     """Stands in for a layer that another pipeline stage owns; passes its first input through."""
 
-    def __init__(self, fqn: str, activation: str | None = None) -> None:
+    def __init__(self, fqn: str, activation: str | None = None, like: nn.Module | None = None) -> None:
         super().__init__()
         self.fqn = fqn
         self.activation = activation
+        #: (outside the module tree) the layer, or a meta copy of it, whose attributes the model's code may read
+        #: (``nn.TransformerEncoder`` reads its first layer's ``self_attn.batch_first``)
+        object.__setattr__(self, "_like", like)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _note_passed(hidden_argument(args, kwargs, self.activation), self.fqn)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            like = self.__dict__.get("_like")
+            if like is None:
+                raise
+            return getattr(like, name)
 
     def extra_repr(self) -> str:
         return f"on another stage: {self.fqn}"
@@ -440,6 +452,27 @@ def _device_of(value: Any) -> torch.device | None:
     return next((t.device for t in tree_leaves(value) if isinstance(t, torch.Tensor) and not t.is_meta), None)
 
 
+def stand_in_fill(
+    fqn: str, owner: str, anywhere: bool, inputs: Any, kind: str = "Module"
+) -> tuple[torch.device | None, float]:
+    """Where and with which value the stand-in for ``fqn`` (a module or loose parameter of the ``owner`` stage)
+    gives what it computes: in a step, the run's device and stand-in value (the step's code before the layers runs on
+    every stage and is thrown away on the later ones); outside one, the meta device (None), or zeros on the device of
+    ``inputs`` in a forward that reads shapes only. Raises where the step uses it on a stage that needs its real value
+    (the first stage, or after the layers), unless it stands in ``anywhere``."""
+    run = active_run()
+    if run is None:
+        return (_device_of(inputs) if _SHAPES_ONLY else None), 0.0
+    misplaced = (run.first_stage or run.layers_started) and not anywhere
+    if misplaced and not run.counting and not between_passes(run):
+        raise misplaced_module(fqn, owner, run, kind)
+    value = run.stand_in
+    if run.stood_in is not None:
+        run.stood_in.append(fqn)
+        value = (run.stand_in_for or {}).get(fqn, value)
+    return run.device, value
+
+
 class RemoteModule(nn.Module):
     """Stands in for a module that lives on another pipeline stage; computes shapes on the meta device.
 
@@ -457,18 +490,8 @@ class RemoteModule(nn.Module):
         object.__setattr__(self, "_meta_module", meta)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        run = active_run()
-        misplaced = run is not None and (run.first_stage or run.layers_started) and not self.anywhere
-        if run is not None and misplaced and not run.counting and not between_passes(run):
-            raise misplaced_module(self.fqn, self.owner, run)
+        device, value = stand_in_fill(self.fqn, self.owner, self.anywhere, (args, kwargs))
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
-        if run is not None:
-            device, value = run.device, run.stand_in
-            if run.stood_in is not None:
-                run.stood_in.append(self.fqn)
-                value = (run.stand_in_for or {}).get(self.fqn, value)
-        else:  # (outside a step: meta tensors, or zeros where the input is for a forward that reads shapes only)
-            device, value = _device_of((args, kwargs)) if _SHAPES_ONLY else None, 0.0
         if device is None:
             return out
         return tree_map(
@@ -490,8 +513,9 @@ class RemoteModule(nn.Module):
         return f"on the {self.owner} stage: {self.fqn}"
 
 
-def misplaced_module(fqn: str, owner: str, run: StageRun) -> ModelContractError:
-    """The error for a module of the ``owner`` stage that the step runs on ``run``'s stage, where it cannot stand in."""
+def misplaced_module(fqn: str, owner: str, run: StageRun, kind: str = "Module") -> ModelContractError:
+    """The error for a module (or loose parameter: ``kind``) of the ``owner`` stage that the step runs on ``run``'s
+    stage, where it cannot stand in."""
     here = "the first stage" if run.first_stage else f"stage {run.stage}, after the layer sequence"
     side = "first_stage_modules" if run.first_stage else "last_stage_modules"
     again = ""
@@ -500,12 +524,19 @@ def misplaced_module(fqn: str, owner: str, run: StageRun) -> ModelContractError:
             f" If the step calls the model again here, every step must run the layer sequence as many times as its "
             f"first step did ({run.passes}, counted there): the stages of a pipeline send all passes at once."
         )
+    if kind == "Module":
+        rule = (
+            "by registration order: before the sequence in __init__ means the first stage, after it the last. Pass "
+            f"`SpotPipelineStrategy({side}=['{fqn}'])`, or register it on the right side of the sequence."
+        )
+        verb = "runs"
+    else:
+        rule = f"on the first stage. Pass `SpotPipelineStrategy({side}=['{fqn}'])`."
+        verb = "is used"
     return ModelContractError(
-        f"Module `{fqn}` was placed on the {owner} stage but runs on {here}.{again} Modules beside the layer "
-        f"sequence go where one run of the training step on a training batch uses them; without one "
-        f"(validate/test/predict only, or modules built on the meta device) by registration order: before the "
-        f"sequence in __init__ means the first stage, after it the last. Pass `SpotPipelineStrategy({side}="
-        f"['{fqn}'])`, or register it on the right side of the sequence."
+        f"{kind} `{fqn}` was placed on the {owner} stage but {verb} on {here}.{again} Modules and parameters beside "
+        f"the layer sequence go where one run of the training step on a training batch uses them; without one "
+        f"(validate/test/predict only, or modules built on the meta device) {rule}"
     )
 
 

@@ -260,6 +260,7 @@ def rooted(module: nn.Module, split: ModelSplit, root: str) -> tuple[nn.Module, 
         last_modules=inside(split.last_modules),
         replicated_modules=inside(split.replicated_modules),
         first_direct_params=inside(split.first_direct_params),
+        last_direct_params=inside(split.last_direct_params),
     )
 
 
@@ -452,7 +453,8 @@ def _without_layers(module: nn.Module, split: ModelSplit, device: torch.device) 
         for i, name in enumerate(split.layer_names):
             layer = saved[name]
             assert layer is not None
-            seq._modules[name] = SkippedLayer(split.layer_fqn(i), activation_parameter(type(layer).forward))
+            like = meta_copy(layer)  # (copied with the module: a meta copy costs nothing)
+            seq._modules[name] = SkippedLayer(split.layer_fqn(i), activation_parameter(type(layer).forward), like)
         return _materialize(module, device)
     finally:
         seq._modules.update(saved)
