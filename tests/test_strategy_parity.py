@@ -76,7 +76,19 @@ WORLD_4 = [
         strategy={"pipeline_stages": 2, "microbatches": 2},
         model={"cls": "EncoderModel"},
         val_loader={"batch_size": 12, "n": 36},
-        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+        trainer={"max_steps": -1, "max_epochs": 1, "limit_val_batches": None, "val_check_interval": 2},
+        checkpoint=True,
+    ),
+    # ... resumed on four stages (the temperature with the last, the table with the first) from the checkpoint of its
+    # last validation, which Lightning takes as one made inside the epoch (the reference: its own resume)
+    scenario(
+        "P4D1-nn-TransformerEncoder-resumed-from-P2D2",
+        strategy={"pipeline_stages": 4, "microbatches": 4},
+        model={"cls": "EncoderModel"},
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": -1, "max_epochs": 2, "limit_val_batches": None, "val_check_interval": 2},
+        resume={"from": "P2D2-nn-TransformerEncoder-loose-parameters", "file": "epoch=0-step=4.ckpt"},
+        reference_resume={"max_epochs": 1, "file": "epoch=0-step=4.ckpt"},
     ),
     scenario(
         "P2D2-GPipe-sgd",
