@@ -281,6 +281,16 @@ WORLD_2 = [
         val_loader={"batch_size": 12, "n": 36},
         trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
     ),
+    # trainer.fit(torch.compile(model)) as Lightning's docs write it (Lightning refused the strategy): each stage's
+    # layers are compiled (aot_eager: dynamo and AOT autograd without a C++ build), training and validation
+    scenario(
+        "P2D1-torch-compile",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"optimizer": "sgd"},
+        compile="aot_eager",
+        val_loader={"batch_size": 12, "n": 36},
+        trainer={"max_steps": 4, "limit_val_batches": None, "val_check_interval": 2},
+    ),
     scenario(
         "P2D1-loss-hook-dict-batches",
         strategy={"pipeline_stages": 2, "microbatches": 2},
@@ -631,6 +641,8 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
 
+    if "compile" in case:  # every rank ran graphs of its own layers
+        assert all(r["compiled_graphs"] > 0 for r in ranks), [r["compiled_graphs"] for r in ranks]
     if "expect_offload" in case:
         assert all(case["expect_offload"] in r["offload_levels"] for r in ranks), [r["offload_levels"] for r in ranks]
     offload = ranks[0]["offload_levels"]

@@ -71,6 +71,7 @@ from lightning_spot.planning.memory import PlanPlace
 from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
 from lightning_spot.runtime.callbacks_on_stages import on_stages, writers_once_per_pipeline
 from lightning_spot.runtime.clock import StepClock
+from lightning_spot.runtime.compiled import CompiledModule
 from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import global_norm_clipping, norm_scope
@@ -97,7 +98,7 @@ if TYPE_CHECKING:
 _SUPPORTED_PRECISION = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 
 
-class SpotPipelineStrategy(ParallelStrategy):
+class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
     """Split a LightningModule's layer sequence into pipeline stages and replicate the pipeline.
 
     Args:
@@ -514,6 +515,7 @@ class SpotPipelineStrategy(ParallelStrategy):
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
             ddp_kwargs=self._ddp_kwargs,
             activation_checkpointing=choice.activation_checkpointing,
+            compiler=self._compiler,
         )
         rank_zero_info(f"spot_pipeline: {engine.describe()}")
         return engine

@@ -110,6 +110,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         model = MetaInitPipelineModel(**model_kwargs)
     else:
         model = make_model(**model_kwargs)
+    compiled = torch.compile(model, backend=scenario["compile"]) if "compile" in scenario else model
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=90), **scenario.get("strategy", {}))
     record = RecordInitial()
     callbacks: list[L.Callback] = [record]
@@ -175,7 +176,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     val = make_loader(**scenario["val_loader"]) if "val_loader" in scenario else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        trainer.fit(model, loader, val, ckpt_path=ckpt_path)
+        trainer.fit(compiled, loader, val, ckpt_path=ckpt_path)
     result: dict[str, Any] = {
         "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
@@ -192,6 +193,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "offload_levels": list(strategy.layout_choice.offload) if strategy.layout_choice else [],
         "reduced_during_backward": strategy.engine.cross.launched_early if strategy.engine.cross else None,
         "parameters": strategy.count_parameters(),
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
     }
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:  # fp16: where the loss scale ended, and the scaler every rank agreed with

@@ -22,6 +22,7 @@ from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import PLACEMENT_MARK, ModelContractError, ModelSplit
 from lightning_spot.partition.loose_params import LooseStandIn
 from lightning_spot.partition.stage_run import (
+    Compiler,
     RemoteModule,
     SkippedLayer,
     _all_meta,
@@ -193,6 +194,7 @@ def place_stages(
     device: torch.device,
     seed: int = 0,
     checkpointing: bool = False,
+    compiler: Compiler | None = None,
 ) -> dict[int, PlacedStage]:
     """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns.
 
@@ -266,6 +268,7 @@ def place_stages(
                 first=index == rng.start,
                 last=index == rng.stop - 1,
                 checkpoint=checkpointing,
+                compiler=compiler,
             )
     module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed, ties)
     return placed

@@ -25,7 +25,7 @@ import inspect
 import sys
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,9 @@ class StageRun:
 
 
 _ACTIVE: list[StageRun] = []
+
+#: ``torch.compile`` as the user called it (its backend and options): compiles a function
+Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def active_run() -> StageRun | None:
@@ -281,15 +284,25 @@ def refuse_collective_in_step(collective: str) -> None:
 
 
 def instrument_layer(
-    layer: nn.Module, fqn: str, stage: int, *, first: bool, last: bool, checkpoint: bool = False
+    layer: nn.Module,
+    fqn: str,
+    stage: int,
+    *,
+    first: bool,
+    last: bool,
+    checkpoint: bool = False,
+    compiler: Compiler | None = None,
 ) -> None:
     """Make an owned layer obey the active :class:`StageRun` (an instance-level ``forward`` override).
 
     Overriding ``forward`` on the instance keeps parameter names and ``state_dict`` keys unchanged.
-    With ``checkpoint``, the layer's activations are recomputed in backward instead of kept.
+    With ``checkpoint``, the layer's activations are recomputed in backward instead of kept; with ``compiler``
+    (``torch.compile``'s, see :mod:`lightning_spot.runtime.compiled`) the layer's own ``forward`` is compiled.
     """
     original = type(layer).forward
     activation = activation_parameter(original)
+    if compiler is not None:
+        original = compiler(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = active_run()

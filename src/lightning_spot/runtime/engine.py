@@ -33,6 +33,7 @@ from lightning_spot.layout import LayoutError, PipelineLayout
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages, placement_of
+from lightning_spot.partition.stage_run import Compiler
 from lightning_spot.runtime.cross_pipeline import CrossPipelineSync
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
 from lightning_spot.runtime.held_logs import HELD, HeldLogs
@@ -91,6 +92,7 @@ class PipelineEngine:
         seed: int = 0,
         ddp_kwargs: dict[str, Any] | None = None,
         activation_checkpointing: bool = False,
+        compiler: Compiler | None = None,
     ) -> None:
         self.module = module
         self.layout = layout
@@ -128,6 +130,7 @@ class PipelineEngine:
             device=ctx.device,
             seed=seed,
             checkpointing=activation_checkpointing,
+            compiler=compiler,
         )
         self.local_stages = sorted(placed)
         placement = placement_of(module)
