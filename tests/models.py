@@ -228,6 +228,15 @@ class EncoderModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class CompiledBlocksModel(TinyPipelineModel):
+    """Blocks the user compiled one by one (``torch.compile(block)``, as torchtitan does), with ``aot_eager`` (dynamo
+    and AOT autograd without a C++ build); the layer sequence holds torch's compiled wrappers."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layers = nn.Sequential(*(torch.compile(block, backend="aot_eager") for block in self.layers))
+
+
 class PythonDrawsModel(TinyPipelineModel):
     """Draws with Python's ``random`` and NumPy where older and ported code does: its step scales the input by a
     factor from ``random`` and learns to recover NumPy noise added to it (the target after the forward), and

@@ -110,7 +110,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         model = MetaInitPipelineModel(**model_kwargs)
     else:
         model = make_model(**model_kwargs)
-    compiled = torch.compile(model, backend=scenario["compile"]) if "compile" in scenario else model
+    compiled = torch.compile(model, backend=scenario["compile"]) if scenario.get("compile") else model
     strategy = SpotPipelineStrategy(timeout=timedelta(seconds=90), **scenario.get("strategy", {}))
     record = RecordInitial()
     callbacks: list[L.Callback] = [record]

@@ -29,6 +29,7 @@ from lightning_spot.partition.stage_run import (
     activation_parameter,
     instrument_layer,
     meta_copy,
+    own_forward,
 )
 
 _MARK = PLACEMENT_MARK
@@ -224,7 +225,7 @@ def place_stages(
         else:
             layer = _child(seq, name)
             like = layer.to("meta") if _all_meta(layer) else meta_copy(layer)
-            seq._modules[name] = SkippedLayer(fqn, activation_parameter(type(layer).forward), like)
+            seq._modules[name] = SkippedLayer(fqn, activation_parameter(own_forward(layer)), like)
 
     for fqns, stage, owner in ((split.first_modules, 0, "first"), (split.last_modules, last, "last")):
         for fqn in fqns:

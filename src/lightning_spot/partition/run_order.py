@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
-from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter
+from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter, own_forward
 from lightning_spot.partition.step_checks import changed_beyond_noise, quiet_run, step_effects_kept, tensors_of
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _layers_passing(module: nn.Module, split: ModelSplit) -> Iterator[list[nn.Mo
         for index, name in enumerate(split.layer_names):
             layer = originals[name]
             assert layer is not None
-            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(type(layer).forward), layer)
+            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(own_forward(layer)), layer)
         yield [seq._modules[name] for name in split.layer_names]  # type: ignore[misc]
     finally:
         seq._modules.update(originals)

@@ -283,6 +283,17 @@ def refuse_collective_in_step(collective: str) -> None:
     )
 
 
+def own_forward(layer: nn.Module) -> Callable[..., Any]:
+    """The ``forward`` of the layer's class; for a block compiled by the user (``torch.compile(block)``, whose
+    module class defines none), that of the module it wraps."""
+    inner: nn.Module = getattr(layer, "_orig_mod", layer)
+    return type(inner).forward
+
+
+def _unbound(call: Callable[..., Any]) -> Callable[..., Any]:
+    return lambda _self, *args, **kwargs: call(*args, **kwargs)
+
+
 def instrument_layer(
     layer: nn.Module,
     fqn: str,
@@ -299,9 +310,12 @@ def instrument_layer(
     With ``checkpoint``, the layer's activations are recomputed in backward instead of kept; with ``compiler``
     (``torch.compile``'s, see :mod:`lightning_spot.runtime.compiled`) the layer's own ``forward`` is compiled.
     """
-    original = type(layer).forward
+    original = own_forward(layer)
     activation = activation_parameter(original)
-    if compiler is not None:
+    compiled = layer.__dict__.get("forward")  # (a block the user compiled: torch.compile's module holds its forward)
+    if compiled is not None:
+        original = _unbound(compiled)
+    elif compiler is not None:
         original = compiler(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, loss_hook_inputs
 from lightning_spot.partition.run_order import run_step_quietly, shadowed
-from lightning_spot.partition.stage_run import SkippedLayer, StageExit, activation_parameter, meta_copy
+from lightning_spot.partition.stage_run import SkippedLayer, StageExit, activation_parameter, meta_copy, own_forward
 from lightning_spot.planning.hardware import sync_device
 
 log = logging.getLogger(__name__)
@@ -454,7 +454,7 @@ def _without_layers(module: nn.Module, split: ModelSplit, device: torch.device) 
             layer = saved[name]
             assert layer is not None
             like = meta_copy(layer)  # (copied with the module: a meta copy costs nothing)
-            seq._modules[name] = SkippedLayer(split.layer_fqn(i), activation_parameter(type(layer).forward), like)
+            seq._modules[name] = SkippedLayer(split.layer_fqn(i), activation_parameter(own_forward(layer)), like)
         return _materialize(module, device)
     finally:
         seq._modules.update(saved)
@@ -546,5 +546,6 @@ def _last_output(layer: nn.Module, call: tuple[tuple, dict]) -> Tensor:
     meta_layer = meta_copy(layer)
     args, kwargs = call
     with torch.no_grad():
-        out = type(meta_layer).forward(meta_layer, *args, **kwargs)
+        inner = getattr(meta_layer, "_orig_mod", meta_layer)  # (a block the user compiled)
+        out = type(inner).forward(inner, *args, **kwargs)
     return out if isinstance(out, Tensor) else _tensors(out)[0]
