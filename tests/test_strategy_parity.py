@@ -111,6 +111,23 @@ WORLD_4 = [
         loader={"batch_size": 8, "n": 48, "shuffle": True},
         trainer={"max_steps": 8, "gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
     ),
+    # batches Lightning accumulates: the replicas average the gradients once, at the third batch (DDP averaged
+    # every batch's before); DDP's buckets counted per batch
+    scenario(
+        "P2D2-accumulate-3-averaged-at-the-last-batch",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"optimizer": "sgd"},
+        loader={"batch_size": 8, "n": 96},
+        trainer={"max_steps": 4, "accumulate_grad_batches": 3, "gradient_clip_val": 0.05},
+        count_reductions=True,
+    ),
+    # ... with a schedule that splits the backward (its average after the schedule, not DDP's), Adam
+    scenario(
+        "P2D2-ZBVZeroBubble-accumulate-3",
+        strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "ZBVZeroBubble"},
+        loader={"batch_size": 16, "n": 96},
+        trainer={"max_steps": 2, "accumulate_grad_batches": 3},
+    ),
     scenario(
         "P2D2-validation-test-predict",
         strategy={"pipeline_stages": 2, "microbatches": 2},
@@ -649,6 +666,12 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
 
+    if case.get("count_reductions"):  # none in the accumulated batches, some in each accumulation's last
+        accumulate = case["trainer"]["accumulate_grad_batches"]
+        for r in ranks:
+            last = [n for i, n in enumerate(r["reductions"]) if i % accumulate == accumulate - 1]
+            others = [n for i, n in enumerate(r["reductions"]) if i % accumulate != accumulate - 1]
+            assert all(n > 0 for n in last) and not any(others), r["reductions"]
     if "compile" in case:  # every rank ran graphs of its own layers (compiled by the strategy, or by the user)
         assert all(r["compiled_graphs"] > 0 for r in ranks), [r["compiled_graphs"] for r in ranks]
     if "expect_offload" in case:

@@ -577,6 +577,17 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
             return engine.train_step(batch, args[1:], kwargs, global_batch=size, release_grads=release)
 
     @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """(Lightning, around a batch it accumulates) the replicas average the gradients at the last batch only."""
+        engine = self._engine()
+        engine.defer_replica_sync = True
+        try:
+            yield
+        finally:
+            engine.defer_replica_sync = False
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self.offload is None:
             return self._step(optimizer, closure, model, **kwargs)

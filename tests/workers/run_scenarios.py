@@ -31,6 +31,31 @@ from tests.models import (
 from tests.parity import EpochMetrics
 
 
+class CountReductions(L.Callback):
+    """The gradient buckets DDP averaged over the replicas in each training batch (a counting communication hook
+    around torch's all-reduce hook, on every stage module this rank wraps)."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[int] = []
+        self._calls = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        def counted(group, bucket):  # type: ignore[no-untyped-def]  # (torch refuses annotations other than its own)
+            self._calls += 1
+            return allreduce_hook(group, bucket)
+
+        for m in trainer.strategy.engine.train_modules.values():
+            if isinstance(m, DistributedDataParallel):
+                m.register_comm_hook(m.process_group, counted)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.per_batch.append(self._calls)
+        self._calls = 0
+
+
 class RecordInitial(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
@@ -117,6 +142,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
     watch = WatchWeights()  # (idle unless the weights are streamed: offload="parameters", asked or planned)
     epochs = EpochMetrics()
     callbacks += [watch, epochs]
+    reductions = CountReductions() if scenario.get("count_reductions") else None
+    callbacks += [reductions] if reductions is not None else []
     target = out / scenario["name"]
     if scenario.get("checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -212,6 +239,8 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             "states": len(states),
             "early_copies_used": strategy.offload.early_copies_used,
         }
+    if reductions is not None:
+        result["reductions"] = reductions.per_batch
     if watch.weights is not None:  # which weights were on the device while each stage computed
         result["weights"] = watch.summary()
     if strategy.engine.runner.activation_offload is not None:  # what went to host memory

@@ -169,6 +169,10 @@ class PipelineEngine:
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: Grads | None = None
         self._pending_factor = 1.0
+        #: (the strategy's ``block_backward_sync``, around a batch that Lightning accumulates) the gradients' average
+        #: over replicas waits for the accumulation's last batch; ``_deferred``: ``.grad`` holds unaveraged ones
+        self.defer_replica_sync = False
+        self._deferred = False
         self.last_microbatches: int | None = None
         self.last_global_batch: int | None = None
         self.samples_seen = 0
@@ -294,8 +298,8 @@ class PipelineEngine:
                     ddp.register_comm_hook(AllreduceTrace(self.ctx.dp_group, self.clock), traced_allreduce_hook)
 
     # ----------------------------------------------------------------- schedules
-    def _build(self, mode: Mode, n_microbatches: int) -> Any:
-        modules = self.train_modules if mode == "train" else self.stage_modules
+    def _build(self, mode: Mode, n_microbatches: int, synced: bool = True) -> Any:
+        modules = self.train_modules if mode == "train" and synced else self.stage_modules
         stages = [
             SpotStage(
                 modules[s],
@@ -337,11 +341,13 @@ class PipelineEngine:
         idx = torch.arange(local, device=self.ctx.device)
         return ((idx,) if self.holds_first else ()), (idx if self.holds_last else None)
 
-    def _program(self, mode: Mode, fn_name: str, n_microbatches: int, batch: Any) -> Any:
-        key = (mode, fn_name, n_microbatches, batch_signature(batch))
+    def _program(self, mode: Mode, fn_name: str, n_microbatches: int, batch: Any, synced: bool = True) -> Any:
+        """The schedule for a batch like ``batch`` (cached); ``synced=False``: of the stage modules without DDP (a
+        batch that Lightning accumulates: torch's schedules reduce a DDP module's gradients at the last backward)."""
+        key = (mode, fn_name, n_microbatches, batch_signature(batch), synced)
         program = self._programs.get(key)
         if program is None:
-            program = self._build(mode, n_microbatches)
+            program = self._build(mode, n_microbatches, synced)
             self._programs[key] = program
             while len(self._programs) > self.MAX_PROGRAMS:
                 self._programs.popitem(last=False)
@@ -383,7 +389,8 @@ class PipelineEngine:
         self.appends.before()
         self.last_microbatches = m
         self.last_global_batch = global_batch = global_batch or self.global_batch_of(local)
-        program = self._program("train", "training_step", m, batch)
+        defer = self.defer_replica_sync and self._can_defer()  # (a schedule of the stages without DDP then)
+        program = self._program("train", "training_step", m, batch, synced=not defer)
         saved = take_grads(self.params)
         if release_grads:
             saved = [None] * len(saved)
@@ -403,7 +410,7 @@ class PipelineEngine:
         with self.runner.bind("training_step", "train", batch, args, kwargs, m), tracing, self._streaming(("train", m)):
             program.step(*inputs, target=target, losses=losses, return_outputs=False)
         self.last_step_seconds, self.last_compute_seconds = time.perf_counter() - start, clock.compute_seconds
-        if self.ctx.dp_group is not None and self.layout.data_parallel > 1:
+        if self.ctx.dp_group is not None and self.layout.data_parallel > 1 and not defer:
             unsynced = self.params if self.spec.splits_backward else self._late
             if unsynced:
                 with clock.span("all-reduce", "allreduce", lane="allreduce"):
@@ -414,6 +421,10 @@ class PipelineEngine:
                 self.cross.finish_step()
         self._pending = take_grads(self.params)
         put_grads(self.params, saved)
+        if self._deferred and not defer:  # the accumulation's earlier batches, averaged over the replicas at last
+            with clock.span("all-reduce", "allreduce", lane="allreduce"):
+                all_reduce_mean(self.params, self.ctx.dp_group)  # type: ignore[arg-type]
+        self._deferred = defer
         self.samples_seen += global_batch
         weights = self.runner.loss_weights
         logged, outputs = self._share_logs(
@@ -491,6 +502,18 @@ class PipelineEngine:
                 self.held_logs.drop()
 
         return undo
+
+    def _can_defer(self) -> bool:
+        """Whether the replicas' gradient average can wait for an accumulation's last batch: plain DDP or the
+        average after the schedule (not pipelines of mixed depths, streamed weights, or DDP told to find unused
+        parameters, where replicas may hold gradients for different parameters)."""
+        return (
+            self.ctx.dp_group is not None
+            and self.layout.data_parallel > 1
+            and self.cross is None
+            and self.runner.weights is None
+            and not self.ddp_kwargs.get("find_unused_parameters", False)
+        )
 
     def restore_grads(self, scale: float) -> None:
         """Add the gradients of the last :meth:`train_step` (times ``scale``) to ``.grad``."""
