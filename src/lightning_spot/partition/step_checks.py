@@ -90,14 +90,27 @@ def _differences(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float] | 
     return out
 
 
+#: differences smaller than this share of a tensor's largest value (or of 1) are taken for run-to-run noise, however
+#: little one run of the step differed from another (one sample of a GPU's non-deterministic kernels can be tiny)
+NOISE_FLOOR = 1e-4
+
+
+def _scale(t: torch.Tensor) -> float:
+    if not t.is_floating_point() or not t.numel():
+        return 1.0
+    return max(1.0, float(t.detach().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max()))
+
+
 def changed_beyond_noise(base: list[torch.Tensor], other: list[torch.Tensor], again: list[torch.Tensor]) -> bool:
     """Whether ``other`` differs from ``base`` by more than ``again``, a run of the same step, does (none on the CPU;
-    non-deterministic kernels on a GPU can make it more)."""
+    non-deterministic kernels on a GPU can make it more), and by more than :data:`NOISE_FLOOR` of its values."""
     noise = _differences(base, again)
     if noise is None:  # (the step's result changes from run to run: nothing to tell)
         return False
     gaps = _differences(base, other)
-    return gaps is None or any(gap > 10 * tolerated for gap, tolerated in zip(gaps, noise))
+    if gaps is None:
+        return True
+    return any(gap > max(10 * tolerated, NOISE_FLOOR * _scale(t)) for gap, tolerated, t in zip(gaps, noise, base))
 
 
 def _quietly(step: Callable[[], Any], run: StageRun, module: nn.Module, device: torch.device | None) -> Any:
