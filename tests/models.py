@@ -228,6 +228,15 @@ class EncoderModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class SharedBlockModel(TinyPipelineModel):
+    """One block at every place of the sequence (ALBERT's and universal transformers' weight sharing): each stage
+    holds the same module at two places, and every stage holds it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layers = nn.Sequential(*([self.layers[0]] * len(self.layers)))
+
+
 class CompiledBlocksModel(TinyPipelineModel):
     """Blocks the user compiled one by one (``torch.compile(block)``, as torchtitan does), with ``aot_eager`` (dynamo
     and AOT autograd without a C++ build); the layer sequence holds torch's compiled wrappers."""

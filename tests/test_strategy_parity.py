@@ -316,6 +316,13 @@ WORLD_2 = [
         model={"cls": "CompiledBlocksModel", "optimizer": "sgd"},
         compile=None,
     ),
+    # one block at all four places: each stage ran its copy once per place (the stage took its two places for two
+    # passes of the step, and refused it)
+    scenario(
+        "P2D1-one-block-at-every-place",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "SharedBlockModel", "optimizer": "sgd"},
+    ),
     scenario(
         "P2D1-loss-hook-dict-batches",
         strategy={"pipeline_stages": 2, "microbatches": 2},

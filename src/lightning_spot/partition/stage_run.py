@@ -98,6 +98,8 @@ class StageRun:
     #: only count the passes (``step_checks.count_passes``): every layer passes on a constant (``pass_fill``), and
     #: modules of other stages stand in wherever they run; the layer counted (the first one called)
     counting: bool = False
+    #: how often each block held at several places of the sequence was called in this run
+    calls: dict[int, int] = field(default_factory=dict)
     counted_layer: str = ""
     pass_fill: float = 0.0
     #: (``step_checks.stand_ins_used``) the value each module's stand-in holds, by name (others: ``stand_in``), and
@@ -310,6 +312,11 @@ def instrument_layer(
     With ``checkpoint``, the layer's activations are recomputed in backward instead of kept; with ``compiler``
     (``torch.compile``'s, see :mod:`lightning_spot.runtime.compiled`) the layer's own ``forward`` is compiled.
     """
+    positions: list[tuple[str, int, bool, bool]] | None = layer.__dict__.get("_spot_positions")
+    if positions is not None:  # the same block at another place of the sequence (blocks shared ALBERT-style)
+        positions.append((fqn, stage, first, last))
+        return
+    positions = layer.__dict__["_spot_positions"] = [(fqn, stage, first, last)]
     original = own_forward(layer)
     activation = activation_parameter(original)
     compiled = layer.__dict__.get("forward")  # (a block the user compiled: torch.compile's module holds its forward)
@@ -322,6 +329,11 @@ def instrument_layer(
         run = active_run()
         if run is None:
             return original(self, *args, **kwargs)
+        if len(positions) == 1:
+            fqn, stage, first, last = positions[0]
+        else:  # (called at its places in order: the k-th call of a run is at its k-th place)
+            count = run.calls[id(self)] = run.calls.get(id(self), -1) + 1
+            fqn, stage, first, last = positions[count % len(positions)]
         if run.stage != stage:
             return _note_passed(hidden_argument(args, kwargs, activation), fqn)
         if first:
