@@ -228,6 +228,24 @@ class EncoderModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class CheckpointedModel(TinyPipelineModel):
+    """Activation checkpointing written by hand, as nanoGPT-style code does: each block under
+    ``torch.utils.checkpoint.checkpoint`` in training (``reentrant``: torch's older variant)."""
+
+    def __init__(self, reentrant: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x))
+        for block in self.layers:
+            if self.training:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+            else:
+                h = block(h)
+        return self.head(h)
+
+
 class SharedBlockModel(TinyPipelineModel):
     """One block at every place of the sequence (ALBERT's and universal transformers' weight sharing): each stage
     holds the same module at two places, and every stage holds it."""

@@ -323,6 +323,13 @@ WORLD_2 = [
         strategy={"pipeline_stages": 2, "microbatches": 2},
         model={"cls": "SharedBlockModel", "optimizer": "sgd"},
     ),
+    # blocks under the user's own torch.utils.checkpoint: its recomputation in the backward ran each stage's first
+    # block on the stand-in it was given, not on the previous stage's output (torch: a different number of tensors)
+    scenario(
+        "P2D1-user-checkpoint-per-block",
+        strategy={"pipeline_stages": 2, "microbatches": 2},
+        model={"cls": "CheckpointedModel", "optimizer": "sgd"},
+    ),
     scenario(
         "P2D1-loss-hook-dict-batches",
         strategy={"pipeline_stages": 2, "microbatches": 2},

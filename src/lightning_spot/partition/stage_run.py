@@ -33,6 +33,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_spot._seeded import draw_key, reseed
 from lightning_spot.partition.discovery import ModelContractError
@@ -98,6 +99,8 @@ class StageRun:
     #: only count the passes (``step_checks.count_passes``): every layer passes on a constant (``pass_fill``), and
     #: modules of other stages stand in wherever they run; the layer counted (the first one called)
     counting: bool = False
+    #: a training step's run, whose backward follows (not a check, an evaluation or torch's shape inference)
+    training: bool = False
     #: how often each block held at several places of the sequence was called in this run
     calls: dict[int, int] = field(default_factory=dict)
     counted_layer: str = ""
@@ -285,6 +288,48 @@ def refuse_collective_in_step(collective: str) -> None:
     )
 
 
+#: what a stage's first layer was fed instead of the hidden state its caller gave (the previous stage's output), by
+#: the given tensor: a recomputation of the call (the user's ``torch.utils.checkpoint`` around the layer, in the
+#: backward, after the run) must compute from the same input
+_FED_INSTEAD: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint``'s reentrant forward (a few frames up)."""
+    code = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _reentrant_checkpoint(fqn: str) -> ModelContractError:
+    return ModelContractError(
+        f"Layer `{fqn}` runs inside `torch.utils.checkpoint.checkpoint(..., use_reentrant=True)` in a training step, "
+        f"next to another pipeline stage. That checkpoint connects gradients to its own arguments and outputs only, "
+        f"but this layer takes the previous stage's output, or hands its own on, around them: the stages before "
+        f"would not train. Use "
+        f"`use_reentrant=False` (torch's recommendation), or let the strategy recompute the layers: "
+        f"`SpotPipelineStrategy(activation_checkpointing=True)`."
+    )
+
+
+def _fed(fqn: str, args: tuple, kwargs: dict[str, Any], activation: str | None, value: Any) -> tuple[tuple, dict]:
+    """A layer's arguments with ``value`` as its hidden state."""
+    if args:
+        return (value, *args[1:]), kwargs
+    if activation is not None and activation in kwargs:
+        return args, {**kwargs, activation: value}
+    raise ModelContractError(
+        f"Layer `{fqn}` was called without its input (`{activation}`); the layer sequence must pass "
+        f"the hidden state to each layer, positionally or by that name."
+    )
+
+
 def own_forward(layer: nn.Module) -> Callable[..., Any]:
     """The ``forward`` of the layer's class; for a block compiled by the user (``torch.compile(block)``, whose
     module class defines none), that of the module it wraps."""
@@ -327,7 +372,11 @@ def instrument_layer(
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         run = active_run()
-        if run is None:
+        if run is None:  # (outside steps, or torch.utils.checkpoint recomputing a call made in one)
+            given = hidden_argument(args, kwargs, activation)
+            value = _FED_INSTEAD.get(given) if isinstance(given, torch.Tensor) else None
+            if value is not None:
+                args, kwargs = _fed(positions[0][0], args, kwargs, activation, value)
             return original(self, *args, **kwargs)
         if len(positions) == 1:
             fqn, stage, first, last = positions[0]
@@ -336,6 +385,9 @@ def instrument_layer(
             fqn, stage, first, last = positions[count % len(positions)]
         if run.stage != stage:
             return _note_passed(hidden_argument(args, kwargs, activation), fqn)
+        boundary = (first and run.incoming is not None) or (last and run.exit_after)  # (next to another stage)
+        if boundary and run.training and not torch.is_grad_enabled() and _in_reentrant_checkpoint():
+            raise _reentrant_checkpoint(fqn)
         if first:
             run.layers_started = True
             begun, run.passes_begun = run.passes_begun, run.passes_begun + 1
@@ -351,15 +403,10 @@ def instrument_layer(
                 raise StageProbe(fqn, named or {})
             if run.incoming is not None:
                 value = pass_input(run, begun, fqn) if run.passes > 1 else incoming_value(run.incoming)
-                if args:
-                    args = (value, *args[1:])
-                elif activation is not None and activation in kwargs:
-                    kwargs = {**kwargs, activation: value}
-                else:
-                    raise ModelContractError(
-                        f"Layer `{fqn}` was called without its input (`{activation}`); the layer sequence must pass "
-                        f"the hidden state to each layer, positionally or by that name."
-                    )
+                given = hidden_argument(args, kwargs, activation)
+                args, kwargs = _fed(fqn, args, kwargs, activation, value)
+                if isinstance(given, torch.Tensor):  # (for a recomputation of this call: the user's checkpoint)
+                    _FED_INSTEAD[given] = value
             if named:
                 _reject_meta(fqn, named)
         if checkpoint and torch.is_grad_enabled():

@@ -314,6 +314,7 @@ class StepRunner:
         run = StageRun(
             stage, first_stage=stage == 0, incoming=acts or None, exit_after=True, device=self.device, passes=passes
         )
+        run.training = self.mode == "train" and not self._inferring
         run.find_chain = middle and key not in self._chains
         if run.find_chain:
             run.ambient = ambient_state(self.device)
@@ -391,6 +392,7 @@ class StepRunner:
             device=self.device,
             passes=self._passes_of(idx),
         )
+        run.training = self.mode == "train"
         microbatch, self._losses_computed = self._losses_computed, self._losses_computed + 1
         self._check_arguments(self.last_stage, micro_batch)
         self._check_result(micro_batch, acts, run.passes)
