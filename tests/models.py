@@ -238,11 +238,9 @@ class CheckpointedModel(TinyPipelineModel):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.embed(x))
+        checkpoint = torch.utils.checkpoint.checkpoint
         for block in self.layers:
-            if self.training:
-                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
-            else:
-                h = block(h)
+            h = checkpoint(block, h, use_reentrant=self.reentrant) if self.training else block(h)
         return self.head(h)
 
 
