@@ -680,6 +680,7 @@ def test_matches_single_process_lightning(world: int, case: dict[str, Any], jobs
         for r in ranks:
             assert 0 < len(r["state_dict"]) < len(ref["state_dict"])
 
+    assert all(r["inputs_kept"] == 0 for r in ranks), [r["inputs_kept"] for r in ranks]  # (kept for recomputations)
     if case.get("count_reductions"):  # none in the accumulated batches, some in each accumulation's last
         accumulate = case["trainer"]["accumulate_grad_batches"]
         for r in ranks:

@@ -123,6 +123,16 @@ class WatchWeights(L.Callback):
 WORLD = int(os.environ["WORLD_SIZE"])  # read once: Lightning's teardown removes it from the environment
 
 
+def _inputs_kept() -> int:
+    """The stages' first-layer inputs still referenced for a recomputation after the run (none should be)."""
+    import gc
+
+    from lightning_spot.partition import stage_run
+
+    gc.collect()
+    return len(stage_run._FED_INSTEAD)
+
+
 def run(scenario: dict[str, Any], out: Path) -> None:
     world = WORLD
     model_kwargs = dict(scenario.get("model", {}))
@@ -221,6 +231,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "reduced_during_backward": strategy.engine.cross.launched_early if strategy.engine.cross else None,
         "parameters": strategy.count_parameters(),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+        "inputs_kept": _inputs_kept(),
     }
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:  # fp16: where the loss scale ended, and the scaler every rank agreed with

@@ -405,8 +405,8 @@ def instrument_layer(
                 value = pass_input(run, begun, fqn) if run.passes > 1 else incoming_value(run.incoming)
                 given = hidden_argument(args, kwargs, activation)
                 args, kwargs = _fed(fqn, args, kwargs, activation, value)
-                if isinstance(given, torch.Tensor):  # (for a recomputation of this call: the user's checkpoint)
-                    _FED_INSTEAD[given] = value
+                if isinstance(given, torch.Tensor) and given is not value:  # (for a recomputation of this call: the
+                    _FED_INSTEAD[given] = value  # user's checkpoint; a key that is its own value would never go)
             if named:
                 _reject_meta(fqn, named)
         if checkpoint and torch.is_grad_enabled():
