@@ -617,7 +617,12 @@ def misplaced_module(fqn: str, owner: str, run: StageRun, kind: str = "Module") 
         )
         verb = "runs"
     else:
-        rule = f"on the first stage. Pass `SpotPipelineStrategy({side}=['{fqn}'])`."
+        rule = (
+            f"on the first stage. Pass `SpotPipelineStrategy({side}=['{fqn}'])`. A parameter that both the code before "
+            f"the layers and the code after them use cannot go to one stage: set it on a small module, and use two "
+            f"instances of it that share the parameter, one on each side (held as a copy per stage, kept equal, as "
+            f"tied embeddings are)."
+        )
         verb = "is used"
     return ModelContractError(
         f"{kind} `{fqn}` was placed on the {owner} stage but {verb} on {here}.{again} Modules and parameters beside "
