@@ -420,19 +420,7 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if "optimizer" in self._offloaded():
-                weights = self.engine.runner.weights if self.engine is not None else None
-                masters = weights.masters if weights is not None else None
-                self.offload = OptimizerOffload(list(self.optimizers), masters=masters)
-                if self.engine is not None and self.engine.fixed_params is None:
-                    self.engine.fixed_params = (
-                        "offload='optimizer'",
-                        "its host masters are the parameters trainable then",
-                    )
-                if self.offload.fused:
-                    rank_zero_info(
-                        f"spot_pipeline: the update in host memory runs torch's fused CPU kernel "
-                        f"({', '.join(self.offload.fused)}); pass fused=False or foreach=... to the optimizer to keep yours"
-                    )
+                self.offload = self._engine().offload_optimizers(list(self.optimizers))
             if self._fault_tolerance is not None and self.replicas is None:
                 self.replicas = attach(
                     trainer,
@@ -580,12 +568,8 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """(Lightning, around a batch it accumulates) the replicas average the gradients at the last batch only."""
-        engine = self._engine()
-        engine.defer_replica_sync = True
-        try:
+        with self._engine().replica_sync_deferred():
             yield
-        finally:
-            engine.defer_replica_sync = False
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

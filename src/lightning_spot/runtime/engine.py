@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
@@ -48,6 +49,7 @@ from lightning_spot.runtime.logging_bridge import (
     replay,
 )
 from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
+from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_appends import StepAppends
@@ -502,6 +504,30 @@ class PipelineEngine:
                 self.held_logs.drop()
 
         return undo
+
+    @contextlib.contextmanager
+    def replica_sync_deferred(self) -> Iterator[None]:
+        """Around a training step that Lightning accumulates: the replicas average its gradients with the
+        accumulation's last batch (see :meth:`_can_defer`)."""
+        self.defer_replica_sync = True
+        try:
+            yield
+        finally:
+            self.defer_replica_sync = False
+
+    def offload_optimizers(self, optimizers: list[Any]) -> OptimizerOffload:
+        """``offload="optimizer"``: fp32 masters and optimizer state in host memory (the streamed weights' masters
+        when the weights are streamed too); the parameters trainable then are the ones followed."""
+        masters = self.runner.weights.masters if self.runner.weights is not None else None
+        offload = OptimizerOffload(optimizers, masters=masters)
+        if self.fixed_params is None:
+            self.fixed_params = ("offload='optimizer'", "its host masters are the parameters trainable then")
+        if offload.fused:
+            rank_zero_info(
+                f"spot_pipeline: the update in host memory runs torch's fused CPU kernel "
+                f"({', '.join(offload.fused)}); pass fused=False or foreach=... to the optimizer to keep yours"
+            )
+        return offload
 
     def _can_defer(self) -> bool:
         """Whether the replicas' gradient average can wait for an accumulation's last batch: plain DDP or the
