@@ -19,17 +19,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
-from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter, own_forward
+from lightning_spot.partition.stage_run import SkippedLayer, activation_parameter, meta_copy, own_forward
 from lightning_spot.partition.step_checks import changed_beyond_noise, quiet_run, step_effects_kept, tensors_of
 
 log = logging.getLogger(__name__)
@@ -61,18 +61,42 @@ def run_step_quietly(module: nn.Module, batch: Any, step: str = "training_step")
 
 
 @contextlib.contextmanager
-def _layers_passing(module: nn.Module, split: ModelSplit) -> Iterator[list[nn.Module]]:
-    """Every layer of the sequence passes its input through (a :class:`SkippedLayer`) in the block; yields them."""
+def layers_passing(module: nn.Module, split: ModelSplit, meta: bool = False) -> Iterator[list[nn.Module]]:
+    """Every layer of the sequence passes its input through (a :class:`SkippedLayer`) in the block; yields them.
+    Their attributes are read from the layers themselves, or from meta copies (``meta``: for a copy of the module
+    made in the block, which should not copy the layers' tensors)."""
     seq = module.get_submodule(split.layers_path)
     originals = dict(seq._modules)
     try:
         for index, name in enumerate(split.layer_names):
             layer = originals[name]
             assert layer is not None
-            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(own_forward(layer)), layer)
+            like = meta_copy(layer) if meta else layer
+            seq._modules[name] = SkippedLayer(split.layer_fqn(index), activation_parameter(own_forward(layer)), like)
         yield [seq._modules[name] for name in split.layer_names]  # type: ignore[misc]
     finally:
         seq._modules.update(originals)
+
+
+@contextlib.contextmanager
+def _watched_runs(
+    module: nn.Module, split: ModelSplit, batch: Any
+) -> Iterator[Callable[[], tuple[list[Tensor], list[Tensor]]]]:
+    """In the block, quiet runs of the step with the layers passing their input through: each call returns the
+    tensors the first layer took (in every pass) and those of the step's result."""
+    seen: list[Any] = []
+
+    def run() -> tuple[list[Tensor], list[Tensor]]:
+        seen.clear()
+        result = _quiet_step(module, batch)
+        return tensors_of(list(seen)), tensors_of(result)
+
+    with layers_passing(module, split) as layers:
+        watch = layers[0].register_forward_pre_hook(lambda _m, a, k: seen.append((a, k)), with_kwargs=True)
+        try:
+            yield run
+        finally:
+            watch.remove()
 
 
 def _quiet_step(module: nn.Module, batch: Any) -> Any:
@@ -96,7 +120,7 @@ def sides_by_run(module: nn.Module, split: ModelSplit, batch: Any) -> dict[str, 
         passes[1] += 1
 
     try:
-        with _layers_passing(module, split) as layers:
+        with layers_passing(module, split) as layers:
             handles.append(layers[0].register_forward_pre_hook(enter))
             handles.append(layers[-1].register_forward_hook(leave))
             for fqn in (*split.first_modules, *split.last_modules):
@@ -126,7 +150,6 @@ def feeds_layers(module: nn.Module, split: ModelSplit, batch: Any, fqn: str) -> 
     much two runs differ anyway). A module the step runs before the layers without feeding them (a teacher whose
     output only the loss uses) does not. Outputs other than floating-point tensors (token ids, say) count as
     feeding: constants of them are not told apart so simply."""
-    seen: list[Any] = []
     floats = [True]
 
     def constant(fill: float) -> Any:
@@ -139,20 +162,14 @@ def feeds_layers(module: nn.Module, split: ModelSplit, batch: Any, fqn: str) -> 
 
     runs = []
     target = module.get_submodule(fqn)
-    with _layers_passing(module, split) as layers:
-        watch = layers[0].register_forward_pre_hook(lambda _m, a, k: seen.append((a, k)), with_kwargs=True)
-        try:
-            for fill in (None, 0.0, 1.0, None):  # (as it is, zeros, ones, and as it is again)
-                hook = target.register_forward_hook(constant(fill)) if fill is not None else None
-                try:
-                    seen.clear()
-                    _quiet_step(module, batch)
-                finally:
-                    if hook is not None:
-                        hook.remove()
-                runs.append(tensors_of(list(seen)))
-        finally:
-            watch.remove()
+    with _watched_runs(module, split, batch) as run:
+        for fill in (None, 0.0, 1.0, None):  # (as it is, zeros, ones, and as it is again)
+            hook = target.register_forward_hook(constant(fill)) if fill is not None else None
+            try:
+                runs.append(run()[0])
+            finally:
+                if hook is not None:
+                    hook.remove()
     real, zeros, ones, again = runs
     return not floats[0] or changed_beyond_noise(real, zeros, again) or changed_beyond_noise(real, ones, again)
 
@@ -163,36 +180,25 @@ def loose_parameter_sides(module: nn.Module, split: ModelSplit, batch: Any, name
     position table, a class token), ``"after"`` where only the step's result depends on it (a logit scale); absent
     where neither changes. Found by runs with each parameter holding zeros and ones, with the layers passing their
     input through, compared with two runs as it is (which show how much runs differ anyway)."""
-    seen: list[Any] = []
-
-    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        seen.clear()
-        result = _quiet_step(module, batch)
-        return tensors_of(list(seen)), tensors_of(result)
-
     sides: dict[str, str] = {}
-    with _layers_passing(module, split) as layers:
-        watch = layers[0].register_forward_pre_hook(lambda _m, a, k: seen.append((a, k)), with_kwargs=True)
-        try:
-            real, again = run(), run()
-            for fqn in names:
-                param = module.get_parameter(fqn)
-                kept = param.detach().clone()
-                try:
-                    changed = []
-                    for fill in (0.0, 1.0):
-                        with torch.no_grad():
-                            param.fill_(fill)
-                        changed.append([changed_beyond_noise(r, o, a) for r, o, a in zip(real, run(), again)])
-                finally:
+    with _watched_runs(module, split, batch) as run:
+        real, again = run(), run()
+        for fqn in names:
+            param = module.get_parameter(fqn)
+            kept = param.detach().clone()
+            try:
+                changed = []
+                for fill in (0.0, 1.0):
                     with torch.no_grad():
-                        param.copy_(kept)
-                if any(inputs for inputs, _ in changed):
-                    sides[fqn] = "before"
-                elif any(result for _, result in changed):
-                    sides[fqn] = "after"
-        finally:
-            watch.remove()
+                        param.fill_(fill)
+                    changed.append([changed_beyond_noise(r, o, a) for r, o, a in zip(real, run(), again)])
+            finally:
+                with torch.no_grad():
+                    param.copy_(kept)
+            if any(inputs for inputs, _ in changed):
+                sides[fqn] = "before"
+            elif any(result for _, result in changed):
+                sides[fqn] = "after"
     return sides
 
 

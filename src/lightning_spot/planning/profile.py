@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit
 from lightning_spot.partition.loss_hook import has_loss_hook, loss_hook_inputs
-from lightning_spot.partition.run_order import run_step_quietly, shadowed
-from lightning_spot.partition.stage_run import SkippedLayer, StageExit, activation_parameter, meta_copy, own_forward
+from lightning_spot.partition.run_order import layers_passing, run_step_quietly, shadowed
+from lightning_spot.partition.stage_run import SkippedLayer, StageExit, meta_copy
 from lightning_spot.planning.hardware import sync_device
 
 log = logging.getLogger(__name__)
@@ -447,17 +447,8 @@ def _fresh_call(layer: nn.Module, args: tuple, kwargs: dict) -> Callable[[], Any
 def _without_layers(module: nn.Module, split: ModelSplit, device: torch.device) -> nn.Module:
     """A real copy of ``module`` on ``device`` whose layers of the sequence pass their input through (for models
     whose forward does not run on the meta device; only the modules beside the sequence are copied)."""
-    seq = module.get_submodule(split.layers_path)
-    saved = dict(seq._modules)
-    try:
-        for i, name in enumerate(split.layer_names):
-            layer = saved[name]
-            assert layer is not None
-            like = meta_copy(layer)  # (copied with the module: a meta copy costs nothing)
-            seq._modules[name] = SkippedLayer(split.layer_fqn(i), activation_parameter(own_forward(layer)), like)
+    with layers_passing(module, split, meta=True):
         return _materialize(module, device)
-    finally:
-        seq._modules.update(saved)
 
 
 def _profile_outside(
