@@ -27,7 +27,7 @@ setup() {
     echo "quickstart: installing $TORCH_SPEC"
     "$py" -m pip install --quiet "$TORCH_SPEC"
   fi
-  if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse, matplotlib, ruff, mypy, transformers, torchdata" >/dev/null 2>&1; then
+  if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse, matplotlib, ruff, mypy, transformers, torchdata, peft" >/dev/null 2>&1; then
     echo "quickstart: installing lightning-spot with its test extras"
     "$py" -m pip install --quiet -e ".[test]"
   fi

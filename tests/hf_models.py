@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -78,6 +78,26 @@ class CausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class LoRA(CausalLM):
+    """``CausalLM`` fine-tuned with peft's LoRA (r=4 on the attention projections), the base model frozen."""
+
+    TARGETS: ClassVar[dict[str, list[str]]] = {
+        "gpt2": ["c_attn"],
+        "llama": ["q_proj", "v_proj"],
+        "qwen2": ["q_proj", "v_proj"],
+    }
+
+    def __init__(self, family: str = "llama", tied: bool = False, layers: int = 4, lr: float = 3e-3) -> None:
+        super().__init__(family, tied, layers, lr)
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=self.TARGETS[family], init_lora_weights="gaussian")
+        self.model = get_peft_model(self.model, config)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
 
 
 def token_dataset(n: int = 64, seed: int = 3) -> TensorDataset:

@@ -9,6 +9,7 @@ checked directly, and a value that depends on an earlier stage's numbers is refu
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_spot import ModelContractError, discover, plan_stages
+from lightning_spot.checkpoint.durable.read import CheckpointError
+from lightning_spot.checkpoint.tools.export_peft import export_peft
 from lightning_spot.partition.discovery import find_layer_sequence
 from lightning_spot.partition.placement import place_stages
 from lightning_spot.partition.stage_run import StageProbe, StageRun, running
@@ -134,9 +137,16 @@ WORLD_4 = [
         "model": {"cls": "Preference", "family": "gpt2", "tied": True, "lr": 1e-3},
     },
 ]
+#: LoRA adapters (peft) on a Llama whose layers are split in two, replicated twice, checkpointed and exported
+LORA = {
+    **hf_scenario("llama", "P2D2", "1F1B", microbatches=2, layers="auto"),  # model.base_model.model.model.layers
+    "name": "lora-llama-P2D2",
+    "model": {"cls": "LoRA", "family": "llama"},
+    "spot_checkpoint": {"dirpath": f"{RUNS}/lora", "every_n_train_steps": 2, "snapshots": False},
+}
 TIED_NAMES = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight")}
 TIED_NAMES["llama"] = TIED_NAMES["qwen2"] = ("model.model.embed_tokens.weight", "model.lm_head.weight")
-ALL = {2: WORLD_2 + FINE_TUNE_2, 4: [*WORLD_4, *FINE_TUNE_4, TINY_SHARES]}
+ALL = {2: WORLD_2 + FINE_TUNE_2, 4: [*WORLD_4, *FINE_TUNE_4, TINY_SHARES, *([LORA] if find_spec("peft") else [])]}
 
 
 @pytest.fixture(scope="module")
@@ -433,10 +443,7 @@ def test_export_to_hugging_face_and_lightning_formats(jobs: dict, tmp_path_facto
     runs, out = jobs["runs4"], tmp_path_factory.mktemp("exports")
     trained = CausalLM("llama")
     trained.load_state_dict(merged_state(results[LLAMA_P4["name"]]))
-    info = export_huggingface(
-        str(runs / "llama"), out / "llama", config=trained.model.config, architecture="LlamaForCausalLM",
-        max_shard_size="20KB",
-    )  # fmt: skip
+    info = export_huggingface(str(runs / "llama"), out / "llama", max_shard_size="20KB")  # the recorded config
     assert info["step"] == 4 and len(info["files"]) > 1 and (out / "llama" / "model.safetensors.index.json").is_file()
     largest = max(p.stat().st_size for p in (runs / "llama" / "step-000000004").glob("*.distcp"))
     assert info["peak_bytes"] <= largest + 20_000, "one stored file's tensors and one output shard at a time"
@@ -452,6 +459,62 @@ def test_export_to_hugging_face_and_lightning_formats(jobs: dict, tmp_path_facto
     assert export_lightning(str(runs / "tiny"), out / "again.ckpt")["peak_bytes"] < sum(
         t.numel() * t.element_size() for t in weights.values()
     ), "no process holds the whole model"
+
+
+@pytest.mark.skipif(not find_spec("peft"), reason="peft is not installed")
+def test_lora_adapters_train_as_in_one_process_and_export_for_peft(
+    jobs: dict, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture
+) -> None:
+    """peft LoRA on a Llama, P2xD2: adapters and frozen base end as one process's; the checkpoint records the base
+    model's class and config and the adapter's; `export --peft` reads only the adapter tensors and writes what
+    `PeftModel.from_pretrained` loads with the trained pipeline's logits."""
+    from peft import PeftModel
+
+    from lightning_spot.checkpoint.tools.export import export_huggingface
+    from lightning_spot.cli import main
+    from tests.hf_models import LoRA
+
+    ranks = _job(4, jobs, tmp_path_factory)[LORA["name"]]
+    assert_same_params(merged_state(ranks), reference_run(LORA))
+    trained = LoRA("llama")
+    trained.load_state_dict(merged_state(ranks))
+    run, out = jobs["runs4"] / "lora", tmp_path_factory.mktemp("lora")
+    recorded = json.loads((run / "step-000000004" / "manifest.json").read_text())["pretrained"]
+    assert [(p, r["kind"], r["class"], list(r["adapters"])) for p, r in recorded.items()] == [
+        ("model.", "peft", "LlamaForCausalLM", ["default"])
+    ]
+
+    assert main(["checkpoint", "export", str(run), str(out / "adapter"), "--peft"]) == 0
+    assert "wrote adapter 'default' of step 4" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    loaded = PeftModel.from_pretrained(CausalLM("llama").model, out / "adapter")
+    assert torch.equal(_logits(loaded), _logits(trained.model))
+    assert not torch.equal(_logits(LoRA("llama").model), _logits(trained.model)), "training moved the adapters"
+    adapter_tensors = sum(p.requires_grad for p in trained.parameters())
+    assert export_peft(str(run), out / "again")["tensors"] == adapter_tensors == 16, "adapter tensors only"
+    with pytest.raises(CheckpointError, match="with --peft"):
+        export_huggingface(str(run), out / "hf")
+
+
+@pytest.mark.skipif(not find_spec("peft"), reason="peft is not installed")
+@pytest.mark.parametrize("stages", [2, 1])
+def test_save_pretrained_of_a_model_split_into_stages_is_refused(stages: int, tmp_path: Path) -> None:
+    """On a rank holding part of the layers, peft's and transformers' ``save_pretrained`` would write that part
+    (4 of 8 adapter tensors on P2's first stage) and loading it would fill the rest with fresh weights: refused by
+    name, nothing written. With every stage on the rank (P1) they save as usual."""
+    from tests.hf_models import LoRA
+
+    module = LoRA("llama")
+    split = discover(module, "model.base_model.model.model.layers")
+    place_stages(module, split, plan_stages(4, stages), pp_rank=0, device=torch.device("cpu"))
+    for model, flag in ((module.model, "--peft"), (module.model.get_base_model(), "--hf")):
+        if stages == 1:
+            model.save_pretrained(tmp_path / flag)
+            assert (tmp_path / flag).is_dir()
+            continue
+        with pytest.raises(ModelContractError, match=rf"stage 0 \(layers 0-1\) of 2.*export PATH OUT {flag}"):
+            model.save_pretrained(tmp_path / flag)
+        assert not (tmp_path / flag).exists()
 
 
 @pytest.mark.parametrize("router_logits", [True, False])

@@ -44,6 +44,7 @@ from lightning_spot._dist import broadcast_object, is_initialized
 from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import flat_optimizer, payload
 from lightning_spot.checkpoint.callback import checkpoints_last
+from lightning_spot.checkpoint.durable import pretrained_record
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
@@ -705,6 +706,7 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
             "layout": self.pipeline_layout.to_dict(),
             "data": {"global_batch": engine.last_global_batch, "samples_consumed": engine.samples_seen},
             "tied": dict(engine.ties.aliases),
+            "pretrained": pretrained_record.describe(self.lightning_module),
         }
 
     def use_checkpoint_storage(

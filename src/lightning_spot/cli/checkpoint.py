@@ -4,7 +4,8 @@ lightning-spot checkpoint list s3://bucket/runs/gpt --storage-options '{"endpoin
 lightning-spot checkpoint inspect s3://bucket/runs/gpt [--verify] [--json]
 lightning-spot checkpoint convert s3://bucket/runs/gpt model.pt     # torch.load-able, no lightning-spot needed
 lightning-spot checkpoint export s3://bucket/runs/gpt model.ckpt    # MyModule.load_from_checkpoint("model.ckpt")
-lightning-spot checkpoint export s3://bucket/runs/llama out/ --hf-config checkpoints/llama-1b  # from_pretrained("out")
+lightning-spot checkpoint export s3://bucket/runs/llama out/ --hf     # AutoModelForCausalLM.from_pretrained("out")
+lightning-spot checkpoint export s3://bucket/runs/lora lora/ --peft   # PeftModel.from_pretrained(base, "lora")
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning_spot.checkpoint.durable.read import CheckpointError, read_manifes
 from lightning_spot.checkpoint.durable.storage import Storage, StorageError
 from lightning_spot.checkpoint.tools.consolidate import latest_intact, load_full_state_dict
 from lightning_spot.checkpoint.tools.export import export_huggingface, export_lightning
+from lightning_spot.checkpoint.tools.export_peft import export_peft
 from lightning_spot.layout import LayoutError, PipelineLayout, layout_label
 
 
@@ -84,6 +86,9 @@ def _inspect(args: argparse.Namespace) -> int:
         f"timings      training stalled {timings.get('stall_seconds')} s, written in {timings.get('write_seconds')} s"
     )
     print(f"versions     {', '.join(f'{k} {v}' for k, v in manifest.get('versions', {}).items())}")
+    for prefix, record in manifest.get("pretrained", {}).items():
+        adapters = f", adapters {', '.join(record['adapters'])} (export --peft)" if "adapters" in record else ""
+        print(f"model        {record['kind']} {record['class']} at `{prefix}`{adapters}")
     if args.verify:
         print("verified     the model's files match the sizes and CRC32C in the manifest")
     return 0
@@ -100,7 +105,12 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     options = json.loads(args.storage_options) if args.storage_options else {}
-    if args.hf_config:
+    if args.peft:
+        info = export_peft(args.url, args.out, adapters=args.adapter, prefix=args.prefix, storage_options=options)
+        for name, where in info["adapters"].items():
+            print(f"wrote adapter {name!r} of step {info['step']} to {where} (peft's PeftModel.from_pretrained)")
+        return 0
+    if args.hf or args.hf_config:
         info = export_huggingface(
             args.url,
             args.out,
@@ -131,7 +141,8 @@ def main(argv: Sequence[str]) -> int:
         ("convert", "write the consolidated model weights as one torch.save file"),
         (
             "export",
-            "write a Lightning .ckpt (load_from_checkpoint), or with --hf-config a Hugging Face model directory",
+            "write a Lightning .ckpt (load_from_checkpoint), or with --hf a Hugging Face model directory, "
+            "or with --peft the peft adapters",
         ),
     ):
         p = sub.add_parser(name, help=help_text)
@@ -139,16 +150,19 @@ def main(argv: Sequence[str]) -> int:
         if name == "convert":
             p.add_argument("out", help="output file, e.g. model.pt")
         if name == "export":
-            p.add_argument("out", help="a .ckpt file, or (with --hf-config) a directory")
+            p.add_argument("out", help="a .ckpt file, or (with --hf or --peft) a directory")
             p.add_argument(
-                "--hf-config", help="the model's save_pretrained directory (or config.json): export for transformers"
+                "--hf", action="store_true", help="a transformers model directory (class and config as recorded)"
+            )
+            p.add_argument("--peft", action="store_true", help="the peft adapters (PeftModel.from_pretrained)")
+            p.add_argument("--adapter", action="append", help="with --peft: this adapter only (repeatable)")
+            p.add_argument(
+                "--hf-config", help="with --hf: this save_pretrained directory's (or config.json's) config instead"
             )
             p.add_argument(
-                "--architecture", help="the transformers class, e.g. LlamaForCausalLM (default: the config's)"
+                "--architecture", help="the transformers class, e.g. LlamaForCausalLM (default: the recorded one)"
             )
-            p.add_argument(
-                "--prefix", default="model.", help="where the LightningModule keeps the model (default: model.)"
-            )
+            p.add_argument("--prefix", help="where the LightningModule keeps the model (default: the recorded one)")
             p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
         if name == "inspect":
             p.add_argument("--verify", action="store_true", help="also read the model weights and check their CRC32C")

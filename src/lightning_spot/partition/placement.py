@@ -21,6 +21,7 @@ from torch import nn
 from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import PLACEMENT_MARK, ModelContractError, ModelSplit
 from lightning_spot.partition.loose_params import LooseStandIn
+from lightning_spot.partition.partial_saves import refuse_partial_saves
 from lightning_spot.partition.stage_run import (
     Compiler,
     RemoteModule,
@@ -271,5 +272,8 @@ def place_stages(
                 checkpoint=checkpointing,
                 compiler=compiler,
             )
+    if len(local) < plan.num_stages:
+        held = ", ".join(f"{s} (layers {plan.layers_of(s).start}-{plan.layers_of(s).stop - 1})" for s in local)
+        refuse_partial_saves(module, f"stage {held} of {plan.num_stages}; {split.num_layers} layers in all")
     module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed, ties)
     return placed

@@ -23,6 +23,7 @@ import torch
 
 from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import tensorfile
+from lightning_spot.checkpoint.durable import pretrained_record
 from lightning_spot.checkpoint.durable.read import CheckpointError, newest_intact
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.jsonstate import decode
@@ -70,24 +71,31 @@ def export_huggingface(
     url: str,
     out_dir: str | Path,
     *,
-    config: Any,
+    config: Any = None,
     architecture: str | None = None,
-    prefix: str = "model.",
+    prefix: str | None = None,
     storage_options: dict[str, Any] | None = None,
     max_shard_size: int | str = "5GB",
 ) -> dict[str, Any]:
     """Write the newest intact checkpoint of run ``url`` (or the one it names) as a Hugging Face model directory:
-    safetensors shards of at most ``max_shard_size``, their index, and ``config.json``. ``prefix`` is where the
-    LightningModule keeps the transformers model (``self.model``: ``"model."``). A tied weight is written once,
-    as ``save_pretrained`` writes it; ``from_pretrained`` ties it again. Returns what was written."""
-    config = _hf_config(config)
-    architecture, expected = _expected_names(config, architecture)
+    safetensors shards of at most ``max_shard_size``, their index, and ``config.json``. The model's class and
+    config are the ones the checkpoint recorded, unless ``config`` (a ``save_pretrained`` directory, config.json or
+    config object) and ``architecture`` are given. ``prefix`` is where the LightningModule keeps the transformers
+    model (``self.model``: ``"model."``; by default the recorded one). A tied weight is written once, as
+    ``save_pretrained`` writes it; ``from_pretrained`` ties it again. Returns what was written."""
     limit = parse_bytes(max_shard_size) or 5 * 10**9
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     storage = Storage(url, storage_options)
 
     def write(rel: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        nonlocal config, architecture, prefix
+        if config is None:
+            prefix, record = pretrained_record.find(manifest, "transformers", prefix)
+            config, architecture = pretrained_record.hf_config(record), architecture or record["class"]
+        prefix = "model." if prefix is None else prefix
+        config = _hf_config(config)
+        architecture, expected = _expected_names(config, architecture)
         aliases = set(manifest.get("tied", {}))
         shards: list[list[str]] = []
         current: dict[str, torch.Tensor] = {}
