@@ -100,6 +100,29 @@ class LoRA(CausalLM):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
 
 
+class Sampling(CausalLM):
+    """``CausalLM`` that writes samples at each validation's end, as users watch a language model learn:
+    ``generate`` in a hook, on every rank."""
+
+    PROMPT: ClassVar[list[list[int]]] = [[1, 2, 3], [4, 5, 6]]
+
+    def __init__(self, family: str = "llama", tied: bool = False, layers: int = 4, lr: float = 1e-2) -> None:
+        super().__init__(family, tied, layers, lr)
+        self.samples: list[list[list[int]]] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss)
+
+    def on_validation_epoch_end(self) -> None:
+        self.samples.append(self.sample(do_sample=False))
+
+    def sample(self, **options: Any) -> list[list[int]]:
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor(self.PROMPT), max_new_tokens=5, pad_token_id=0, **options)
+        return out.tolist()  # type: ignore[no-any-return]
+
+
 def token_dataset(n: int = 64, seed: int = 3) -> TensorDataset:
     """``n`` random sequences of ``SEQ`` token ids."""
     g = torch.Generator().manual_seed(seed)

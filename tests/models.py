@@ -456,7 +456,7 @@ def make_loader(
 
 def make_model(seed: int = 7, cls: str = "TinyPipelineModel", **kwargs: Any) -> L.LightningModule:
     torch.manual_seed(seed)
-    if cls in ("CausalLM", "FineTune", "Preference", "LoRA"):
+    if cls in ("CausalLM", "FineTune", "Preference", "LoRA", "Sampling"):
         import tests.hf_models
 
         return getattr(tests.hf_models, cls)(**kwargs)

@@ -147,6 +147,7 @@ def reference_run(
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "epoch_metrics": epochs.values,
         "summary": next(([c.table, c.totals] for c in trainer.callbacks if isinstance(c, RecordSummary)), None),
+        "samples": getattr(model, "samples", None),
     }
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
@@ -159,6 +160,9 @@ def reference_run(
             out["validate"] = trainer.validate(model, eval_loader, verbose=False)[0]
         elif stage == "test":
             out["test"] = trainer.test(model, eval_loader, verbose=False)[0]
+        elif stage == "generate":  # (after fit, on every rank: sampled, from the same seed)
+            torch.manual_seed(11)
+            out["generate"] = model.sample(do_sample=True, top_k=5)
         elif stage == "predict":
             out["predict"] = trainer.predict(model, eval_loader)
     return out

@@ -44,9 +44,8 @@ from lightning_spot._dist import broadcast_object, is_initialized
 from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import flat_optimizer, payload
 from lightning_spot.checkpoint.callback import checkpoints_last
-from lightning_spot.checkpoint.durable import pretrained_record
+from lightning_spot.checkpoint.durable import pretrained_record, write
 from lightning_spot.checkpoint.durable.storage import Storage
-from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.sources import StateSources
 from lightning_spot.data import shard_dataloader
@@ -505,6 +504,7 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
             ddp_kwargs=self._ddp_kwargs,
             activation_checkpointing=choice.activation_checkpointing,
             compiler=self._compiler,
+            outside_timeout=self._step_timeout or DEFAULT_STEP_TIMEOUT,
         )
         rank_zero_info(f"spot_pipeline: {engine.describe()}")
         return engine
@@ -706,7 +706,7 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
             "layout": self.pipeline_layout.to_dict(),
             "data": {"global_batch": engine.last_global_batch, "samples_consumed": engine.samples_seen},
             "tied": dict(engine.ties.aliases),
-            "pretrained": pretrained_record.describe(self.lightning_module),
+            "pretrained": pretrained_record.describe(engine.module),
         }
 
     def use_checkpoint_storage(
@@ -758,7 +758,7 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
             checkpoint, copy=False, with_lightning=self.is_global_zero, aliases=self.tied_aliases
         )
         options = storage_options if storage_options is not None else self.sources.storage_options
-        write_checkpoint(Storage(url, options), "", share, info=self.checkpoint_info(checkpoint))
+        write.write_checkpoint(Storage(url, options), "", share, info=self.checkpoint_info(checkpoint))
         self.barrier("spot_pipeline.save_checkpoint")
 
     @override

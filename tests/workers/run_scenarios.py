@@ -232,6 +232,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         "parameters": strategy.count_parameters(),
         "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "inputs_kept": _inputs_kept(),
+        "samples": getattr(model, "samples", None),  # (written at validations' ends)
     }
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:  # fp16: where the loss scale ended, and the scaler every rank agreed with
@@ -284,6 +285,9 @@ def run(scenario: dict[str, Any], out: Path) -> None:
             result["validate"] = trainer.validate(model, eval_loader, verbose=False)[0]
         elif stage == "test":
             result["test"] = trainer.test(model, eval_loader, verbose=False)[0]
+        elif stage == "generate":  # (after fit, on every rank: sampled, from the same seed)
+            torch.manual_seed(11)
+            result["generate"] = model.sample(do_sample=True, top_k=5)
         elif stage == "predict":
             result["predict"] = trainer.predict(model, eval_loader)
             writer = next((c for c in trainer.callbacks if isinstance(c, RecordWriter)), None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +46,8 @@ class Placement:
     pp_rank: int
     stages: dict[int, PlacedStage]
     ties: tuple[TiedParameter, ...] = ()
+    #: what runs calls of the model outside steps across the pipeline (``runtime.free_calls.FreeCalls``)
+    outside: Any = None
 
 
 def _child(parent: nn.Module, name: str) -> nn.Module:
@@ -197,8 +200,10 @@ def place_stages(
     seed: int = 0,
     checkpointing: bool = False,
     compiler: Compiler | None = None,
+    outside: Any = None,
 ) -> dict[int, PlacedStage]:
-    """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns.
+    """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns. ``outside`` (a
+    ``runtime.free_calls.FreeCalls``) runs calls of the model made outside steps across the pipeline's ranks.
 
     A module can be placed once per process; placing it again with the same plan returns the
     same stages (e.g. ``trainer.fit`` then a new Trainer's ``test``).
@@ -235,7 +240,9 @@ def place_stages(
                 placed[stage].modules.append(_child(parent, leaf))
             else:
                 anywhere = fqn in split.stand_in_before
-                parent._modules[leaf] = RemoteModule(fqn, _child(parent, leaf), owner, anywhere=anywhere)
+                parent._modules[leaf] = RemoteModule(
+                    fqn, _child(parent, leaf), owner, anywhere=anywhere, outside=outside
+                )
 
     loose = {0: split.first_direct_params}
     loose[last] = loose.get(last, ()) + split.last_direct_params
@@ -271,9 +278,10 @@ def place_stages(
                 last=index == rng.stop - 1,
                 checkpoint=checkpointing,
                 compiler=compiler,
+                outside=outside,
             )
     if len(local) < plan.num_stages:
         held = ", ".join(f"{s} (layers {plan.layers_of(s).start}-{plan.layers_of(s).stop - 1})" for s in local)
         refuse_partial_saves(module, f"stage {held} of {plan.num_stages}; {split.num_layers} layers in all")
-    module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed, ties)
+    module.__dict__[_MARK] = Placement(split, plan, pp_rank, placed, ties, outside)
     return placed

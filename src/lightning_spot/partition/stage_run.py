@@ -350,12 +350,15 @@ def instrument_layer(
     last: bool,
     checkpoint: bool = False,
     compiler: Compiler | None = None,
+    outside: Any = None,
 ) -> None:
     """Make an owned layer obey the active :class:`StageRun` (an instance-level ``forward`` override).
 
     Overriding ``forward`` on the instance keeps parameter names and ``state_dict`` keys unchanged.
     With ``checkpoint``, the layer's activations are recomputed in backward instead of kept; with ``compiler``
     (``torch.compile``'s, see :mod:`lightning_spot.runtime.compiled`) the layer's own ``forward`` is compiled.
+    ``outside`` (a :class:`~lightning_spot.runtime.free_calls.FreeCalls`) runs calls made outside steps across the
+    pipeline's ranks.
     """
     positions: list[tuple[str, int, bool, bool]] | None = layer.__dict__.get("_spot_positions")
     if positions is not None:  # the same block at another place of the sequence (blocks shared ALBERT-style)
@@ -377,6 +380,13 @@ def instrument_layer(
             value = _FED_INSTEAD.get(given) if isinstance(given, torch.Tensor) else None
             if value is not None:
                 args, kwargs = _fed(positions[0][0], args, kwargs, activation, value)
+            elif outside is not None and outside_call():
+                if len(positions) > 1:
+                    raise ModelContractError(
+                        f"Block `{positions[0][0]}` sits at several places of the sequence; calls of the model "
+                        f"outside a step (in a hook, after fit) are not supported for such models in a pipeline."
+                    )
+                return outside.layer_call(self, original, positions[0], args, kwargs, activation)
             return original(self, *args, **kwargs)
         if len(positions) == 1:
             fqn, stage, first, last = positions[0]
@@ -518,6 +528,21 @@ def _to_meta(value: Any) -> Any:
 
 #: whether stand-ins called outside a step give zeros where their input is (:func:`shapes_only`)
 _SHAPES_ONLY = False
+#: whether calls of the model outside steps run across the pipeline (:mod:`lightning_spot.runtime.free_calls`)
+_OUTSIDE_CALLS = False
+
+
+def run_outside_calls() -> None:
+    """From now on, stand-ins called outside a step give zeros where their input is (calls of the model outside
+    steps run across the pipeline's ranks, each its own layers: :mod:`lightning_spot.runtime.free_calls`)."""
+    global _OUTSIDE_CALLS
+    _OUTSIDE_CALLS = True
+
+
+def outside_call() -> bool:
+    """Whether the model is being called outside a step (in a hook, after fit), not reading shapes only, and not in
+    a backward (which recomputes calls made in a step)."""
+    return _OUTSIDE_CALLS and not _ACTIVE and not _SHAPES_ONLY and torch._C._current_autograd_node() is None
 
 
 @contextlib.contextmanager
@@ -548,7 +573,13 @@ def stand_in_fill(
     (the first stage, or after the layers), unless it stands in ``anywhere``."""
     run = active_run()
     if run is None:
-        return (_device_of(inputs) if _SHAPES_ONLY else None), 0.0
+        if owner == "last" and not anywhere and outside_call():
+            raise ModelContractError(
+                f"{kind} `{fqn}` of the last stage is used in a call of the model outside a step (in a hook, after "
+                f"fit) on a stage that does not hold it: such calls give the last stage's module outputs to every "
+                f"rank, not its {kind.lower()}s. Use it inside a module of the last stage (or in a step)."
+            )
+        return (_device_of(inputs) if _SHAPES_ONLY or _OUTSIDE_CALLS else None), 0.0
     misplaced = (run.first_stage or run.layers_started) and not anywhere
     if misplaced and not run.counting and not between_passes(run):
         raise misplaced_module(fqn, owner, run, kind)
@@ -566,7 +597,7 @@ class RemoteModule(nn.Module):
     nothing to ``parameters()`` or ``state_dict()``.
     """
 
-    def __init__(self, fqn: str, original: nn.Module, owner: str, anywhere: bool = False) -> None:
+    def __init__(self, fqn: str, original: nn.Module, owner: str, anywhere: bool = False, outside: Any = None) -> None:
         super().__init__()
         self.fqn = fqn
         self.owner = owner
@@ -574,8 +605,13 @@ class RemoteModule(nn.Module):
         self.anywhere = anywhere
         meta = original.to("meta") if _all_meta(original) else meta_copy(original)
         object.__setattr__(self, "_meta_module", meta)
+        #: (a module of the last stage) gives its real output in calls outside steps (``runtime/free_calls.py``)
+        object.__setattr__(self, "_outside", outside)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        outside = self.__dict__.get("_outside")
+        if outside is not None and self.owner == "last" and outside_call():
+            return outside.last_output(self._meta_module(*_to_meta(args), **_to_meta(kwargs)))
         device, value = stand_in_fill(self.fqn, self.owner, self.anywhere, (args, kwargs))
         out = self._meta_module(*_to_meta(args), **_to_meta(kwargs))
         if device is None:

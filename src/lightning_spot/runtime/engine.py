@@ -34,8 +34,9 @@ from lightning_spot.layout import LayoutError, PipelineLayout
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages, placement_of
-from lightning_spot.partition.stage_run import Compiler
+from lightning_spot.partition.stage_run import Compiler, run_outside_calls
 from lightning_spot.runtime.cross_pipeline import CrossPipelineSync
+from lightning_spot.runtime.free_calls import FreeCalls, next_engine
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
 from lightning_spot.runtime.held_logs import HELD, HeldLogs
 from lightning_spot.runtime.logging_bridge import (
@@ -95,6 +96,7 @@ class PipelineEngine:
         ddp_kwargs: dict[str, Any] | None = None,
         activation_checkpointing: bool = False,
         compiler: Compiler | None = None,
+        outside_timeout: float = 60.0,
     ) -> None:
         self.module = module
         self.layout = layout
@@ -124,6 +126,10 @@ class PipelineEngine:
         #: the module's lists that steps append to (Lightning 2's outputs for an epoch's end), kept on every rank
         self.appends = StepAppends(module)
         self.activation_checkpointing = activation_checkpointing
+        #: calls of the model outside steps (generate in a hook): run across the pipeline's ranks
+        free_calls, engine = None, next_engine()
+        if plan.num_stages > 1 and dist.is_initialized():
+            free_calls = FreeCalls(plan, ctx.pp_rank, ctx.dp_rank, ctx.pp_group, ctx.device, outside_timeout, engine)
         placed = place_stages(
             module,
             split,
@@ -133,9 +139,18 @@ class PipelineEngine:
             seed=seed,
             checkpointing=activation_checkpointing,
             compiler=compiler,
+            outside=free_calls,
         )
         self.local_stages = sorted(placed)
         placement = placement_of(module)
+        self.free_calls = placement.outside if placement is not None else None
+        if self.free_calls is free_calls and free_calls is not None:  # (placed now, not by an earlier Trainer)
+            run_outside_calls()
+            if plan.num_stages - 1 in placed:
+                for fqn in split.last_modules:
+                    free_calls.watch_last(module.get_submodule(fqn))
+        elif self.free_calls is not None:  # (this Trainer's process groups)
+            self.free_calls.group, self.free_calls.device = ctx.pp_group, ctx.device
         self.ties = TiedCopies(
             module,
             placement.ties if placement is not None else (),
