@@ -1,4 +1,4 @@
-"""What ``generate`` costs on a model split into stages (``runtime/free_calls.py``) against the same model in one
+"""What ``generate`` costs on a model split into stages (``runtime/outside_calls.py``) against the same model in one
 process: milliseconds per new token, greedy, key-value cache on.
 
 A tiny Hugging Face Llama (``--layers`` blocks of ``--hidden``), trained one step so that a Trainer has placed it,

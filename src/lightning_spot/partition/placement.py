@@ -46,7 +46,7 @@ class Placement:
     pp_rank: int
     stages: dict[int, PlacedStage]
     ties: tuple[TiedParameter, ...] = ()
-    #: what runs calls of the model outside steps across the pipeline (``runtime.free_calls.FreeCalls``)
+    #: what runs calls of the model outside steps across the pipeline (``runtime.outside_calls.OutsideCalls``)
     outside: Any = None
 
 
@@ -203,7 +203,7 @@ def place_stages(
     outside: Any = None,
 ) -> dict[int, PlacedStage]:
     """Reduce ``module`` in place to the stages on ``pp_rank`` and return what each of them owns. ``outside`` (a
-    ``runtime.free_calls.FreeCalls``) runs calls of the model made outside steps across the pipeline's ranks.
+    ``runtime.outside_calls.OutsideCalls``) runs calls of the model made outside steps across the pipeline's ranks.
 
     A module can be placed once per process; placing it again with the same plan returns the
     same stages (e.g. ``trainer.fit`` then a new Trainer's ``test``).

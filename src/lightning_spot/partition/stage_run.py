@@ -357,7 +357,7 @@ def instrument_layer(
     Overriding ``forward`` on the instance keeps parameter names and ``state_dict`` keys unchanged.
     With ``checkpoint``, the layer's activations are recomputed in backward instead of kept; with ``compiler``
     (``torch.compile``'s, see :mod:`lightning_spot.runtime.compiled`) the layer's own ``forward`` is compiled.
-    ``outside`` (a :class:`~lightning_spot.runtime.free_calls.FreeCalls`) runs calls made outside steps across the
+    ``outside`` (a :class:`~lightning_spot.runtime.outside_calls.OutsideCalls`) runs calls made outside steps across the
     pipeline's ranks.
     """
     positions: list[tuple[str, int, bool, bool]] | None = layer.__dict__.get("_spot_positions")
@@ -528,13 +528,13 @@ def _to_meta(value: Any) -> Any:
 
 #: whether stand-ins called outside a step give zeros where their input is (:func:`shapes_only`)
 _SHAPES_ONLY = False
-#: whether calls of the model outside steps run across the pipeline (:mod:`lightning_spot.runtime.free_calls`)
+#: whether calls of the model outside steps run across the pipeline (:mod:`lightning_spot.runtime.outside_calls`)
 _OUTSIDE_CALLS = False
 
 
 def run_outside_calls() -> None:
     """From now on, stand-ins called outside a step give zeros where their input is (calls of the model outside
-    steps run across the pipeline's ranks, each its own layers: :mod:`lightning_spot.runtime.free_calls`)."""
+    steps run across the pipeline's ranks, each its own layers: :mod:`lightning_spot.runtime.outside_calls`)."""
     global _OUTSIDE_CALLS
     _OUTSIDE_CALLS = True
 
@@ -605,7 +605,7 @@ class RemoteModule(nn.Module):
         self.anywhere = anywhere
         meta = original.to("meta") if _all_meta(original) else meta_copy(original)
         object.__setattr__(self, "_meta_module", meta)
-        #: (a module of the last stage) gives its real output in calls outside steps (``runtime/free_calls.py``)
+        #: (a module of the last stage) gives its real output in calls outside steps (``runtime/outside_calls.py``)
         object.__setattr__(self, "_outside", outside)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

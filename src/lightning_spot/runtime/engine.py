@@ -36,7 +36,6 @@ from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages, placement_of
 from lightning_spot.partition.stage_run import Compiler, run_outside_calls
 from lightning_spot.runtime.cross_pipeline import CrossPipelineSync
-from lightning_spot.runtime.free_calls import FreeCalls, next_engine
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
 from lightning_spot.runtime.held_logs import HELD, HeldLogs
 from lightning_spot.runtime.logging_bridge import (
@@ -51,6 +50,7 @@ from lightning_spot.runtime.logging_bridge import (
 )
 from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
 from lightning_spot.runtime.offload import OptimizerOffload
+from lightning_spot.runtime.outside_calls import OutsideCalls, next_engine
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
 from lightning_spot.runtime.step_appends import StepAppends
@@ -127,9 +127,11 @@ class PipelineEngine:
         self.appends = StepAppends(module)
         self.activation_checkpointing = activation_checkpointing
         #: calls of the model outside steps (generate in a hook): run across the pipeline's ranks
-        free_calls, engine = None, next_engine()
+        outside_calls, engine = None, next_engine()
         if plan.num_stages > 1 and dist.is_initialized():
-            free_calls = FreeCalls(plan, ctx.pp_rank, ctx.dp_rank, ctx.pp_group, ctx.device, outside_timeout, engine)
+            outside_calls = OutsideCalls(
+                plan, ctx.pp_rank, ctx.dp_rank, ctx.pp_group, ctx.device, outside_timeout, engine
+            )
         placed = place_stages(
             module,
             split,
@@ -139,18 +141,18 @@ class PipelineEngine:
             seed=seed,
             checkpointing=activation_checkpointing,
             compiler=compiler,
-            outside=free_calls,
+            outside=outside_calls,
         )
         self.local_stages = sorted(placed)
         placement = placement_of(module)
-        self.free_calls = placement.outside if placement is not None else None
-        if self.free_calls is free_calls and free_calls is not None:  # (placed now, not by an earlier Trainer)
+        self.outside_calls = placement.outside if placement is not None else None
+        if self.outside_calls is outside_calls and outside_calls is not None:  # (placed now, not by an earlier Trainer)
             run_outside_calls()
             if plan.num_stages - 1 in placed:
                 for fqn in split.last_modules:
-                    free_calls.watch_last(module.get_submodule(fqn))
-        elif self.free_calls is not None:  # (this Trainer's process groups)
-            self.free_calls.group, self.free_calls.device = ctx.pp_group, ctx.device
+                    outside_calls.watch_last(module.get_submodule(fqn))
+        elif self.outside_calls is not None:  # (this Trainer's process groups)
+            self.outside_calls.group, self.outside_calls.device = ctx.pp_group, ctx.device
         self.ties = TiedCopies(
             module,
             placement.ties if placement is not None else (),

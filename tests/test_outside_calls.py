@@ -1,4 +1,4 @@
-"""Calls of a model split into stages outside steps (``runtime/free_calls.py``): when they go across the pipeline,
+"""Calls of a model split into stages outside steps (``runtime/outside_calls.py``): when they go across the pipeline,
 and the error when some ranks of the pipeline make one and others do not.
 
 That every rank gets one process's tokens from ``generate`` (in a hook and after fit) is a parity test in
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lightning_spot import ModelContractError, plan_stages
 from lightning_spot.partition import stage_run
-from lightning_spot.runtime.free_calls import FreeCalls
+from lightning_spot.runtime.outside_calls import OutsideCalls
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def one_process_group() -> Iterator[None]:
 
 
 def test_a_call_that_the_other_ranks_of_the_pipeline_do_not_make_is_named(one_process_group: None) -> None:
-    calls = FreeCalls(plan_stages(4, 2), pp_rank=0, dp_rank=0, group=None, device=torch.device("cpu"), timeout=0.5)
+    calls = OutsideCalls(plan_stages(4, 2), pp_rank=0, dp_rank=0, group=None, device=torch.device("cpu"), timeout=0.5)
     start = time.monotonic()
     with pytest.raises(ModelContractError, match=r"pipeline rank\(s\) \[1\] did not within 0.5 s.*global_rank == 0"):
         calls._meet("model.layers.0")

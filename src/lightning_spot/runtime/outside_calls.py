@@ -40,7 +40,7 @@ def next_engine() -> int:
     return next(_ENGINES)
 
 
-class FreeCalls:
+class OutsideCalls:
     """Runs calls of the placed model outside steps across the ranks of this rank's pipeline."""
 
     def __init__(
@@ -57,10 +57,10 @@ class FreeCalls:
         self.local = [s for s in range(plan.num_stages) if plan.rank_of_stage(s) == pp_rank]
         self.last_rank = plan.rank_of_stage(plan.num_stages - 1)
         self.timeout = timeout
-        self.prefix = f"lightning_spot/free/{engine}/{dp_rank}"
+        self.prefix = f"lightning_spot/outside/{engine}/{dp_rank}"
         self.calls = 0
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> FreeCalls:
+    def __deepcopy__(self, memo: dict[int, Any]) -> OutsideCalls:
         return self  # (one per pipeline and process: a copy of the module, such as an average's, calls through it)
 
     def layer_call(
