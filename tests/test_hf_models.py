@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_spot import ModelContractError, discover, plan_stages
-from lightning_spot.checkpoint.durable.read import CheckpointError
 from lightning_spot.checkpoint.tools.export_peft import export_peft
 from lightning_spot.partition.discovery import find_layer_sequence
 from lightning_spot.partition.placement import place_stages
@@ -501,7 +500,8 @@ def test_lora_adapters_train_as_in_one_process_and_export_for_peft(
 ) -> None:
     """peft LoRA on a Llama, P2xD2: adapters and frozen base end as one process's; the checkpoint records the base
     model's class and config and the adapter's; `export --peft` reads only the adapter tensors and writes what
-    `PeftModel.from_pretrained` loads with the trained pipeline's logits."""
+    `PeftModel.from_pretrained` loads with the trained pipeline's logits; `export --hf` writes the merged model."""
+    import transformers
     from peft import PeftModel
 
     from lightning_spot.checkpoint.tools.export import export_huggingface
@@ -526,8 +526,13 @@ def test_lora_adapters_train_as_in_one_process_and_export_for_peft(
     assert not torch.equal(_logits(LoRA("llama").model), _logits(trained.model)), "training moved the adapters"
     adapter_tensors = sum(p.requires_grad for p in trained.parameters())
     assert export_peft(str(run), out / "again")["tensors"] == adapter_tensors == 16, "adapter tensors only"
-    with pytest.raises(CheckpointError, match="with --peft"):
-        export_huggingface(str(run), out / "hf")
+
+    # --hf: the base model with the adapter merged in, as peft's merge_and_unload gives it, for from_pretrained
+    export_huggingface(str(run), out / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    assert torch.equal(_logits(merged), _logits(loaded.merge_and_unload()))
+    assert torch.allclose(_logits(merged), _logits(trained.model), atol=1e-5)
 
 
 @pytest.mark.skipif(not find_spec("peft"), reason="peft is not installed")

@@ -152,7 +152,9 @@ def main(argv: Sequence[str]) -> int:
         if name == "export":
             p.add_argument("out", help="a .ckpt file, or (with --hf or --peft) a directory")
             p.add_argument(
-                "--hf", action="store_true", help="a transformers model directory (class and config as recorded)"
+                "--hf",
+                action="store_true",
+                help="a transformers model directory (class and config as recorded; a peft model's adapter merged)",
             )
             p.add_argument("--peft", action="store_true", help="the peft adapters (PeftModel.from_pretrained)")
             p.add_argument("--adapter", action="append", help="with --peft: this adapter only (repeatable)")

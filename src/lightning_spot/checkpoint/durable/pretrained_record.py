@@ -79,7 +79,9 @@ def find(manifest: dict[str, Any], kind: str, prefix: str | None = None) -> tupl
     if len(matches) > 1:
         fix = "Pass the prefix of one of them."
     elif kind == "transformers" and any(r["kind"] == "peft" for r in recorded.values()):
-        fix = "Export a peft model's adapters with --peft (export_peft); its base model is the one it started from."
+        fix = (
+            "For the peft model: --peft (export_peft) writes its adapters, --hf alone the base model with them merged."
+        )
     else:
         fix = "Check the prefix, or pass the model's config."
     where = f" at prefix {prefix!r}" if prefix else ""

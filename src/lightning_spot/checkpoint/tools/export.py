@@ -16,6 +16,7 @@ import mmap
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from lightning_spot.checkpoint.durable.read import CheckpointError, newest_intac
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.jsonstate import decode
 from lightning_spot.checkpoint.tools.consolidate import model_groups, read_model
+from lightning_spot.checkpoint.tools.export_peft import MergedAdapters
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +92,13 @@ def export_huggingface(
 
     def write(rel: str, manifest: dict[str, Any]) -> dict[str, Any]:
         nonlocal config, architecture, prefix
+        merged = None
         if config is None:
-            prefix, record = pretrained_record.find(manifest, "transformers", prefix)
+            kinds = {r["kind"] for p, r in manifest.get("pretrained", {}).items() if prefix in (None, p)}
+            prefix, record = pretrained_record.find(manifest, "peft" if kinds == {"peft"} else "transformers", prefix)
             config, architecture = pretrained_record.hf_config(record), architecture or record["class"]
+            if record["kind"] == "peft":  # the base model with the adapter merged in
+                merged = MergedAdapters(record, prefix)
         prefix = "model." if prefix is None else prefix
         config = _hf_config(config)
         architecture, expected = _expected_names(config, architecture)
@@ -110,11 +116,26 @@ def export_huggingface(
                 shards.append(sorted(current))
                 current.clear()
 
-        for _, names in model_groups(storage, rel, manifest):
+        base = prefix if merged is None else f"{prefix}base_model.model."  # (where the base model's names start)
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            nonlocal peak
             group = read_model(storage, rel, manifest, names)
             peak = max(peak, _nbytes(group) + _nbytes(current))
-            for name in names:
-                key = name[len(prefix) :] if name.startswith(prefix) else None
+            return group
+
+        def groups() -> Iterator[list[tuple[str, str | None, torch.Tensor]]]:
+            """(checkpoint name, name in the model, tensor) per stored file, then (peft) per merged layer."""
+            for _, names in model_groups(storage, rel, manifest):
+                if merged is None:
+                    yield [(n, n[len(prefix) :] if n.startswith(prefix) else None, t) for n, t in read(names).items()]
+                elif kept := [n for n in names if not merged.adapted(n)]:
+                    yield list(merged.entries(read(kept)))
+            if merged is not None:
+                yield from ([entry] for entry in merged.merged_layers(read))
+
+        for entries in groups():
+            for name, key, tensor in entries:
                 if name in aliases or key is None:  # tied copies are written once; other modules are not the model
                     continue
                 if key not in expected:
@@ -122,15 +143,15 @@ def export_huggingface(
                         f"`{name}` of the checkpoint is not a weight of {architecture} as `{key}`. Check prefix= (where "
                         f"the LightningModule keeps the model; {prefix!r} now) and the config."
                     )
-                tensor = group.pop(name).contiguous()
+                tensor = tensor.contiguous()
                 if current and _nbytes(current) + _nbytes({key: tensor}) > limit:
                     flush()
                 current[key] = tensor
                 found.add(key)
                 written += _nbytes({key: tensor})
-            del group
+            del entries
         flush()
-        missing = expected - found - {k[len(prefix) :] for k in aliases if k.startswith(prefix)}
+        missing = expected - found - {k[len(base) :] for k in aliases if k.startswith(base)}
         if missing:
             raise CheckpointError(
                 f"The checkpoint lacks {len(missing)} weight(s) of {architecture}, e.g. {sorted(missing)[:3]}. Check "

@@ -13,6 +13,7 @@ Adapters other than ``"default"`` go to a folder of their name, as peft saves th
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,59 @@ def export_peft(
         return {"step": manifest["step"], "adapters": dict(zip(names, written)), "tensors": len(state)}
 
     return newest_intact(storage, write)
+
+
+class MergedAdapters:
+    """The base model's weights of a peft model's checkpoint with one adapter merged in, as ``merge_and_unload``
+    gives them, computed per adapted layer by peft's own ``merge`` on that layer alone (built on the CPU from the
+    checkpoint's tensors): what ``export_huggingface`` writes for a peft model."""
+
+    def __init__(self, record: dict[str, Any], at: str) -> None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        adapters = list(record["adapters"])
+        if len(adapters) > 1 and "default" not in adapters:
+            raise CheckpointError(
+                f"The peft model holds adapters {adapters}: which to merge is not clear. Export them with --peft "
+                f"(export_peft) and merge with peft's merge_and_unload."
+            )
+        self.adapter = "default" if "default" in adapters else adapters[0]
+        self.at = at
+        model = pretrained_record.meta_model(record)
+        #: the adapted layers, by their names under the peft model (e.g. "base_model.model.model.layers.0.mlp.up_proj")
+        self.layers: dict[str, Any] = {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+
+    def adapted(self, name: str) -> bool:
+        """Whether checkpoint name ``name`` belongs to an adapted layer (read and merged by :meth:`merged_layers`)."""
+        return any(name.startswith(f"{self.at}{path}.") for path in self.layers)
+
+    def entries(self, group: dict[str, torch.Tensor]) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+        """(checkpoint name, name in the base model or ``None``, tensor) for stored tensors outside the adapted layers:
+        a module trained whole (``modules_to_save``) under its own name, other weights as they are."""
+        for name, tensor in group.items():
+            rel = name[len(self.at) :] if name.startswith(self.at) else None
+            if rel is not None and ".modules_to_save." in rel:  # (the adapter's copy of a module trained whole)
+                chosen = f".modules_to_save.{self.adapter}."
+                rel = rel.replace(chosen, ".") if chosen in rel else None
+            elif rel is not None and ".original_module." in rel:
+                rel = None
+            yield name, _base_name(rel) if rel is not None else None, tensor
+
+    def merged_layers(
+        self, read: Callable[[list[str]], dict[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, str | None, torch.Tensor]]:
+        """The adapted layers' ``base_layer`` weights with the adapter merged, one layer read (``read(names)``) and
+        merged at a time by peft's own ``merge`` on that layer alone, built on the CPU."""
+        for path, layer in self.layers.items():
+            built: Any = copy.deepcopy(layer).to_empty(device="cpu")
+            full = f"{self.at}{path}."
+            built.load_state_dict({n[len(full) :]: t for n, t in read([full + n for n in built.state_dict()]).items()})
+            built.merge(adapter_names=[self.adapter])
+            for name, tensor in built.state_dict().items():
+                if name.startswith("base_layer."):
+                    yield f"{full}{name}", _base_name(f"{path}.{name[len('base_layer.') :]}"), tensor.detach()
+
+
+def _base_name(rel: str) -> str | None:
+    """A name under the peft model as the base model names it (``base_model.model.`` off), ``None`` if not in it."""
+    return rel[len("base_model.model.") :] if rel.startswith("base_model.model.") else None
