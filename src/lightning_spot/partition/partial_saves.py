@@ -22,7 +22,7 @@ def _saves_pretrained(module: nn.Module) -> bool:
 
 def refuse_partial_saves(module: nn.Module, where: str) -> None:
     """Make ``save_pretrained`` of every transformers/peft model in ``module`` raise; ``where`` says what this
-    rank holds (e.g. "stage 0 of 2 (layers 0-1 of 4)")."""
+    rank holds (e.g. "stage 0 (layers 0-1) of 2; 4 layers in all")."""
     for name, sub in module.named_modules():
         if _saves_pretrained(sub):
             kind = "adapters" if any(c.__name__ == "PeftModel" for c in type(sub).__mro__) else "model"

@@ -127,10 +127,10 @@ class PipelineEngine:
         self.appends = StepAppends(module)
         self.activation_checkpointing = activation_checkpointing
         #: calls of the model outside steps (generate in a hook): run across the pipeline's ranks
-        outside_calls, engine = None, next_engine()
+        outside_calls, number = None, next_engine()
         if plan.num_stages > 1 and dist.is_initialized():
             outside_calls = OutsideCalls(
-                plan, ctx.pp_rank, ctx.dp_rank, ctx.pp_group, ctx.device, outside_timeout, engine
+                plan, ctx.pp_rank, ctx.dp_rank, ctx.pp_group, ctx.device, outside_timeout, number
             )
         placed = place_stages(
             module,

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import ModelContractError
-from lightning_spot.partition.stage_run import _fed, hidden_argument
+from lightning_spot.partition.stage_run import _fed, hidden_argument, outside_call
 
 #: engines made in this process (each one's calls meet under keys of its own in the store; every rank makes one
 #: per fit, so the count is the same on every rank, also where a pipeline of one stage has no calls to run)
@@ -120,7 +120,6 @@ class OutsideCalls:
 
     def watch_last(self, module: nn.Module) -> None:
         """On the last stage's rank: a module of the last stage broadcasts its output when called outside a step."""
-        from lightning_spot.partition.stage_run import outside_call
 
         def hook(_module: nn.Module, _args: Any, out: Any) -> Any:
             return self.last_output(out) if outside_call() else None
