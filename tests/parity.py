@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -24,6 +26,21 @@ from tests.models import (
 )
 
 WORKER = "tests/workers/run_scenarios.py"
+
+
+def shared_job(jobs: dict, key: Any, run: Callable[[], Any]) -> Any:
+    """What ``run()`` returned, run once for all the tests that read it (``jobs``: a module-scoped fixture). A failure
+    is kept too: the tests after the first one fail at once with its summary, instead of running the job again."""
+    if key not in jobs:
+        try:
+            jobs[key] = run()
+        except Exception as err:
+            jobs[key] = err
+            raise
+    if isinstance(jobs[key], Exception):
+        err = jobs[key]
+        pytest.fail(f"the shared job {key!r} failed in an earlier test: {type(err).__name__}: {str(err)[:300]}")
+    return jobs[key]
 
 
 def run_scenarios(

@@ -26,7 +26,7 @@ from lightning_spot.partition.stage_run import StageProbe, StageRun, running
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.step_runner import StepRunner
 from tests.hf_models import CausalLM, token_dataset
-from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios
+from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios, shared_job
 
 LAYERS = {"gpt2": "model.transformer.h", "llama": "model.model.layers", "qwen2": "model.model.layers"}
 
@@ -169,12 +169,13 @@ def jobs() -> dict[int, dict[str, list[dict]]]:
 
 
 def _job(world: int, jobs: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    if world not in jobs:
+    def run() -> dict[str, list[dict]]:
         tmp = tmp_path_factory.mktemp(f"hf-world{world}")
         scenarios = json.loads(json.dumps(ALL[world]).replace(RUNS, str(tmp / "runs")))
-        jobs[world] = run_scenarios(world, scenarios, tmp, timeout=600)
         jobs[f"runs{world}"] = tmp / "runs"
-    return jobs[world]
+        return run_scenarios(world, scenarios, tmp, timeout=600)
+
+    return shared_job(jobs, world, run)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("case", FINE_TUNE_4, ids=lambda c: c["name"])

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios
+from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios, shared_job
 
 BASE: dict[str, Any] = {"loader": {"batch_size": 16, "n": 64}, "trainer": {"max_steps": 4}}
 
@@ -647,9 +647,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, list[d
 
 
 def _results(jobs: dict, world: int, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    if world not in jobs:
-        jobs[world] = run_scenarios(world, ALL[world], tmp_path_factory.mktemp(f"world{world}"))
-    return jobs[world]
+    run = lambda: run_scenarios(world, ALL[world], tmp_path_factory.mktemp(f"world{world}"))  # noqa: E731
+    return shared_job(jobs, world, run)  # type: ignore[no-any-return]
 
 
 CASES = [(w, s) for w, group in ALL.items() for s in group if not s.get("differs")]
