@@ -14,14 +14,16 @@ store, one hidden state per stage boundary, the head's logits broadcast, the ran
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # for benchmarks.new_shapes
+
+from benchmarks.new_shapes import alternating_medians  # noqa: E402
 
 
 def _model(hidden: int, layers: int) -> object:
@@ -55,7 +57,6 @@ def _time_generate(model: object, tokens: int, repeats: int) -> float:
 
 
 def _worker(kind: str, hidden: int, layers: int, tokens: int, repeats: int) -> None:
-    sys.path.insert(0, str(REPO))
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -109,17 +110,10 @@ def main() -> None:
     if args.worker:
         _worker(args.worker, args.hidden, args.layers, args.tokens, args.repeats)
         return
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    results: dict[str, list[float]] = {"one": [], "P2xD1": []}
-    for _ in range(args.rounds):
-        for kind in results:  # alternating, so that the machine's drift falls on both
-            command = [sys.executable, __file__, "--worker", kind, *shape, "--repeats", str(args.repeats)]
-            out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True).stdout
-            results[kind].append(float(next(line.split()[1] for line in out.splitlines() if line.startswith("RESULT"))))
-    one, pipelined = statistics.median(results["one"]), statistics.median(results["P2xD1"])
+    shape += ["--repeats", str(args.repeats)]
+    commands = {kind: [sys.executable, __file__, "--worker", kind, *shape] for kind in ("one", "P2xD1")}
+    medians = alternating_medians(commands, args.rounds)
+    one, pipelined = medians["one"], medians["P2xD1"]
     print(
         f"Llama {args.layers} x {args.hidden}, batch 4, {args.tokens} new tokens: one process {one:.2f} ms/token, "
         f"P2xD1 {pipelined:.2f} ms/token ({pipelined / one:.2f}x)"

@@ -83,6 +83,21 @@ def _worker(vary: bool, width: int, steps: int) -> None:
         print(f"RESULT {statistics.median(periods) * 1000:.2f}")
 
 
+def alternating_medians(commands: dict[str, list[str]], rounds: int) -> dict[str, float]:
+    """Run each command (a worker that prints ``RESULT <value>``) ``rounds`` times, in turn, so that the machine's
+    drift falls on all of them: the median value of each."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    results: dict[str, list[float]] = {kind: [] for kind in commands}
+    for _ in range(rounds):
+        for kind, command in commands.items():
+            out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True).stdout
+            results[kind].append(float(next(line.split()[1] for line in out.splitlines() if line.startswith("RESULT"))))
+    return {kind: statistics.median(values) for kind, values in results.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=256)
@@ -93,26 +108,10 @@ def main() -> None:
     if args.worker:
         _worker(args.worker == "vary", args.width, args.steps)
         return
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    results: dict[str, list[float]] = {"fixed": [], "vary": []}
-    for _ in range(args.repeats):
-        for kind in results:  # alternating, so that the machine's drift falls on both
-            command = [
-                sys.executable,
-                __file__,
-                "--worker",
-                kind,
-                "--width",
-                str(args.width),
-                "--steps",
-                str(args.steps),
-            ]
-            out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True).stdout
-            results[kind].append(float(next(line.split()[1] for line in out.splitlines() if line.startswith("RESULT"))))
-    fixed, vary = statistics.median(results["fixed"]), statistics.median(results["vary"])
+    shape = ["--width", str(args.width), "--steps", str(args.steps)]
+    commands = {kind: [sys.executable, __file__, "--worker", kind, *shape] for kind in ("fixed", "vary")}
+    medians = alternating_medians(commands, args.repeats)
+    fixed, vary = medians["fixed"], medians["vary"]
     print(
         f"width {args.width}: one length {fixed:.2f} ms/step, a new length per batch {vary:.2f} ms/step: {vary / fixed:.3f}x"
     )

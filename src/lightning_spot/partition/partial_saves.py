@@ -16,16 +16,17 @@ from torch import nn
 from lightning_spot.partition.discovery import ModelContractError
 
 
-def _saves_pretrained(module: nn.Module) -> bool:
-    return any(c.__name__ in ("PreTrainedModel", "PeftModel") for c in type(module).__mro__)
+def instance_named(obj: Any, *class_names: str) -> bool:
+    """Whether ``obj`` is an instance of a class named so (by name: transformers and peft may not be installed)."""
+    return any(c.__name__ in class_names for c in type(obj).__mro__)
 
 
 def refuse_partial_saves(module: nn.Module, where: str) -> None:
     """Make ``save_pretrained`` of every transformers/peft model in ``module`` raise; ``where`` says what this
     rank holds (e.g. "stage 0 (layers 0-1) of 2; 4 layers in all")."""
     for name, sub in module.named_modules():
-        if _saves_pretrained(sub):
-            kind = "adapters" if any(c.__name__ == "PeftModel" for c in type(sub).__mro__) else "model"
+        if instance_named(sub, "PreTrainedModel", "PeftModel"):
+            kind = "adapters" if instance_named(sub, "PeftModel") else "model"
             sub.__dict__["save_pretrained"] = _Refusal(name or type(module).__name__, kind, where)
 
 

@@ -145,14 +145,14 @@ class PipelineEngine:
         )
         self.local_stages = sorted(placed)
         placement = placement_of(module)
-        self.outside_calls = placement.outside if placement is not None else None
-        if self.outside_calls is outside_calls and outside_calls is not None:  # (placed now, not by an earlier Trainer)
+        placed_with = placement.outside if placement is not None else None
+        if placed_with is outside_calls and outside_calls is not None:  # (placed now, not by an earlier Trainer)
             run_outside_calls()
             if plan.num_stages - 1 in placed:
                 for fqn in split.last_modules:
                     outside_calls.watch_last(module.get_submodule(fqn))
-        elif self.outside_calls is not None:  # (this Trainer's process groups)
-            self.outside_calls.group, self.outside_calls.device = ctx.pp_group, ctx.device
+        elif placed_with is not None:  # (this Trainer's process groups)
+            placed_with.group, placed_with.device = ctx.pp_group, ctx.device
         self.ties = TiedCopies(
             module,
             placement.ties if placement is not None else (),

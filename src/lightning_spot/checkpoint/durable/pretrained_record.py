@@ -17,11 +17,7 @@ import torch
 from torch import nn
 
 from lightning_spot.checkpoint.durable.read import CheckpointError
-
-
-def _is(obj: Any, *class_names: str) -> bool:
-    """Whether ``obj`` is an instance of a class named so (by name: transformers and peft may not be installed)."""
-    return any(c.__name__ in class_names for c in type(obj).__mro__)
+from lightning_spot.partition.partial_saves import instance_named
 
 
 def _jsonable(value: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +44,7 @@ def describe(module: nn.Module | None) -> dict[str, Any]:
         prefix = f"{name}." if name else ""
         if any(prefix.startswith(p) for p in found):
             continue
-        if _is(sub, "PeftModel"):
+        if instance_named(sub, "PeftModel"):
             base = sub.get_base_model()
             adapters = {a: _jsonable(c.to_dict()) for a, c in sub.peft_config.items()}
             for config in adapters.values():
@@ -61,7 +57,7 @@ def describe(module: nn.Module | None) -> dict[str, Any]:
                 "config": _config(base),
                 "adapters": adapters,
             }
-        elif _is(sub, "PreTrainedModel"):
+        elif instance_named(sub, "PreTrainedModel"):
             found[prefix] = {"kind": "transformers", "class": type(sub).__name__, "config": _config(sub)}
     return found
 

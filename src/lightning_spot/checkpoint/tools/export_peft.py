@@ -73,7 +73,7 @@ def export_peft(
             target.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in adapter.items()}, str(target / "adapter_model.safetensors"),
                       metadata={"format": "pt"})  # fmt: skip
-            config = copy.deepcopy(PeftConfig.from_peft_type(**record["adapters"][name]))
+            config = PeftConfig.from_peft_type(**record["adapters"][name])
             config.inference_mode = True
             config.save_pretrained(str(target))
             written.append(str(target))
