@@ -80,26 +80,6 @@ class CausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
-class LoRA(CausalLM):
-    """``CausalLM`` fine-tuned with peft's LoRA (r=4 on the attention projections), the base model frozen."""
-
-    TARGETS: ClassVar[dict[str, list[str]]] = {
-        "gpt2": ["c_attn"],
-        "llama": ["q_proj", "v_proj"],
-        "qwen2": ["q_proj", "v_proj"],
-    }
-
-    def __init__(self, family: str = "llama", tied: bool = False, layers: int = 4, lr: float = 3e-3) -> None:
-        super().__init__(family, tied, layers, lr)
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=self.TARGETS[family], init_lora_weights="gaussian")
-        self.model = get_peft_model(self.model, config)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
-
-
 class Sampling(CausalLM):
     """``CausalLM`` that writes samples at each validation's end, as users watch a language model learn:
     ``generate`` in a hook, on every rank."""
@@ -302,6 +282,23 @@ class FineTune(L.LightningModule):
         if self.hparams.scheduler:
             return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
         return opt
+
+
+class LoRA(FineTune):
+    """``FineTune`` with peft's LoRA (r=4 on the attention projections), the base model frozen: padded batches whose
+    prompt and padding are masked out of the labels, as instruction tuning with adapters is written."""
+
+    TARGETS: ClassVar[dict[str, list[str]]] = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+
+    def __init__(self, family: str = "llama", kind: str = "causal", tied: bool = False, lr: float = 3e-3) -> None:
+        super().__init__(family, kind, tied, lr)
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=self.TARGETS[family], init_lora_weights="gaussian")
+        self.model = get_peft_model(self.model, config)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.hparams.lr)
 
 
 class Preference(L.LightningModule):

@@ -25,7 +25,7 @@ from lightning_spot.partition.placement import place_stages
 from lightning_spot.partition.stage_run import StageProbe, StageRun, running
 from lightning_spot.runtime.logging_bridge import LogCapture
 from lightning_spot.runtime.step_runner import StepRunner
-from tests.hf_models import CausalLM, token_dataset
+from tests.hf_models import CausalLM, FineTune, token_dataset
 from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios, shared_job
 
 LAYERS = {"gpt2": "model.transformer.h", "llama": "model.model.layers", "qwen2": "model.model.layers"}
@@ -136,10 +136,12 @@ WORLD_4 = [
         "model": {"cls": "Preference", "family": "gpt2", "tied": True, "lr": 1e-3},
     },
 ]
-#: LoRA adapters (peft) on a Llama whose layers are split in two, replicated twice, checkpointed and exported
+#: LoRA adapters (peft) on a Llama whose layers are split in two, replicated twice, fine-tuned on padded batches with
+#: masked labels, checkpointed and exported
 LORA = {
     **hf_scenario("llama", "P2D2", "1F1B", microbatches=2, layers="auto"),  # model.base_model.model.model.layers
     "name": "lora-llama-P2D2",
+    "loader": {"batch_size": 8, "n": 32, "padded": "sft"},
     "model": {"cls": "LoRA", "family": "llama"},
     "spot_checkpoint": {"dirpath": f"{RUNS}/lora", "every_n_train_steps": 2, "snapshots": False},
 }
@@ -499,9 +501,10 @@ def test_generate_outside_steps_gives_every_rank_one_process_s_tokens(
 def test_lora_adapters_train_as_in_one_process_and_export_for_peft(
     jobs: dict, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture
 ) -> None:
-    """peft LoRA on a Llama, P2xD2: adapters and frozen base end as one process's; the checkpoint records the base
-    model's class and config and the adapter's; `export --peft` reads only the adapter tensors and writes what
-    `PeftModel.from_pretrained` loads with the trained pipeline's logits; `export --hf` writes the merged model."""
+    """peft LoRA on a Llama, P2xD2, fine-tuned on padded batches with masked labels: adapters and frozen base end as
+    one process's; the checkpoint records the base model's class and config and the adapter's; `export --peft` reads
+    only the adapter tensors and writes what `PeftModel.from_pretrained` loads with the trained pipeline's logits;
+    `export --hf` writes the merged model."""
     import transformers
     from peft import PeftModel
 
@@ -522,7 +525,7 @@ def test_lora_adapters_train_as_in_one_process_and_export_for_peft(
     assert main(["checkpoint", "export", str(run), str(out / "adapter"), "--peft"]) == 0
     assert "wrote adapter 'default' of step 4" in capsys.readouterr().out
     assert sorted(p.name for p in (out / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    loaded = PeftModel.from_pretrained(CausalLM("llama").model, out / "adapter")
+    loaded = PeftModel.from_pretrained(FineTune("llama").model, out / "adapter")  # (the base training started from)
     assert torch.equal(_logits(loaded), _logits(trained.model))
     assert not torch.equal(_logits(LoRA("llama").model), _logits(trained.model)), "training moved the adapters"
     adapter_tensors = sum(p.requires_grad for p in trained.parameters())
