@@ -3,8 +3,9 @@ process: milliseconds per new token, greedy, key-value cache on.
 
 A tiny Hugging Face Llama (``--layers`` blocks of ``--hidden``), trained one step so that a Trainer has placed it,
 then ``model.generate`` of ``--tokens`` tokens for a batch of 4 prompts, timed on every rank (the median of
-``--repeats`` calls). The one-process figure is the same model and call without a Trainer. Each token of the
-pipelined call runs the stages one after the other (nothing overlaps), plus per call: the ranks' meeting in the
+``--repeats`` calls). The one-process figure is the same model and call without a Trainer. Each side keeps the
+threads it gets by default (the pipeline's ranks one each on a 2-core machine, the single process both cores). Each
+token of the pipelined call runs the stages one after the other (nothing overlaps), plus per call: the ranks' meeting in the
 store, one hidden state per stage boundary, the head's logits broadcast, the random state shared twice.
 
     python benchmarks/generate_outside_steps.py                    # P2xD1 on 2 processes
@@ -63,7 +64,6 @@ def _worker(kind: str, hidden: int, layers: int, tokens: int, repeats: int) -> N
 
     from lightning_spot import SpotPipelineStrategy
 
-    torch.set_num_threads(1)
     if kind == "one":
         print(f"RESULT {_time_generate(_model(hidden, layers), tokens, repeats):.3f}")
         return
