@@ -80,10 +80,13 @@ def fine_tune_scenario(
 
 
 #: (micro-batches of one or two samples): BERT masked LM, causal-LM fine-tuning with prompt and padding masked
-#: (Llama, OPT, whose decoder registers its final norm before its layers), a classification head, mixed depths
+#: (Llama, OPT, whose decoder registers its final norm before its layers, GPT-2, whose loss type is None, Qwen2), a
+#: classification head, mixed depths
 FINE_TUNE_4 = [
     fine_tune_scenario("bert", "masked", "mlm", 2, tied=True),
     fine_tune_scenario("llama", "causal", "sft", 2),
+    fine_tune_scenario("gpt2", "causal", "sft", 2, tied=True),
+    fine_tune_scenario("qwen2", "causal", "sft", 2, tied=True),
     fine_tune_scenario("bert", "classify", "classify", 2, microbatches=2, tied=True),
     fine_tune_scenario("opt", "causal", "sft", 2, tied=True),
     fine_tune_scenario("llama", "causal", "sft", [1, 3]),

@@ -11,15 +11,30 @@ from torch import Tensor
 from torch.utils.data import default_collate
 
 from lightning_spot import ModelContractError
-from lightning_spot.runtime.item_counts import ItemCounts, transformers_item_count
+from lightning_spot.runtime.item_counts import ItemCounts
 from lightning_spot.runtime.loss_weights import LossWeights
 
+#: every family of docs/huggingface.md's table: GPT-2's loss type is None (transformers takes the causal-LM loss);
+#: BERT's heads compute their loss with their own CrossEntropyLoss (counted by loss type); Llama's classification
+#: head calls transformers' sequence-classification loss
 CASES = [
+    ("gpt2", "causal", "sft"),
     ("llama", "causal", "sft"),
+    ("qwen2", "causal", "sft"),
     ("opt", "causal", "sft"),
     ("bert", "masked", "mlm"),
     ("bert", "classify", "classify"),
+    ("llama", "classify", "classify"),
 ]
+
+
+def _counted(model: torch.nn.Module, batch: dict[str, Tensor], **extra: Any) -> tuple[Any, Tensor | None]:
+    """The model's output on ``batch`` and the count ItemCounts gives its loss, as the step runner asks for it."""
+    counts, before = ItemCounts(model), model.__dict__.get("_loss_function")
+    with torch.no_grad(), counts.micro_batch(watch=True):
+        out = model(**batch, **extra)
+    assert model.__dict__.get("_loss_function") is before, "the watch of the loss function is gone after the forward"
+    return out, counts.count_of(out.loss, out.loss)
 
 
 @pytest.mark.parametrize(("family", "kind", "task"), CASES, ids=lambda v: v)
@@ -30,9 +45,7 @@ def test_the_count_is_what_the_models_loss_averages_over(family: str, kind: str,
 
     model = fine_tune_model(family, kind, tied=True)
     batch = default_collate(padded_dataset(task, 4))
-    with torch.no_grad():
-        out = model(**batch)
-    count = transformers_item_count(model, batch)
+    out, count = _counted(model, batch)
     assert count is not None
     logits, labels = out.logits.flatten(0, -2), batch["labels"]
     if kind == "causal":  # position t predicts token t + 1
@@ -40,6 +53,36 @@ def test_the_count_is_what_the_models_loss_averages_over(family: str, kind: str,
     total = F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
     assert (total / count).item() == pytest.approx(out.loss.item(), rel=1e-6)
     assert int(count) < labels.numel() or kind == "classify", "the test data must mask some labels"
+
+
+def test_losses_the_rule_cannot_tell_have_no_count() -> None:
+    """A loss divided by a count given from outside (``num_items_in_batch``), a loss function of the user's, a head
+    that computes its loss without transformers' loss functions and has no loss type (GPT-2's double heads): no
+    count (the step runner warns about a mean over ignored targets); a regression head counts every value."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from tests.hf_models import fine_tune_model, hf_config, padded_dataset
+
+    batch = default_collate(padded_dataset("sft", 4))
+    model = fine_tune_model("gpt2", "causal")
+    assert _counted(model, batch, num_items_in_batch=torch.tensor(7))[1] is None
+
+    def own(logits: Tensor, labels: Tensor, vocab_size: int, **kwargs: Any) -> Tensor:
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    model.loss_function = own
+    assert _counted(model, batch)[1] is None
+    assert model.loss_function is own, "the user's loss function is back in place"
+
+    double = transformers.GPT2DoubleHeadsModel(hf_config("gpt2", tied=True))
+    assert double.loss_type is None
+    assert _counted(double, {"input_ids": batch["input_ids"], "labels": batch["labels"]})[1] is None
+
+    regression = fine_tune_model("llama", "classify")
+    regression.config.num_labels, regression.score = 1, torch.nn.Linear(32, 1, bias=False)
+    values = {"input_ids": batch["input_ids"], "labels": torch.randn(4)}
+    assert int(_counted(regression, values)[1]) == 4  # type: ignore[arg-type]
 
 
 def test_a_step_returning_the_models_loss_gets_its_count_and_a_declared_count_wins() -> None:

@@ -10,9 +10,10 @@ combined over micro-batches and replicas as a sum over items divided by the item
 (:mod:`lightning_spot.runtime.loss_weights`). The count comes from
 
 * the step itself: ``return {"loss": loss, "num_items": count}`` (plain Lightning ignores the extra key);
-* a transformers model called with ``labels=``: the items its loss function averages over, by its
-  ``loss_type`` (causal LM: the labels after the first position, masked LM and token classification: every
-  label, sequence classification: one per sample), when the step returns that model's loss itself.
+* a transformers model called with ``labels=``: the items the loss function it calls averages over
+  (:mod:`lightning_spot.runtime.transformers_losses`; causal LM, ``GPT2LMHeadModel`` included: the labels after
+  the first position, masked LM and token classification: every label, sequence classification: one per sample),
+  when the step returns that model's loss itself.
 
 With ``watch``, cross-entropy and NLL losses averaged over targets that hold their ``ignore_index`` are
 noticed, so that a loss averaged over a varying count that nobody declared can be warned about: as a flag on the
@@ -37,12 +38,12 @@ from torch.nn import _reduction as _Reduction
 from torch.overrides import TorchFunctionMode
 
 from lightning_spot.runtime.layer_outputs import refuse_partial_router_logits
+from lightning_spot.runtime.transformers_losses import IGNORE_INDEX, LossCalls
 
 #: the key of a step result that says how many items its loss is a mean over
 NUM_ITEMS = "num_items"
 #: the key of a step result that says whether its loss is a "sum" over the batch's samples or a "mean"
 LOSS_REDUCTION = "loss_reduction"
-IGNORE_INDEX = -100
 #: the ``torch.nn.functional`` losses with a ``reduction`` argument, whose sums over samples are noticed
 SUMMABLE_LOSSES = frozenset(
     getattr(F, name)
@@ -54,31 +55,6 @@ SUMMABLE_LOSSES = frozenset(
     )
     if hasattr(F, name)
 )  # fmt: skip
-
-
-def transformers_item_count(model: nn.Module, kwargs: Mapping[str, Any]) -> Tensor | None:
-    """The number of items the loss of transformers ``model`` averages over when called with ``kwargs``
-    (``None``: no labels, or a loss this rule does not know)."""
-    labels = kwargs.get("labels")
-    if not isinstance(labels, Tensor):
-        return None
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type in ("ForCausalLM", "ForConditionalGeneration"):
-        shifted = kwargs.get("shift_labels")
-        target = shifted if isinstance(shifted, Tensor) else labels[..., 1:]  # position t predicts token t + 1
-        return (target != IGNORE_INDEX).sum()
-    if loss_type in ("ForMaskedLM", "ForTokenClassification"):
-        return (labels != IGNORE_INDEX).sum()
-    if loss_type in (
-        "ForSequenceClassification",
-        "ForImageClassification",
-        "ForAudioClassification",
-        "ForVideoClassification",
-    ):
-        if labels.is_floating_point():  # regression or multi-label: a mean over every label value
-            return torch.full((), labels.numel(), device=labels.device)  # (a fill: a copy would wait for the device)
-        return (labels != IGNORE_INDEX).sum()
-    return None
 
 
 def either(flag: Tensor | None, other: Tensor) -> Tensor:
@@ -135,24 +111,31 @@ class ItemCounts:
         #: what the micro-batch's watched losses summed over their samples returned
         self.sums: list[Tensor] = []
         self._collecting = False
-        self._open: list[Tensor | None] = []
+        #: the loss-function calls of the transformers models running now, innermost last
+        self._open: list[LossCalls] = []
+        self._calls: dict[nn.Module, LossCalls] = {}
         modeling = sys.modules.get("transformers.modeling_utils")  # a model exists only if this was imported
         base = getattr(modeling, "PreTrainedModel", None)  # (not `transformers.X`: that imports it, ~0.15 s)
         if base is None:
             return
         for sub in module.modules():
             if isinstance(sub, base):
+                self._calls[sub] = LossCalls(sub)
                 sub.register_forward_pre_hook(self._before, with_kwargs=True)
                 sub.register_forward_hook(self._after, with_kwargs=True, always_call=True)
 
     def _before(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if self._collecting:
-            self._open.append(transformers_item_count(model, kwargs))
+            calls = self._calls[model]
+            calls.start(kwargs)
+            self._open.append(calls)
 
     def _after(self, model: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         if not self._collecting or not self._open:
             return
-        count = self._open.pop()
+        calls = self._open.pop()
+        calls.stop()
+        count = calls.count()
         refuse_partial_router_logits(model, output, self.stages, self.training)
         loss = getattr(output, "loss", None) if not isinstance(output, Tensor) else None
         if count is not None and isinstance(loss, Tensor):
