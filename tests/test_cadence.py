@@ -57,6 +57,30 @@ def test_the_first_snapshot_and_durable_save_stop_counting_once_a_second_is_meas
     assert cadence.durable_cost() == pytest.approx(0.2)
 
 
+def test_the_choice_is_said_once_it_rests_on_steady_measurements_and_again_only_when_it_moves_much() -> None:
+    """The demo's 20 s run said three differently worded interval lines: after the first snapshot (its one-time
+    costs), after the second, after the first durable save. Now: nothing on a first measurement alone; one line
+    once both kinds rest on steady ones; another only when an interval moves by more than a factor of 2."""
+    cadence, said = chosen(), (None, None)
+    cadence.observe_snapshot(cost=0.042, wall=0.01)
+    assert cadence.worth_saying(said) is None, "the first snapshot paid one-time costs: the second measures again"
+    cadence.observe_snapshot(cost=0.0096, wall=0.01)
+    said = cadence.worth_saying(said)  # type: ignore[assignment]
+    assert said is not None and said[0] == max(MIN_SECONDS, 0.0096 / SNAPSHOT_BUDGET)
+    assert said[1] == pytest.approx(math.sqrt(2 * 0.0096 * MTBF_PRIOR_SECONDS)), "durable saves cost a snapshot"
+    cadence.observe_snapshot(cost=0.014, wall=0.01)
+    assert cadence.worth_saying(said) is None, "1.4 s instead of 1 s: within a factor of 2"
+    cadence.observe_durable(cost=0.121, wall=0.05)
+    assert cadence.worth_saying(said) is None, "the first durable save paid one-time costs too"
+    cadence.observe_durable(cost=0.02, wall=0.05)
+    assert cadence.worth_saying(said) is None, "the second costs about what a snapshot did"
+    cadence.observe_durable(cost=0.5, wall=0.05)
+    cadence.observe_durable(cost=0.5, wall=0.05)
+    moved = cadence.worth_saying(said)
+    assert moved is not None and moved[1] == pytest.approx(math.sqrt(2 * 0.5 * MTBF_PRIOR_SECONDS))
+    assert moved[0] == pytest.approx(0.0118 / SNAPSHOT_BUDGET), "(the snapshots: the median of the steady ones)"
+
+
 def test_durable_saves_follow_young_daly_with_the_runs_own_interruption_rate() -> None:
     cadence = chosen()
     cadence.observe_durable(cost=0.5, wall=1.0)

@@ -36,6 +36,7 @@ def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> 
     assert 1.0 < float(val_ppl) < 256
     assert float(samples) > 0
     assert (tmp_path / "spot_checkpoints" / "step-000000008" / "manifest.json").is_file()
+    assert re.search(r"Epoch 0/0\b", out) and not re.search(r"Epoch \d+/-", out), "8 steps of a 35-batch epoch"
 
     # the same command on another layout continues from the checkpoint, with the weights in host memory
     # (each layer's on the device only while it computes: LoopedBFS, one layer per stage)
@@ -46,6 +47,24 @@ def test_example_script_trains_and_resumes_on_another_layout(tmp_path: Path) -> 
     assert "resumed from step 8" in out and "done: layout P1xD2" in out, out[-3000:]
     assert "LoopedBFS M=4" in out, out[-3000:]
     assert (tmp_path / "spot_checkpoints" / "step-000000012" / "manifest.json").is_file()
+
+
+def test_the_demos_bar_counts_the_epochs_a_run_bounded_by_steps_takes() -> None:
+    """Lightning's bar reads "Epoch 3/-2" with ``max_steps`` alone (``max_epochs - 1``); the demo's shows the epoch in
+    which the run ends."""
+    from types import SimpleNamespace
+
+    from examples.gpt.progress import last_epoch
+
+    def trainer(**kw: float) -> SimpleNamespace:
+        base = {"max_epochs": -1, "max_steps": 120, "global_step": 0, "num_training_batches": 35}
+        return SimpleNamespace(**{**base, "accumulate_grad_batches": 1, **kw})
+
+    assert last_epoch(trainer(), 0) == 3  # 120 steps of 35-batch epochs end in the fourth
+    assert last_epoch(trainer(global_step=105), 3) == 3
+    assert last_epoch(trainer(accumulate_grad_batches=5), 0) == 17  # 7 steps an epoch
+    assert last_epoch(trainer(max_epochs=5), 0) == 4
+    assert last_epoch(trainer(num_training_batches=float("inf")), 2) is None  # a stream: no end shown
 
 
 @pytest.mark.slow

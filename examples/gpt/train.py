@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 from examples.gpt.data import ByteTextDataModule
 from examples.gpt.model import TinyGPT
+from examples.gpt.progress import progress_bar
 from lightning_spot import PipelineThroughput, PipelineTimeline, SpotCheckpoint, SpotPipelineStrategy
 from lightning_spot.layout import layout_label
 
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         offload=args.offload.split("+") if args.offload and args.offload != "auto" else args.offload,
     )
     callbacks: list[L.Callback] = [throughput] if args.plain else [throughput, checkpoints, *timeline]
+    callbacks += progress_bar()  # ("Epoch 3/7" where Lightning's bar reads "Epoch 3/-2" with max_steps alone)
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,

@@ -23,6 +23,9 @@ seconds for a few GB; creating spare files): once a second one of the kind is me
 and the second snapshot is taken soon after the first (once its write is done) to measure the steady cost.
 
 Explicit intervals win: a kind with an interval given by the user is not chosen.
+
+The choice is announced (one log line, one journal record) once it rests on steady measurements, and again only
+when it moves by more than a factor of 2 (:meth:`Cadence.worth_saying`).
 """
 
 from __future__ import annotations
@@ -131,6 +134,29 @@ class Cadence:
             return max(MIN_SECONDS, 2 * self._snapshot_costs.median()[1])
         cost, wall = self._snapshot_costs.median()
         return max(MIN_SECONDS, cost / SNAPSHOT_BUDGET, 2 * wall)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the automatic intervals rest on steady measurements: none on a run's first snapshot or first
+        durable save alone (they paid one-time costs, and the next one measures again)."""
+        snapshots = self.auto_snapshots and self._snapshot_costs.first_only
+        durable = self.auto_durable and (
+            self._durable_costs.first_only or (not self._durable_costs and self._snapshot_costs.first_only)
+        )
+        return self.measured and not (snapshots or durable)
+
+    def worth_saying(self, said: tuple[float | None, float | None]) -> tuple[float | None, float | None] | None:
+        """The (snapshot, durable) intervals to announce now, given those announced before (``(None, None)``: none
+        yet), or ``None``: the choice rests on a first measurement alone, or moved by a factor of 2 or less (measured
+        costs wander; a line each time would tell nothing)."""
+        if not self.settled:
+            return None
+        chosen = self.chosen()
+        intervals = (chosen["snapshot_seconds"], chosen["durable_seconds"])
+        for now, then in zip(intervals, said):
+            if (now is None) != (then is None) or (now and then and not 0.5 <= now / then <= 2.0):
+                return intervals
+        return None
 
     def durable_cost(self) -> float:
         if self._durable_costs:

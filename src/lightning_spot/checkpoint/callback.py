@@ -149,7 +149,7 @@ class SpotCheckpoint(L.Callback):
         )
         #: how many snapshot and save records the cadence has been given (each is timed once its writing is over)
         self._snapshots_observed = self._saves_observed = 0
-        self._said_intervals: tuple[Optional[float], ...] = (None, None)
+        self._said_intervals: tuple[Optional[float], Optional[float]] = (None, None)
         self._last_snapshot_time = time.monotonic()
         self.snapshot_dir = snapshot_dir
         self.snapshots: Optional[SnapshotStore] = None
@@ -627,15 +627,14 @@ class SpotCheckpoint(L.Callback):
             self.cadence.observe_snapshot(self._loop_cost(record), record["write_seconds"])
         for record in saves:
             self.cadence.observe_durable(self._loop_cost(record), record["write_seconds"])
-        if not (snapshots or saves) or not self.cadence.measured:
+        if not (snapshots or saves):
             return  # the intervals move only with new measurements
-        chosen = self.cadence.chosen()
-        intervals = (chosen["snapshot_seconds"], chosen["durable_seconds"])
-        if _changed_much(intervals, self._said_intervals):
+        intervals = self.cadence.worth_saying(self._said_intervals)
+        if intervals is not None:
             self._said_intervals = intervals
             rank_zero_info(f"SpotCheckpoint: {self.cadence.describe()}")
             if self.journal is not None:
-                self.journal.record("cadence", step=trainer.global_step, **chosen)
+                self.journal.record("cadence", step=trainer.global_step, **self.cadence.chosen())
 
     def _postponed(self, writing: bool, elapsed: float) -> bool:
         """Whether a snapshot due by the clock waits for a rank still writing the previous one; says so once if the
@@ -811,16 +810,6 @@ def _finished(records: list[dict[str, Any]], start: int) -> tuple[list[dict[str,
     over; one without a time (a dropped snapshot, a failed save) is skipped."""
     end = len(records) if records and "cpu_seconds" in records[-1] else max(start, len(records) - 1)
     return [r for r in records[start:end] if "cpu_seconds" in r], end
-
-
-def _changed_much(intervals: tuple[Optional[float], ...], before: tuple[Optional[float], ...]) -> bool:
-    """Whether any chosen interval is new or moved by more than a factor of 2 (the log and history get a line)."""
-    for now, then in zip(intervals, before):
-        if (now is None) != (then is None):
-            return True
-        if now is not None and then is not None and not 0.5 <= now / then <= 2.0:
-            return True
-    return False
 
 
 def checkpoints_last(trainer: L.Trainer) -> None:
