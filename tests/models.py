@@ -781,6 +781,32 @@ class MetricModel(TinyPipelineModel):
         self.val_mae.reset()
 
 
+class TrainMetricModel(TinyPipelineModel):
+    """Logs torchmetrics objects in training only, the plainest shape users write: ``self.mse(out, y)`` and
+    ``self.log("train_mse", self.mse, on_step=True, on_epoch=True)`` (and R^2, which needs two samples to be
+    computed), no ``validation_step`` at all."""
+
+    validation_step = L.LightningModule.validation_step  # (none: Lightning runs no validation loop)
+
+    def __init__(self, **kwargs: Any) -> None:
+        import torchmetrics
+
+        super().__init__(**kwargs)
+        self.mse = torchmetrics.MeanSquaredError()
+        self.r2 = torchmetrics.R2Score()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        loss = F.mse_loss(out, y)
+        self.mse(out, y)
+        self.r2(out, y)
+        self.log("train_mse", self.mse, on_step=True, on_epoch=True)
+        self.log("train_r2", self.r2, on_step=True, on_epoch=True)
+        self.log("train_loss", loss)
+        return loss
+
+
 class SummedLossModel(TinyPipelineModel):
     """Losses summed over the batch's samples (``reduction="sum"``, as the classic VAE example): the squared error
     returned as it is (``"returned"``, recognised); plus a penalty summed over the samples and said to be a sum

@@ -23,6 +23,42 @@ def scenario(name: str, **overrides: Any) -> dict[str, Any]:
     return s
 
 
+#: torchmetrics objects in the plain shapes users write (no validation_step, no validation loader, no logger or
+#: checkpointing unless said): max_steps inside an epoch of 8 batches; at an epoch's end whose short last batch gives
+#: micro-batches of one sample (R^2 of one sample cannot be computed); max_epochs on a V-shaped pipeline (rank 0 holds
+#: the last stage, with the metrics), with a logger and ModelCheckpoint; validation metrics logged every 3 steps with
+#: a logger
+METRIC_SHAPES = [
+    scenario(
+        f"P2D2-metrics-{name}",
+        strategy={"pipeline_stages": 2, "microbatches": 2, **strategy},
+        model={"cls": cls},
+        loader={"batch_size": 8, "n": n},
+        trainer=trainer,
+        **extra,
+    )
+    for name, cls, strategy, n, trainer, extra in (
+        ("no-validation-inside-epoch", "TrainMetricModel", {}, 64, {"max_steps": 6}, {}),
+        ("no-validation-epoch-end-short-batch", "TrainMetricModel", {}, 60, {"max_steps": 8}, {}),
+        (
+            "ZBV-max-epochs-logger-checkpoint",
+            "TrainMetricModel",
+            {"schedule": "ZBVZeroBubble"},
+            60,
+            {"max_steps": -1, "max_epochs": 2},
+            {"logger": True, "checkpoint": True},
+        ),
+        (
+            "validation-every-3-steps-logger",
+            "MetricModel",
+            {},
+            64,
+            {"max_steps": 7, "val_check_interval": 3, "limit_val_batches": None},
+            {"logger": True, "val_loader": {"batch_size": 12, "n": 36}},
+        ),
+    )
+]
+
 WORLD_4 = [
     scenario("P2D2-1F1B-adam", strategy={"pipeline_stages": 2, "microbatches": 4, "schedule": "1F1B"}),
     # the user's own DistributedSampler, made for 4 processes (each rank read its quarter: the stages of a pipeline
@@ -169,6 +205,7 @@ WORLD_4 = [
         trainer={"max_steps": -1, "max_epochs": 3, "limit_val_batches": None},
         checkpoint={"monitor": "val_r2", "mode": "min"},
     ),
+    *METRIC_SHAPES,
     # cost-balanced cuts: the expensive first layer gets a stage of its own
     scenario(
         "P2D2-balanced-cuts-uneven-layers",
@@ -824,6 +861,28 @@ def test_torchmetrics_objects_log_what_one_process_logs(jobs: dict, tmp_path_fac
             assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-6), name
         assert r["best_checkpoint"][0] == ref["best_checkpoint"][0] != "epoch=2-step=12.ckpt"
         assert r["best_checkpoint"][1] == pytest.approx(ref["best_checkpoint"][1], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", METRIC_SHAPES, ids=[s["name"] for s in METRIC_SHAPES])
+def test_torchmetrics_objects_in_every_shape_users_write_log_what_one_process_logs(
+    case: dict[str, Any], jobs: dict, tmp_path_factory
+) -> None:
+    """``self.log(name, metric, on_step=True, on_epoch=True)``: with and without validation, a logger and
+    checkpointing, ``max_steps`` inside an epoch or at its end, ``max_epochs``: the run ends on every rank (no
+    collective that only some enter) with the values one process logs, on steps and at every epoch's end."""
+    ranks = _results(jobs, 4, tmp_path_factory)[case["name"]]
+    ref = reference_run(case)
+    names = [k for k in ref["metrics"] if k.startswith(("train_mse", "train_r2", "val_"))]
+    assert {"train_mse_step", "train_mse_epoch", "train_r2_step", "train_r2_epoch"} <= set(names), names
+    epochs = [{k: e[k] for k in names if k in e} for e in ref["epoch_metrics"]]
+    assert epochs and all(epochs)
+    for r in ranks:
+        for name in names:
+            assert r["metrics"][name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-6), name
+        got = [{k: e[k] for k in names if k in e} for e in r["epoch_metrics"]]
+        assert len(got) == len(epochs), (got, epochs)
+        for g, want in zip(got, epochs):
+            assert g == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 def test_grad_norm_logs_the_norms_of_every_stage_on_every_rank(jobs: dict, tmp_path_factory) -> None:

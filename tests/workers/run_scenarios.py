@@ -133,6 +133,15 @@ def _inputs_kept() -> int:
     return len(stage_run._FED_INSTEAD)
 
 
+def _logger(scenario: dict[str, Any], target: Path) -> Any:
+    """``"logger": True``: Lightning's CSVLogger in the scenario's folder (else none)."""
+    if not scenario.get("logger"):
+        return False
+    from lightning.pytorch.loggers import CSVLogger
+
+    return CSVLogger(str(target / "logs"))
+
+
 def run(scenario: dict[str, Any], out: Path) -> None:
     world = WORLD
     model_kwargs = dict(scenario.get("model", {}))
@@ -201,7 +210,7 @@ def run(scenario: dict[str, Any], out: Path) -> None:
         accelerator="cpu",
         devices=world,
         strategy=strategy,
-        logger=False,
+        logger=_logger(scenario, target),
         enable_checkpointing=bool(scenario.get("checkpoint")),
         enable_progress_bar=False,
         enable_model_summary=False,

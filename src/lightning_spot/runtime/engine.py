@@ -48,7 +48,7 @@ from lightning_spot.runtime.logging_bridge import (
     reduce_records,
     replay,
 )
-from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric
+from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric, refuse_meta_states
 from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.runtime.outside_calls import OutsideCalls, next_engine
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
@@ -132,6 +132,7 @@ class PipelineEngine:
             outside_calls = OutsideCalls(
                 plan, ctx.pp_rank, ctx.dp_rank, ctx.pp_group, ctx.device, outside_timeout, number
             )
+        refuse_meta_states(module)  # (a metric built in configure_model: before placement fails on it)
         placed = place_stages(
             module,
             split,

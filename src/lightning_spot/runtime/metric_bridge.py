@@ -20,6 +20,7 @@ Lightning reads from a logged metric is served on every rank by a :class:`Shared
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_sum
 
 from lightning_spot._metric_states import restore_states
+from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.stage_run import active_run
 
 
@@ -136,13 +138,56 @@ def share_computes(metric: Metric, holds_last: bool, share: Callable[[Any], Any]
     metric._spot_local_compute = local
 
     def compute(*args: Any, **kwargs: Any) -> Any:
-        if _LOCAL_COMPUTES[0] or active_run() is not None:
+        if active_run() is not None and not _LOCAL_COMPUTES[0]:
+            return micro_batch_value(metric, local, args, kwargs)
+        if _LOCAL_COMPUTES[0]:
             return local(*args, **kwargs)
         value = detached(local(*args, **kwargs)) if holds_last else None
         value = tree_map(lambda t: t.cpu() if isinstance(t, Tensor) else t, value)
         return tree_map(lambda t: t.to(metric.device) if isinstance(t, Tensor) else t, share(value))
 
     metric.compute = compute  # type: ignore[method-assign]
+
+
+#: the metrics whose value of one micro-batch could not be computed (warned about once each)
+_UNCOMPUTABLE: set[str] = set()
+
+
+def micro_batch_value(metric: Metric, local: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """What ``metric(preds, target)`` returns inside a stage's run of the step: the value of that call's inputs,
+    one micro-batch where one process has the whole batch. A metric that cannot be computed on so few samples
+    (``R2Score`` needs two; a short last batch cut into micro-batches of one) gives NaN there instead of failing the
+    step, with a warning: what is logged from the metric object is the value of the step's whole batch (or epoch),
+    computed by the bridge from every call."""
+    try:
+        return local(*args, **kwargs)
+    except (ValueError, RuntimeError) as err:
+        name = type(metric).__name__
+        if name not in _UNCOMPUTABLE:
+            _UNCOMPUTABLE.add(name)
+            warnings.warn(
+                f"spot_pipeline: {name} cannot be computed on one micro-batch ({str(err).splitlines()[0][:160]}): "
+                f"calling the metric returns NaN for that micro-batch. A logged metric object "
+                f"(`self.log(name, self.metric)`) still shows the value of the whole batch and epoch, as in one "
+                f"process; to log the call's own return value, give the step larger micro-batches.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return torch.tensor(float("nan"), device=metric.device)
+
+
+def refuse_meta_states(module: nn.Module) -> None:
+    """A torchmetrics metric built in ``configure_model`` (which runs on the meta device under ``spot_pipeline``)
+    holds states without values: refused by name, with the fix, before anything is placed."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, Metric) and any(
+            isinstance(v, Tensor) and v.is_meta for v in (getattr(sub, a, None) for a in sub._defaults)
+        ):
+            raise ModelContractError(
+                f"The torchmetrics metric `{name}` ({type(sub).__name__}) was built in `configure_model`, which "
+                f"spot_pipeline runs on the meta device so that each rank materialises only its stages: its states "
+                f"hold no values. Create metrics in the LightningModule's `__init__`."
+            )
 
 
 def summed_states(metric: Metric) -> bool:
