@@ -435,3 +435,51 @@ def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tm
     # it came back and took pipeline 0's state: at the step it died in or later (forked workers return in ~1 s,
     # often before pipeline 0 has committed another step)
     assert all((results[f"group1_rank{r}"]["healed_at"] or 0) >= 3 for r in range(2))
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_a_pipeline_that_comes_back_at_another_depth_is_refused_and_never_starts_the_run_over(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Two pipelines of two stages, each stage its own node (one agent per node, one rendezvous per pipeline, as
+    `REPLICA_GROUP_ID=g lightning-spot run --nnodes 1:2 --nproc-per-node 1 --rdzv-endpoint ...` runs them). Node b of
+    pipeline 1 dies for good in step 8: its node a re-forms a pipeline of depth 1, which is refused before it joins
+    (it read the running quorum's layout from the lighthouse) with an error naming the cause and what to run
+    instead; it never trains (it started the run over from step 1 in a quorum of its own before). Pipeline 0 trains
+    on alone, equal to one process."""
+    from tests.elastic import Agent, agents_cleanup, port_open, wait_for
+
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--die", "1:1:8"]
+    argv += ["--groups", "2", "--stop-file", str(stop)]
+    ports = [free_port(), free_port()]
+    with agents_cleanup([]) as agents:
+        for group in (0, 1):
+            for node in "ab":  # (node a first: it hosts its pipeline's rendezvous and survives)
+                env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
+                log = tmp_path / f"pipeline{group}{node}.log"
+                agents.append(Agent(f"{group}{node}", ports[group], 1, argv, log, nnodes="1:2", env=env))
+                if node == "a":
+                    wait_for(lambda g=group: port_open(ports[g]), 60, f"pipeline {group}'s rendezvous", agents)
+        survivors = agents[:3]
+        wait_for(lambda: any(out.glob("died_group1_step*")), 200, "pipeline 1's node b to die in step 8", survivors)
+        agents[3].kill_node()  # the node is gone for good: its agent does not restart the process
+        refused = agents[2]
+        wait_for(lambda: refused.proc.poll() is not None, 200, "pipeline 1's node a to give up", agents[:2])
+        stop.touch()
+        wait_for(lambda: all(a.proc.poll() is not None for a in agents[:2]), 120, "pipeline 0 to end", agents[:2])
+        codes = [a.proc.returncode for a in agents[:3]]
+        assert codes == [0, 0, 1], (codes, refused.output()[-5000:])
+        text = refused.output()
+    assert "pipeline 1 would train 1 stage(s), but the running pipelines (pipeline 0 at step" in text, text[-5000:]
+    assert "train 2 stage(s) cut at layers [2]" in text and "--nnodes 2" in text, text[-5000:]
+    # it never trained again: no line of a quorum it joined after the kill, no result of pipeline 1
+    assert text.count("pipeline 1 joined") == 1, text[-5000:]
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group0_rank1"]
+    steps = results["group0_rank0"]["global_step"]
+    assert steps > 8 and results["group0_rank1"]["global_step"] == steps
+    merged = {**results["group0_rank0"]["state_dict"], **results["group0_rank1"]["state_dict"]}
+    assert_same_params(merged, _reference(steps))

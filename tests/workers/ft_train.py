@@ -11,6 +11,8 @@ OUT_DIR keeps its restart alive). A process that took a peer's state adds a line
 ``--end-after-heal GROUP:K``: train until K steps after a replacement of pipeline GROUP (started after one of its
 processes was killed) took a peer's state (at most ``--steps``), so that it joins mid-run however slowly it starts;
 every pipeline ends at that step.
+``--stages 0``: one stage per process of the pipeline (its depth follows the nodes its torchrun got).
+``--stop-file PATH``: every step's end checks for PATH; training stops once it exists.
 ``--freeze``: ``--die`` stops the process with SIGSTOP (a node that vanished without closing its sockets).
 ``--ft-timeout S``: ``TorchFT(timeout=S)``, how long the others' all-reduce waits for a silent peer.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
@@ -68,9 +70,17 @@ def finetune_scenario(steps: int) -> dict[str, Any]:
 
 class Report(L.Callback):
     def __init__(
-        self, out: Path, die: list[tuple[str, int, int]], sleep: float, end: str | None, full: int, freeze: bool
+        self,
+        out: Path,
+        die: list[tuple[str, int, int]],
+        sleep: float,
+        end: str | None,
+        full: int,
+        freeze: bool,
+        stop_file: Path | None = None,
     ) -> None:
         self.out, self.die, self.sleep, self.full, self.freeze = out, die, sleep, full, freeze
+        self.stop_file = stop_file
         self.end = tuple(end.split(":")) if end else None
         self.ended: list[tuple[int, float]] = []
         #: the logged values at each epoch's end (epoch means)
@@ -79,6 +89,8 @@ class Report(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.ended.append((trainer.global_step, time.time()))
         time.sleep(self.sleep)
+        if self.stop_file is not None and self.stop_file.exists():
+            trainer.should_stop = True
         if self.end is not None:
             group, more = self.end[0], int(self.end[1])
             deaths = [float(p.read_text()) for p in self.out.glob(f"died_group{group}_*")]
@@ -148,7 +160,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die", default=None)
-    parser.add_argument("--stages", type=int, default=1)
+    parser.add_argument("--stages", type=int, default=1, help="pipeline stages (0: one per process of the pipeline)")
+    parser.add_argument("--stop-file", type=Path, default=None, help="stop training once this file exists")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--checkpoint", default=None)
@@ -192,7 +205,7 @@ def main() -> None:
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=SpotPipelineStrategy(
-            pipeline_stages=args.stages,
+            pipeline_stages=args.stages or int(os.environ["WORLD_SIZE"]),
             microbatches=4 if args.model == "gpt" else 2,
             fault_tolerance=None
             if args.plain
@@ -205,7 +218,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[
-            Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups, args.freeze),
+            Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups, args.freeze, args.stop_file),
             *(
                 [SpotCheckpoint(args.checkpoint, every_n_train_steps=5, save_on_train_end=False)]
                 if args.checkpoint

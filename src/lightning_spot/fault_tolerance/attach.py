@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_spot._dist import broadcast_object
 from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.fault_tolerance.config import TorchFT
 from lightning_spot.fault_tolerance.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.fault_tolerance.replica_group import ReplicaGroup
+from lightning_spot.fault_tolerance.running_quorum import layout_tag, read_running
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.held_logs import HeldLogs
@@ -55,11 +57,19 @@ def attach(
     def state() -> dict[str, Any]:
         return {"stage": stage_state(trainer), "samples_seen": engine.samples_seen}
 
+    settings = settings.resolved()
+    layout = layout_tag(engine.plan.num_stages, engine.plan.cuts)
+    latest = _check_running_quorum(settings, layout, engine)
     group = ReplicaGroup(
-        settings, group_rank=engine.ctx.pp_rank, group_size=group_size, state_dict=state, clock=engine.clock
+        settings,
+        group_rank=engine.ctx.pp_rank,
+        group_size=group_size,
+        state_dict=state,
+        clock=engine.clock,
+        layout=layout,
     )
     _settle_heap()
-    group.join()
+    group.join(latest_step=latest)
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
@@ -73,6 +83,24 @@ def attach(
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group
+
+
+def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine) -> int:
+    """Before this pipeline joins: refuse it, on every one of its ranks, when the live pipelines train another
+    layout; else return the latest step they hold (read once, on its first rank, from the lighthouse's page)."""
+    verdict: tuple[str | None, int] | None = None
+    if engine.ctx.pp_rank == 0:
+        assert settings.lighthouse is not None and settings.replica_group is not None
+        running = read_running(settings.lighthouse, timeout=settings.connect_timeout)
+        if running is None:
+            verdict = (None, 0)  # (no page to read: the quorum's own replica ids are checked at the join)
+        else:
+            group = settings.replica_group
+            verdict = (running.refusal(layout, group), running.latest_step(group))
+    refusal, latest = broadcast_object(verdict, group=engine.ctx.pp_group)
+    if refusal is not None:
+        raise LayoutError(refusal)
+    return int(latest)
 
 
 def _settle_heap() -> None:

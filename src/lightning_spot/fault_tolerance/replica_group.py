@@ -32,7 +32,9 @@ from torch import Tensor
 from lightning_spot.fault_tolerance.config import TorchFT, check_reachable, require_torchft
 from lightning_spot.fault_tolerance.early_buckets import EarlyBuckets
 from lightning_spot.fault_tolerance.leave import LeaveOnSignal
+from lightning_spot.fault_tolerance.running_quorum import layouts_in, layouts_refusal, replica_id
 from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
+from lightning_spot.layout import LayoutError
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.held_logs import HeldLogs
@@ -40,6 +42,35 @@ from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.step_runner import batch_size_of
 
 log = logging.getLogger(__name__)
+
+
+#: seconds between the quorums a joining pipeline asks for while live pipelines ahead of it are not in its quorum
+JOIN_RETRY_SECONDS = 0.5
+
+
+class _RecordedClient:
+    """torchft's manager client with the last quorum it got kept (its members' replica ids, which the manager does
+    not keep): a stand-in for ``Manager._client`` that passes every call through."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.last: Any = None
+
+    @classmethod
+    def install(cls, manager: Any) -> _RecordedClient | None:
+        inner = getattr(manager, "_client", None)
+        if inner is None:  # (another torchft: the layouts are then checked on the lighthouse's page only)
+            return None
+        recorded = cls(inner)
+        manager._client = recorded
+        return recorded
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._inner._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class QuorumError(ConnectionError):
@@ -57,6 +88,7 @@ class ReplicaGroup:
         group_size: int,
         state_dict: Callable[[], Any],
         clock: StepClock | None = None,
+        layout: str = "",
     ) -> None:
         require_torchft()
         from torchft import Manager, ProcessGroupGloo
@@ -79,10 +111,14 @@ class ReplicaGroup:
             rank=group_rank,
             world_size=group_size,
             lighthouse_addr=settings.lighthouse,
-            replica_id=f"pipeline_{settings.replica_group}",
+            replica_id=replica_id(str(settings.replica_group), layout),
             init_sync=False,  # every pipeline starts from the same seed: nothing to copy at step 0
         )
         self._state_dict = state_dict
+        #: this pipeline's stages and cuts (``running_quorum.layout_tag``), carried by its replica id
+        self.layout = layout
+        #: the last quorum torchft's client got (its members' replica ids carry their layouts)
+        self._client = _RecordedClient.install(self.manager)
         #: set while this rank waits at a step boundary (its state is whole then: a peer may take it)
         self._boundary = threading.Event()
         #: the next step's quorum, asked for right after the commit (see :meth:`prefetch`)
@@ -125,12 +161,39 @@ class ReplicaGroup:
         return self._state_dict()
 
     # ------------------------------------------------------------------ quorum
-    def join(self) -> None:
+    def join(self, latest_step: int = 0) -> None:
         """The first quorum (at setup, before Lightning restores anything): a pipeline that is behind the others
-        takes a peer's state here (``load_state_dict`` is called)."""
+        takes a peer's state here (``load_state_dict`` is called).
+
+        ``latest_step``: the step the live pipelines held before this one joined. A quorum of this pipeline alone
+        behind it (the others were still inside a step that lost a peer) would start the run over beside them:
+        the quorum is asked for again until they are in it (and their state is taken), for up to
+        ``quorum_timeout``. A quorum with pipelines of another layout is refused (see ``running_quorum``)."""
         self._joining = True
         try:
             self._quorum()
+            self._refuse_other_layouts()
+            tries = max(1, int(self.settings.quorum_timeout / JOIN_RETRY_SECONDS))
+            for _ in range(tries):
+                if self.healed_state is not None or self.step >= latest_step:
+                    break
+                log.warning(
+                    "lightning-spot: pipeline %s got a quorum at step %d while live pipelines hold step %d: "
+                    "asking again, to take their state rather than start over",
+                    self.settings.replica_group,
+                    self.step,
+                    latest_step,
+                )
+                time.sleep(JOIN_RETRY_SECONDS)
+                self._quorum()
+                self._refuse_other_layouts()
+            else:
+                self._stop_manager()
+                raise QuorumError(
+                    f"pipeline {self.settings.replica_group} got no quorum with the pipelines that held step "
+                    f"{latest_step} when it joined, within {self.settings.quorum_timeout:.0f} s: it does not start "
+                    f"the run over beside them. Restart it; if they are gone, it resumes from the durable checkpoints."
+                )
         finally:
             self._joining = False
         self._unused_quorum = True
@@ -140,6 +203,15 @@ class ReplicaGroup:
             self.participants,
             self.manager.current_step(),
         )
+
+    def _refuse_other_layouts(self) -> None:
+        """Leave at once (no heartbeat that holds the others up) when the quorum holds pipelines of other layouts."""
+        result = self._client.last if self._client is not None else None
+        ids = getattr(result, "replica_ids", None) or []
+        refusal = layouts_refusal(layouts_in(ids), self.layout, str(self.settings.replica_group))
+        if refusal is not None:
+            self._stop_manager()
+            raise LayoutError(refusal)
 
     def prefetch(self) -> None:
         """Ask for the next step's quorum now (a step has committed), so that the round trip to the lighthouse

@@ -1,0 +1,154 @@
+"""The quorum a pipeline is about to join: what the lighthouse's status page says of the pipelines training now.
+
+    running = read_running("http://lighthouse:29510", timeout=5.0)   # None: the page could not be read
+    error = running.refusal(layout=layout_tag(2, [2]), group="1")     # None, or why this pipeline may not join
+    step = running.latest_step(group="1")                             # the step the live pipelines hold
+
+torchft heals a joining pipeline from the *same stage* of a running one, so every pipeline of a quorum must have
+the same stages and cuts; and a pipeline that gets a quorum of its own while others hold a later step would start
+the run over beside them. Each pipeline's replica id carries its layout (:func:`replica_id`: ``s2c2_pipeline_1``,
+two stages cut at layer 2), which the lighthouse lists on its status page with each member's step and world size
+and how long ago it heartbeated; this module reads that page before the pipeline joins (it changes nothing there),
+and reads the layouts of the quorum it then got (:func:`layouts_in`).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+#: a member heartbeating less long ago than this is live (torchft's lighthouse gives up on one after 5 s by default)
+LIVE_SECONDS = 5.0
+_REPLICA_ID = re.compile(r"^s(?P<stages>\d+)c(?P<cuts>[\d.]*)_pipeline_(?P<group>[^:]+)")
+_MEMBER = re.compile(
+    r"<b>(?P<id>[^<]+)</b>.*?Step:\s*(?P<step>\d+).*?World size:\s*(?P<world>\d+)", re.DOTALL
+)  # fmt: skip
+_HEARTBEAT = re.compile(r"(?P<id>[^\s<>]+):\s*seen\s+(?P<age>[\d.]+)(?P<unit>ms|s|µs|us|ns|m)\s+ago")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def layout_tag(stages: int, cuts: Sequence[int]) -> str:
+    """The layout a pipeline trains, as its replica id carries it: ``s2c2`` (two stages, cut at layer 2)."""
+    return f"s{stages}c{'.'.join(map(str, cuts))}"
+
+
+def replica_id(group: str, layout: str) -> str:
+    """The pipeline's replica id for torchft (its digits at the end name the group, as torchft expects)."""
+    return f"{layout}_pipeline_{group}"
+
+
+def parse_replica_id(value: str) -> tuple[str, str] | None:
+    """(group, layout tag) of a replica id made by :func:`replica_id` (torchft appends ``:uuid``); ``None`` else."""
+    match = _REPLICA_ID.match(value)
+    if match is None:
+        return None
+    return match["group"], f"s{match['stages']}c{match['cuts']}"
+
+
+def describe_layout(tag: str) -> str:
+    """``s2c2`` as a person reads it: ``2 stages cut at layers [2]``."""
+    match = re.fullmatch(r"s(\d+)c([\d.]*)", tag)
+    if match is None:
+        return tag
+    cuts = [int(c) for c in match[2].split(".") if c]
+    return f"{match[1]} stage(s){f' cut at layers {cuts}' if cuts else ''}"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A pipeline of the lighthouse's latest quorum: its group, layout, step, ranks, and whether it is live."""
+
+    group: str
+    layout: str
+    step: int
+    world_size: int
+    live: bool
+
+
+@dataclass(frozen=True)
+class RunningQuorum:
+    """The members of the lighthouse's latest quorum (made by this project's replica ids)."""
+
+    members: tuple[Member, ...]
+
+    def others(self, group: str) -> list[Member]:
+        """The live members of other replica groups than ``group``."""
+        return [m for m in self.members if m.live and m.group != group]
+
+    def latest_step(self, group: str) -> int:
+        """The latest step a live pipeline of another group holds (0: none)."""
+        return max((m.step for m in self.others(group)), default=0)
+
+    def refusal(self, layout: str, group: str) -> str | None:
+        """Why pipeline ``group``, training ``layout``, may not join the live pipelines (``None``: it may)."""
+        return layouts_refusal([(m.group, m.layout, m.step) for m in self.others(group)], layout, group)
+
+
+def layouts_refusal(members: Iterable[tuple[str, str, int | None]], layout: str, group: str) -> str | None:
+    """Why pipeline ``group`` training ``layout`` cannot train with ``members`` ((group, layout, step)), or None."""
+    other = sorted({(g, lay, step) for g, lay, step in members if g != group and lay != layout}, key=str)
+    if not other:
+        return None
+    theirs = other[0][1]
+    held = ", ".join(f"pipeline {g}" + (f" at step {s}" if s is not None else "") for g, _, s in other)
+    return (
+        f"pipeline {group} would train {describe_layout(layout)}, but the running pipelines ({held}) train "
+        f"{describe_layout(theirs)}. torchft heals a joining pipeline from the same stage of a running one, so "
+        f"pipelines of different depths or cuts cannot train together (yet). Instead: start this pipeline with "
+        f"their layout (as many nodes or processes as their stages, e.g. `--nnodes {_stages(theirs)}`, or "
+        f"SpotPipelineStrategy(pipeline_stages={_stages(theirs)}, partition={_cuts(theirs)})) so that it takes a "
+        f"peer's state and trains with them; or stop every pipeline and start them all again at one layout: they "
+        f"resume from the run's durable checkpoints (SpotCheckpoint), never from step 0."
+    )
+
+
+def layouts_in(replica_ids: Iterable[str]) -> list[tuple[str, str, None]]:
+    """(group, layout tag, None) of each replica id of a quorum that carries a layout."""
+    parsed = (parse_replica_id(r) for r in replica_ids)
+    return [(p[0], p[1], None) for p in parsed if p is not None]
+
+
+def _stages(tag: str) -> int:
+    match = re.match(r"s(\d+)", tag)
+    return int(match[1]) if match else 1
+
+
+def _cuts(tag: str) -> list[int]:
+    return [int(c) for c in tag.split("c", 1)[-1].split(".") if c]
+
+
+def parse_status(page: str) -> RunningQuorum:
+    """The members of the latest quorum on the lighthouse's ``/status`` page, with their heartbeats' ages."""
+    page = html.unescape(page)
+    previous = page.split("Previous Quorum", 1)[-1] if "Previous Quorum" in page else ""
+    quorum, _, beats = previous.partition("Heartbeats")
+    ages = {m["id"]: float(m["age"]) * _UNITS[m["unit"]] for m in _HEARTBEAT.finditer(beats)}
+    members = []
+    for match in _MEMBER.finditer(quorum):
+        parsed = parse_replica_id(match["id"].strip())
+        if parsed is None:
+            continue
+        age = ages.get(match["id"].strip())
+        members.append(
+            Member(
+                group=parsed[0],
+                layout=parsed[1],
+                step=int(match["step"]),
+                world_size=int(match["world"]),
+                live=age is not None and age < LIVE_SECONDS,
+            )
+        )
+    return RunningQuorum(tuple(members))
+
+
+def read_running(lighthouse: str, timeout: float) -> RunningQuorum | None:
+    """The lighthouse's latest quorum, read from its status page (``None``: the page could not be read)."""
+    url = (lighthouse if "://" in lighthouse else f"http://{lighthouse}").rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return parse_status(response.read().decode("utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,163 @@
+"""A joining pipeline reads the running quorum (the lighthouse's status page, the replica ids of its first quorum):
+another layout is refused, and a quorum of its own behind live pipelines is asked for again, never trained."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, ClassVar
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from lightning_spot.fault_tolerance import TorchFT, replica_group
+from lightning_spot.fault_tolerance.replica_group import QuorumError, ReplicaGroup
+from lightning_spot.fault_tolerance.running_quorum import (
+    layout_tag,
+    parse_replica_id,
+    parse_status,
+    replica_id,
+)
+from lightning_spot.layout import LayoutError
+
+#: the lighthouse's /status page (torchft 0.2.0) while pipeline 0 (two stages) trains and pipeline 1 is long gone
+PAGE = """
+Current quorum_id: 7 <br>
+Next quorum status: New quorum not ready, only have 0 participants [0/0 participants healthy]
+<h3>Previous Quorum</h3>
+Previous quorum id: 7 <br>
+Num participants: 2 <br>
+<div class="member">
+  <b>s2c2_pipeline_0:71db80fc-0a04-4e4b-9940-67fe8c98181c</b> <br/>
+  Step: 8 <br/>
+  Manager: http://vm:36511 <br/>
+  TCPStore: 127.0.0.1:29555 <br/>
+  World size: 2 <br/>
+</div>
+<div class="member">
+  <b>s2c2_pipeline_1:0a3c0000-0a04-4e4b-9940-67fe8c98181c</b> <br/>
+  Step: 7 <br/>
+  World size: 2 <br/>
+</div>
+<h2>Heartbeats</h2>
+<ul>
+  <li class="heartbeat">s2c2_pipeline_0:71db80fc-0a04-4e4b-9940-67fe8c98181c: seen 82.5ms ago</li>
+  <li class="heartbeat old">s2c2_pipeline_1:0a3c0000-0a04-4e4b-9940-67fe8c98181c: seen 12.21s ago</li>
+</ul>
+"""
+
+
+def test_the_status_page_gives_the_live_pipelines_steps_and_layouts() -> None:
+    running = parse_status(PAGE)
+    assert [(m.group, m.layout, m.step, m.world_size, m.live) for m in running.members] == [
+        ("0", "s2c2", 8, 2, True),
+        ("1", "s2c2", 7, 2, False),
+    ]
+    assert running.latest_step("1") == 8 and running.latest_step("0") == 0, "live pipelines of other groups only"
+    assert running.refusal("s2c2", "1") is None
+    refusal = running.refusal(layout_tag(1, []), "1")
+    assert refusal is not None and "pipeline 1 would train 1 stage(s)" in refusal
+    assert "(pipeline 0 at step 8) train 2 stage(s) cut at layers [2]" in refusal
+    assert "`--nnodes 2`" in refusal and "pipeline_stages=2, partition=[2]" in refusal
+    assert parse_status("<html>a page of another torchft</html>").members == ()
+
+
+def test_a_replica_id_carries_the_layout_and_ends_with_the_group_torchft_reads() -> None:
+    from torchft.manager import extract_trailing_digits
+
+    made = replica_id("3", layout_tag(4, [1, 2, 3]))
+    assert made == "s4c1.2.3_pipeline_3"
+    assert parse_replica_id(f"{made}:9b1f") == ("3", "s4c1.2.3")
+    assert extract_trailing_digits(made) == 3, "torchft ranks replicas by the digits that end the id"
+
+
+class _Manager:
+    """torchft's Manager as ReplicaGroup uses it; each quorum is the next of ``quorums`` (replica ids, the step it
+    sets, whether it heals this pipeline)."""
+
+    quorums: ClassVar[list[tuple[list[str], int, bool]]] = []
+
+    def __init__(self, load_state_dict: Any, replica_id: str, **kwargs: Any) -> None:
+        self.load_state_dict_fn, self.replica_id, self.step, self.asked, self.stopped = (
+            load_state_dict,
+            replica_id,
+            0,
+            0,
+            False,
+        )
+        self._client = types.SimpleNamespace(_quorum=self._answer)
+
+    def _answer(self, **kwargs: Any) -> Any:
+        ids, step, heal = self.quorums[min(self.asked, len(self.quorums) - 1)]
+        self.asked += 1
+        self.step = step
+        if heal:
+            self.load_state_dict_fn({"from": "a peer"})
+        return types.SimpleNamespace(replica_ids=[f"{self.replica_id}:me", *ids])
+
+    def start_quorum(self) -> None:
+        self._client._quorum()  # (the recorded client ReplicaGroup installed)
+
+    def current_step(self) -> int:
+        return self.step
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def num_participants(self) -> int:
+        return 1
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.stopped = True
+
+
+@pytest.fixture
+def fake_torchft(monkeypatch: pytest.MonkeyPatch) -> type[_Manager]:
+    import torchft
+
+    monkeypatch.setattr(torchft, "Manager", _Manager)
+    monkeypatch.setattr(torchft, "ProcessGroupGloo", lambda **kwargs: None)
+    monkeypatch.setattr(replica_group, "JOIN_RETRY_SECONDS", 0.01)
+    return _Manager
+
+
+def _group(quorums: list[tuple[list[str], int, bool]], fake: type[_Manager], timeout: float = 5.0) -> ReplicaGroup:
+    fake.quorums = quorums
+    settings = TorchFT(lighthouse="http://127.0.0.1:1", replica_group="1", quorum_timeout=timeout)
+    return ReplicaGroup(settings, group_rank=1, group_size=2, state_dict=dict, layout="s2c2")  # (rank 1: no dial)
+
+
+def test_a_quorum_of_its_own_behind_live_pipelines_is_asked_for_again_until_it_takes_their_state(
+    fake_torchft: type[_Manager],
+) -> None:
+    """The lighthouse formed a quorum of the joiner alone (pipeline 0 was still inside the step that lost a peer):
+    it asks again rather than train from step 0, and takes pipeline 0's state when it is in the next quorum."""
+    group = _group([([], 0, False), ([], 0, False), (["s2c2_pipeline_0:x"], 8, True)], fake_torchft)
+    try:
+        group.join(latest_step=8)
+        assert group.manager.asked == 3 and group.healed_state == {"from": "a peer"} and group.step == 8
+    finally:
+        group.shutdown()
+
+
+def test_a_quorum_that_never_holds_the_live_pipelines_ends_the_join_with_the_reason(
+    fake_torchft: type[_Manager],
+) -> None:
+    group = _group([([], 0, False)], fake_torchft, timeout=0.05)
+    try:
+        with pytest.raises(QuorumError, match="no quorum with the pipelines that held step 8.*does not start the run"):
+            group.join(latest_step=8)
+        assert group.manager.stopped, "it stopped heartbeating: the others' quorums do not wait for it"
+    finally:
+        group.shutdown()
+
+
+def test_a_quorum_holding_a_pipeline_of_another_layout_is_refused_at_the_join(fake_torchft: type[_Manager]) -> None:
+    """What the status page could not tell (read before another pipeline joined): the quorum's own replica ids."""
+    group = _group([(["s1c_pipeline_0:x"], 0, False)], fake_torchft)
+    try:
+        with pytest.raises(LayoutError, match=r"pipeline 1 would train 2 stage\(s\) cut at layers \[2\].*pipeline 0\)"):
+            group.join()
+        assert group.manager.stopped
+    finally:
+        group.shutdown()
