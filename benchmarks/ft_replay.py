@@ -26,7 +26,7 @@ WINDOW = 10
 def replay_ft(events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path) -> dict[str, Any]:
     """Run the replay in ``out``: a lighthouse here, one torchrun (one pipeline) per node of the trace."""
     from benchmarks.spot_replay import replay_config
-    from lightning_spot.fault_tolerance.lighthouse import start_lighthouse
+    from lightning_spot.torchft.lighthouse import start_lighthouse
     from tests.distributed import free_port
     from tests.elastic import Agent
 

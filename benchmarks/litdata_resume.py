@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_spot.streaming import stream_dataloader
+from lightning_spot.data.streams import stream_dataloader
 
 
 def write(directory: Path, items: int) -> str:

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
-LITDATA_SPEC="litdata==0.2.76"  # pinned: lightning_spot.streaming.LITDATA_VERSION
+LITDATA_SPEC="litdata==0.2.76"  # pinned: lightning_spot.data.streams.LITDATA_VERSION
 what="${1:-}"
 shift || true
 

@@ -399,7 +399,7 @@ class ReplicaStreams(L.LightningDataModule):
         self.batch_size, self.n, self.shuffle, self.num_workers = batch_size, n, shuffle, num_workers
 
     def train_dataloader(self) -> DataLoader:
-        from lightning_spot.streaming import fixed_layout
+        from lightning_spot.data.streams import fixed_layout
 
         replica = self.trainer.strategy.distributed_sampler_kwargs  # {"num_replicas": D, "rank": replica index}
         d, rank = replica["num_replicas"], replica["rank"]

@@ -76,7 +76,7 @@ def _loader(scenario: dict[str, Any], key: str = "loader") -> DataLoader:
         return DataLoader(ds, sampler=sampler, **kwargs)
     if kwargs.get("random_draws"):  # one process drawing as one replica of the pipeline does (seed 0: no
         # seed_everything), which a plain loader's draws from the process's generators cannot give
-        from lightning_spot.data import shard_dataloader
+        from lightning_spot.data.sharded import shard_dataloader
 
         return shard_dataloader(make_loader(**kwargs), dp_rank=0, dp_size=1, divisor=None, seed=0)
     return make_loader(**kwargs)

@@ -9,7 +9,7 @@ import pytest
 from torch.utils.data import BatchSampler, SequentialSampler
 
 from lightning_spot import Layout, LayoutError, ModelContractError, SpotPipelineStrategy, discover, plan_stages
-from lightning_spot.data import ReplicaBatchSampler
+from lightning_spot.data.sharded import ReplicaBatchSampler
 from lightning_spot.partition.placement import tied_parameters
 from lightning_spot.runtime.schedules import resolve_schedule
 from tests.distributed import launch

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.utils._pytree as pytree
 
-from lightning_spot._batch_containers import register_containers
+from lightning_spot.replay.pytree import register_containers
 from lightning_spot.runtime.step_runner import batch_size_of
 
 

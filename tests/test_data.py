@@ -15,7 +15,7 @@ from torch.utils.data import (
     random_split,
 )
 
-from lightning_spot.data import EpochShuffleSampler, TensorRows, replica_slice, shard_dataloader
+from lightning_spot.data.sharded import EpochShuffleSampler, TensorRows, replica_slice, shard_dataloader
 
 
 def _dataset(n: int = 40) -> TensorDataset:
@@ -77,7 +77,7 @@ def test_iterable_datasets_are_refused_with_a_reason() -> None:
 
 
 def test_indivisible_global_batch_error_lists_every_way_out() -> None:
-    from lightning_spot.data import explain_indivisible_batch
+    from lightning_spot.data.sharded import explain_indivisible_batch
 
     message = explain_indivisible_batch(12, 2, 4, world_size=4)
     assert "multiple of 8 (e.g. [8, 16, 24, 32])" in message

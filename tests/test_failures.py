@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_spot.fault import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
+from lightning_spot.watchdog import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE
 from tests.distributed import Exits, run_until_exit
 
 #: the issue's bound: every rank has ended this long after the failure
@@ -118,7 +118,7 @@ def test_lightnings_sigterm_stop_on_one_rank_ends_every_rank_at_the_same_step(tm
 def test_a_lost_peer_is_recognised_inside_the_error_that_wraps_it() -> None:
     """torch's pipeline stage wraps a DDP all-reduce's lost-peer error in "Failed to run stage backward": the
     peer's failure is still recognised, so that this rank shows one line, not a traceback."""
-    from lightning_spot.fault.watch import _is_lost_peer
+    from lightning_spot.watchdog.watch import _is_lost_peer
 
     try:
         try:

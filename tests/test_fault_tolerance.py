@@ -25,11 +25,11 @@ import torch
 from lightning_spot.checkpoint.durable.journal import read_events
 from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
 from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
-from lightning_spot.fault_tolerance import TorchFT
-from lightning_spot.fault_tolerance.config import check_reachable
-from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.layout import LayoutError
 from lightning_spot.observe.run_report import build_report
+from lightning_spot.torchft import TorchFT
+from lightning_spot.torchft.config import check_reachable
+from lightning_spot.torchft.shares import participant_rows, take_rows
 from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
 from tests.workers.ft_train import BATCH, FINETUNE_SAMPLES, SAMPLES, finetune_scenario
@@ -53,7 +53,7 @@ WORKER = "tests/workers/ft_train.py"
 
 @pytest.fixture
 def lighthouse() -> Iterator[str]:
-    from lightning_spot.fault_tolerance.lighthouse import start_lighthouse
+    from lightning_spot.torchft.lighthouse import start_lighthouse
 
     server = start_lighthouse()
     try:
@@ -113,7 +113,7 @@ def test_early_buckets_carry_the_weighted_mean_whether_sent_during_the_backward_
 
     from torch import nn
 
-    from lightning_spot.fault_tolerance.early_buckets import EarlyBuckets
+    from lightning_spot.torchft.early_buckets import EarlyBuckets
 
     torch.manual_seed(0)
     x, y = torch.randn(12, 4), torch.randn(12, 2)
@@ -161,7 +161,7 @@ def test_buckets_sent_after_the_step_carry_the_weight_and_the_logged_sums_in_the
 
     from torch import nn
 
-    from lightning_spot.fault_tolerance.early_buckets import EarlyBuckets
+    from lightning_spot.torchft.early_buckets import EarlyBuckets
 
     torch.manual_seed(1)
     x, y = torch.randn(10, 4), torch.randn(10, 2)
@@ -211,7 +211,7 @@ def test_a_sigterm_makes_the_process_leave_even_while_its_main_thread_is_blocked
     code, after the leave callback ran."""
     code = (
         "import os, sys\n"
-        "from lightning_spot.fault_tolerance.leave import LeaveOnSignal\n"
+        "from lightning_spot.torchft.leave import LeaveOnSignal\n"
         "LeaveOnSignal(lambda: print('callback ran', flush=True), who='pipeline 7 rank 0').start()\n"
         "print('ready', flush=True)\n"
         "r, w = os.pipe()\n"
@@ -364,7 +364,7 @@ def test_a_lighthouse_that_dies_mid_run_stops_every_pipeline_with_a_clear_error(
     """Two one-stage pipelines; the lighthouse goes away after both trained a few steps: each pipeline fails its
     next quorum within quorum_timeout (5 s here) with exit code 1 and an error that names the lighthouse."""
     port = free_port()
-    code = f"from lightning_spot.fault_tolerance.lighthouse import start_lighthouse as s; x = s({port}); input()"
+    code = f"from lightning_spot.torchft.lighthouse import start_lighthouse as s; x = s({port}); input()"
     server = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, start_new_session=True)
     address = f"http://127.0.0.1:{port}"
     up = time.monotonic() + 90  # its process imports torch first: the pipelines must not start before it listens

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_spot.data.streams import FixedLayoutLoader, fixed_layout, is_fixed_layout, stream_dataloader
+from lightning_spot.data.streams.fixed_layout import merge_replica_states, replica_states
 from lightning_spot.layout import LayoutError
-from lightning_spot.streaming import FixedLayoutLoader, fixed_layout, is_fixed_layout, stream_dataloader
-from lightning_spot.streaming.fixed_layout import merge_replica_states, replica_states
 from tests.models import ReplicaStream, StreamDataset, TrainedCount
 
 N, BATCH = 40, 8  # 5 global batches per pass

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_spot.data.streams import ShardedStreamLoader, peek_batch, stream_dataloader
 from lightning_spot.layout import LayoutError
-from lightning_spot.streaming import ShardedStreamLoader, peek_batch, stream_dataloader
 
 pytest.importorskip("litdata")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_spot import LayoutError, SpotPipelineStrategy
-from lightning_spot.data import ReplicaBatchSampler, replica_slice
+from lightning_spot.data.sharded import ReplicaBatchSampler, replica_slice
 from lightning_spot.layout import Layout, PipelineLayout
 from lightning_spot.planning.choose import Requested, _decide
 from lightning_spot.planning.cost_model import plan_layouts

@@ -10,15 +10,15 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from lightning_spot.fault_tolerance import TorchFT, replica_group
-from lightning_spot.fault_tolerance.replica_group import QuorumError, ReplicaGroup
-from lightning_spot.fault_tolerance.running_quorum import (
+from lightning_spot.layout import LayoutError
+from lightning_spot.torchft import TorchFT, replica_group
+from lightning_spot.torchft.replica_group import QuorumError, ReplicaGroup
+from lightning_spot.torchft.running_quorum import (
     layout_tag,
     parse_replica_id,
     parse_status,
     replica_id,
 )
-from lightning_spot.layout import LayoutError
 
 #: the lighthouse's /status page (torchft 0.2.0) while pipeline 0 (two stages) trains and pipeline 1 is long gone
 PAGE = """

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from lightning_spot._seeded import draw_key, reseed, seeded_draws
+from lightning_spot.replay.draws import draw_key, reseed, seeded_draws
 
 
 def _draw() -> tuple[float, float, float]:

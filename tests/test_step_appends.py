@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_spot._module_lists import lengths_kept, lists_kept
+from lightning_spot.replay.module_lists import lengths_kept, lists_kept
 from lightning_spot.runtime.step_appends import StepAppends, merge_micro_batches
 
 

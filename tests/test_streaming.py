@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_spot.data.streams import peek_batch, stream_dataloader
 from lightning_spot.layout import LayoutError
-from lightning_spot.streaming import peek_batch, stream_dataloader
 from tests.models import StreamDataset
 from tests.parity import assert_same_params, merged_state, reference_run, run_scenarios
 

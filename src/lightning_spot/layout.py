@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Union
 
-from lightning_spot._units import divisors
+from lightning_spot.utils.units import divisors
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

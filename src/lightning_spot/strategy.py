@@ -40,18 +40,14 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_spot._dist import broadcast_object, is_initialized
-from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import flat_optimizer, payload
 from lightning_spot.checkpoint.callback import checkpoints_last
 from lightning_spot.checkpoint.durable import pretrained_record, write
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.sources import StateSources
-from lightning_spot.data import shard_dataloader
-from lightning_spot.fault import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, JobWatch
-from lightning_spot.fault_tolerance import TorchFT, resolve_fault_tolerance
-from lightning_spot.fault_tolerance.attach import HEAL_URL, ReplicaGroup, attach, healed_checkpoint
+from lightning_spot.data.sharded import shard_dataloader
+from lightning_spot.data.streams import is_stream, stage_feed, stream_dataloader
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.observe import grad_norms
 from lightning_spot.partition.discovery import ModelContractError, ModelSplit, discover
@@ -88,7 +84,11 @@ from lightning_spot.runtime.process import (
 )
 from lightning_spot.runtime.schedules import resolve_schedule
 from lightning_spot.runtime.zero_grad import zeroed_after_step
-from lightning_spot.streaming import is_stream, stage_feed, stream_dataloader
+from lightning_spot.torchft import TorchFT, resolve_fault_tolerance
+from lightning_spot.torchft.attach import HEAL_URL, ReplicaGroup, attach, healed_checkpoint
+from lightning_spot.utils.distributed import broadcast_object, is_initialized
+from lightning_spot.utils.units import parse_bytes
+from lightning_spot.watchdog import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT, JobWatch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -144,8 +144,8 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
         step_timeout: seconds a pipeline step may run before a rank gives up on its peers (a frozen or vanished
             node: gloo's point-to-point receives never time out); five times the median of the recent steps when
             that is longer, ``timeout`` for the first step of each kind; ``None``: off. One rank's error stops
-            every rank within seconds regardless (``lightning_spot.fault``).
-        fault_tolerance: ``"torchft"`` (or :class:`~lightning_spot.fault_tolerance.TorchFT`): this process group is
+            every rank within seconds regardless (``lightning_spot.watchdog``).
+        fault_tolerance: ``"torchft"`` (or :class:`~lightning_spot.torchft.TorchFT`): this process group is
             one pipeline of a job of several, joined by a torchft lighthouse; when one is lost the others go on
             training without a restart, and a returning one takes a live peer's state (docs/launch-and-preemption.md).
     """

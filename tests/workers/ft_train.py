@@ -43,7 +43,7 @@ import lightning as L
 import torch
 
 from lightning_spot import PipelineTimeline, SpotCheckpoint, SpotPipelineStrategy
-from lightning_spot.fault_tolerance import TorchFT
+from lightning_spot.torchft import TorchFT
 from tests.models import HIDDEN, make_loader, make_model
 
 BATCH, SAMPLES, STEPS = 12, 96, 10
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=None, help="gradient buckets this small (every pipeline)")
     args = parser.parse_args()
     if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
-        from lightning_spot.fault_tolerance import early_buckets
+        from lightning_spot.torchft import early_buckets
 
         early_buckets.BUCKET_BYTES = args.bucket_bytes
     started = args.out / "started"

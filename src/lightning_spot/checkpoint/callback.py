@@ -23,7 +23,6 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_spot._dist import all_gather_object, broadcast_object, is_initialized, rank
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.cadence import Cadence
 from lightning_spot.checkpoint.durable.journal import (
@@ -49,6 +48,7 @@ from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
 from lightning_spot.runtime.clock import Timeline
 from lightning_spot.runtime.process import process_started
+from lightning_spot.utils.distributed import all_gather_object, broadcast_object, is_initialized, rank
 
 log = logging.getLogger(__name__)
 

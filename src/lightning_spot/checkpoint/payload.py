@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lightning_spot.checkpoint import model_copies
 from lightning_spot.checkpoint.jsonstate import decode, encode
 from lightning_spot.checkpoint.staging import Staging
-from lightning_spot.streaming.fixed_layout import replica_states
+from lightning_spot.data.streams.fixed_layout import replica_states
 
 log = logging.getLogger(__name__)
 

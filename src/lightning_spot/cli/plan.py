@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from lightning_spot._units import format_bytes, parse_bytes
 from lightning_spot.layout import LayoutError
 from lightning_spot.partition.discovery import ModelContractError, discover
 from lightning_spot.planning.cost_model import OFFLOAD_CHOICES, plan_layouts
 from lightning_spot.planning.hardware import Hardware
 from lightning_spot.planning.mixed import plan_mixed
 from lightning_spot.planning.profile import profile_model
+from lightning_spot.utils.units import format_bytes, parse_bytes
 
 
 def _load(spec: str, init_args: dict[str, Any]) -> torch.nn.Module:

@@ -95,7 +95,7 @@ def _threads_per_process(groups: int, nproc_per_node: str) -> int | None:
 
 def run_replica_groups(args: argparse.Namespace, cmd: list[str]) -> int:
     """One torchrun per pipeline beside an embedded lighthouse; the worst exit code of them all."""
-    from lightning_spot.fault_tolerance.lighthouse import start_lighthouse
+    from lightning_spot.torchft.lighthouse import start_lighthouse
 
     lighthouse = start_lighthouse(args.lighthouse_port)
     address = lighthouse.address()

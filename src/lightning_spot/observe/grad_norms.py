@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch.utilities import grad_norm as process_grad_norm
 from torch import Tensor, nn
 
-from lightning_spot._dist import all_gather_object, world_size
 from lightning_spot.runtime.grads import NormScope
+from lightning_spot.utils.distributed import all_gather_object, world_size
 
 #: where the running ``spot_pipeline`` job combines gradient norms (set by the strategy; None: no pipeline)
 _SCOPE: NormScope | None = None

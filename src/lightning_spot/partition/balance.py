@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lightning_spot._units import format_bytes
 from lightning_spot.layout import LayoutError
+from lightning_spot.utils.units import format_bytes
 
 StageBytes = Callable[[int, int, int], float]
 

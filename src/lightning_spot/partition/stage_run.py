@@ -35,8 +35,8 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_spot._seeded import draw_key, reseed
 from lightning_spot.partition.discovery import ModelContractError
+from lightning_spot.replay.draws import draw_key, reseed
 
 
 class StageExit(BaseException):
@@ -86,7 +86,7 @@ class StageRun:
     passed: Any = None
     passed_by: str = ""
     #: where the step's own random draws are seeded alike on every stage: the seed of the stage's layers' draws
-    #: (dropout), taken up at its first layer, so that those differ between stages (``_seeded.reseed``), and the
+    #: (dropout), taken up at its first layer, so that those differ between stages (``replay.draws.reseed``), and the
     #: seed the step's code draws from between two passes (the same on every stage)
     layer_seed: int | None = None
     pass_seed: int | None = None

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_spot._metric_states import metrics_kept
-from lightning_spot._module_lists import lists_kept
-from lightning_spot._seeded import seeded_draws
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.stage_run import StageRun, running
+from lightning_spot.replay.draws import seeded_draws
+from lightning_spot.replay.metric_states import metrics_kept
+from lightning_spot.replay.module_lists import lists_kept
 
 log = logging.getLogger(__name__)
 

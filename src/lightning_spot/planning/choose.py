@@ -24,9 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._pytree import tree_map
 
-from lightning_spot._batch_containers import register_containers
-from lightning_spot._dist import broadcast_object, rank
-from lightning_spot._units import divisors
+from lightning_spot.data.streams import peek_batch
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout, StagesArg
 from lightning_spot.partition.balance import balanced_cuts
 from lightning_spot.partition.cuts import plan_stages
@@ -60,8 +58,10 @@ from lightning_spot.planning.mixed import (
     total_microbatches,
 )
 from lightning_spot.planning.profile import ModelProfile, forward_call, profile_model, rooted
+from lightning_spot.replay.pytree import register_containers
 from lightning_spot.runtime.schedules import resolve_schedule
-from lightning_spot.streaming import peek_batch
+from lightning_spot.utils.distributed import broadcast_object, rank
+from lightning_spot.utils.units import divisors
 
 log = logging.getLogger(__name__)
 Partition = Union[Literal["auto", "uniform", "balanced"], Sequence[int]]

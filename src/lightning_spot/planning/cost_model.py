@@ -19,11 +19,11 @@ import itertools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lightning_spot._units import divisors, format_bytes
 from lightning_spot.layout import Layout, LayoutError, PipelineLayout
 from lightning_spot.partition.balance import balanced_cuts
 from lightning_spot.planning.hardware import Hardware
 from lightning_spot.planning.profile import LayerProfile, ModelProfile
+from lightning_spot.utils.units import divisors, format_bytes
 
 PLANNED_SCHEDULES = ("1F1B", "GPipe")
 #: what ``offload="auto"`` tries, cheapest first

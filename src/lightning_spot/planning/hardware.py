@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_spot._dist import world_size
+from lightning_spot.utils.distributed import world_size
 
 
 def sync_device(device: torch.device) -> None:

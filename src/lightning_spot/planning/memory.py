@@ -29,9 +29,9 @@ import fsspec
 import torch
 from torch import nn
 
-from lightning_spot._dist import all_gather_object, broadcast_object, rank
 from lightning_spot.planning.cost_model import Candidate
 from lightning_spot.planning.hardware import Hardware, measure_hardware
+from lightning_spot.utils.distributed import all_gather_object, broadcast_object, rank
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from lightning_spot._units import divisors, format_bytes
 from lightning_spot.layout import LayoutError
 from lightning_spot.partition.cuts import even_cuts
 from lightning_spot.planning.cost_model import PLANNED_SCHEDULES, evaluate
 from lightning_spot.planning.hardware import Hardware
 from lightning_spot.planning.profile import ModelProfile
+from lightning_spot.utils.units import divisors, format_bytes
 
 
 def fewest_microbatches(depth: int, schedule: str) -> int:

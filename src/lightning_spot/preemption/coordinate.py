@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_spot._dist import all_gather_object, world_size
 from lightning_spot.preemption.notice import Notice
+from lightning_spot.utils.distributed import all_gather_object, world_size
 
 
 def agree(flags: Sequence[bool], device: torch.device) -> list[bool]:

@@ -27,14 +27,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
-from lightning_spot._metric_states import copied_states, restore_states
-from lightning_spot._module_lists import lengths_kept
-from lightning_spot._units import divisors
 from lightning_spot.layout import LayoutError, PipelineLayout
 from lightning_spot.partition.cuts import plan_stages
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import place_stages, placement_of
 from lightning_spot.partition.stage_run import Compiler, run_outside_calls
+from lightning_spot.replay.metric_states import copied_states, restore_states
+from lightning_spot.replay.module_lists import lengths_kept
 from lightning_spot.runtime.cross_pipeline import CrossPipelineSync
 from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_grads, take_grads
 from lightning_spot.runtime.held_logs import HELD, HeldLogs
@@ -65,6 +64,7 @@ from lightning_spot.runtime.step_runner import (
 from lightning_spot.runtime.tied import TiedCopies
 from lightning_spot.runtime.trace_hooks import AllreduceTrace, traced_allreduce_hook, traced_p2p
 from lightning_spot.runtime.weight_streaming import WeightStreaming
+from lightning_spot.utils.units import divisors
 
 
 @dataclass(frozen=True)

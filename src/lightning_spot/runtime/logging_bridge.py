@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_spot._dist import broadcast_object
+from lightning_spot.utils.distributed import broadcast_object
 
 _SYNC_KEYS = ("sync_dist", "sync_dist_group")
 #: the point-to-point tag of a step's logged values (torch.distributed.pipelining sends with the default, 0)

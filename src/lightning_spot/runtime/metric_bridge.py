@@ -31,9 +31,9 @@ from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_sum
 
-from lightning_spot._metric_states import restore_states
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.stage_run import active_run
+from lightning_spot.replay.metric_states import restore_states
 
 
 def detached(value: Any) -> Any:

@@ -17,7 +17,7 @@ entry per micro-batch and the other ranks' lists stay empty. Around each step:
     entries = appends.take(rows)        # the last stage, after it: the step's new entries, merged (or None)
     appends.put(shared_entries)         # every rank: each list as before the step, plus the merged entries
 
-Lists are those of :func:`~lightning_spot._module_lists.module_lists` (public list attributes, and lists in public
+Lists are those of :func:`~lightning_spot.replay.module_lists.module_lists` (public list attributes, and lists in public
 dict attributes: one per dataloader, say). The entries a step's micro-batches appended are merged into what one process appends for
 the whole batch (:func:`merge_micro_batches`) when every micro-batch appended as many; else they stay one per
 micro-batch.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_spot._module_lists import Place, module_lists
+from lightning_spot.replay.module_lists import Place, module_lists
 
 
 class StepAppends:

@@ -27,9 +27,6 @@ from torch import Tensor, nn
 from torch.amp import GradScaler
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_spot._batch_containers import register_containers
-from lightning_spot._module_lists import lists_kept
-from lightning_spot._seeded import draw_key, python_drew, python_states, reseed, seeded_draws
 from lightning_spot.partition.discovery import ModelContractError
 from lightning_spot.partition.loss_hook import has_loss_hook, run_loss_hook
 from lightning_spot.partition.stage_run import (
@@ -42,6 +39,9 @@ from lightning_spot.partition.stage_run import (
     running,
 )
 from lightning_spot.partition.step_checks import count_passes, refuse_stand_ins_used, stand_ins_used, step_effects_kept
+from lightning_spot.replay.draws import draw_key, python_drew, python_states, reseed, seeded_draws
+from lightning_spot.replay.module_lists import lists_kept
+from lightning_spot.replay.pytree import register_containers
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.item_counts import LOSS_REDUCTION, NUM_ITEMS, ItemCounts, either
 from lightning_spot.runtime.logging_bridge import LogCapture

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_spot._dist import is_initialized
 from lightning_spot.layout import Layout
 from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import TiedParameter, stage_of_parameter
+from lightning_spot.utils.distributed import is_initialized
 
 
 def _stages_of(tie: TiedParameter, split: ModelSplit, plan: StagePlan) -> set[int]:

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from lightning_spot._dist import broadcast_object, rank
 from lightning_spot.checkpoint import model_copies
 from lightning_spot.checkpoint.checksum import ChecksumError
 from lightning_spot.checkpoint.durable import shares
@@ -41,6 +40,7 @@ from lightning_spot.checkpoint.payload import (
     stored_names,
 )
 from lightning_spot.layout import LayoutError, PipelineLayout
+from lightning_spot.utils.distributed import broadcast_object, rank
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_spot._dist import all_gather_object, gather_object_to_first, rank
 from lightning_spot._version import __version__
 from lightning_spot.checkpoint.durable.shards import save_shards
 from lightning_spot.checkpoint.durable.shares import KIND, upload_share
 from lightning_spot.checkpoint.durable.storage import MANIFEST, Storage, join, retry
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.payload import Payload
-from lightning_spot.streaming.fixed_layout import merge_replica_states, replica_states
+from lightning_spot.data.streams.fixed_layout import merge_replica_states, replica_states
+from lightning_spot.utils.distributed import all_gather_object, gather_object_to_first, rank
 
 FORMAT = "lightning-spot-checkpoint/1"
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_spot._dist import all_gather_object, exchange_bytes, rank
 from lightning_spot.checkpoint import model_copies
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore, cover, encode_tensors
+from lightning_spot.utils.distributed import all_gather_object, exchange_bytes, rank
 
 Needs = dict[str, list[str]]  # group ("model", "optimizer_0", ...) -> stored names
 Tensors = dict[str, dict[str, torch.Tensor]]

@@ -35,12 +35,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_spot._dist import all_gather_object, exchange_bytes
 from lightning_spot.checkpoint import model_copies, tensorfile
 from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.memory.snapshot import TENSORS, SnapshotStore, Staged
 from lightning_spot.checkpoint.payload import Payload, split_checkpoint
 from lightning_spot.checkpoint.staging import Staging
+from lightning_spot.utils.distributed import all_gather_object, exchange_bytes
 
 log = logging.getLogger(__name__)
 

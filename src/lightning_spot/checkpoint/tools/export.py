@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from lightning_spot._units import parse_bytes
 from lightning_spot.checkpoint import tensorfile
 from lightning_spot.checkpoint.durable import pretrained_record
 from lightning_spot.checkpoint.durable.read import CheckpointError, newest_intact
@@ -30,6 +29,7 @@ from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.jsonstate import decode
 from lightning_spot.checkpoint.tools.consolidate import model_groups, read_model
 from lightning_spot.checkpoint.tools.export_peft import MergedAdapters
+from lightning_spot.utils.units import parse_bytes
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_spot.data import explain_indivisible_batch
+from lightning_spot.data.sharded import explain_indivisible_batch
+from lightning_spot.data.streams.contract import release_workers
+from lightning_spot.data.streams.positions import PositionLog
 from lightning_spot.layout import LayoutError
-from lightning_spot.streaming.contract import release_workers
-from lightning_spot.streaming.positions import PositionLog
 
 #: the LitData release whose resume fields and environment override this mode is written (and tested) against
 LITDATA_VERSION = "0.2.76"

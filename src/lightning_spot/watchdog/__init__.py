@@ -1,7 +1,7 @@
 """Failures: one rank's error (or a frozen peer) stops every rank of the job at once, the error shown once."""
 
-from lightning_spot.fault.board import Failure, FailureBoard
-from lightning_spot.fault.watch import (
+from lightning_spot.watchdog.board import Failure, FailureBoard
+from lightning_spot.watchdog.watch import (
     DEFAULT_STEP_TIMEOUT,
     DEFAULT_TIMEOUT,
     FAILED_EXIT_CODE,

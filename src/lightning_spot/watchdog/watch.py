@@ -42,7 +42,7 @@ from types import TracebackType
 
 import torch.distributed as dist
 
-from lightning_spot.fault.board import Failure, FailureBoard
+from lightning_spot.watchdog.board import Failure, FailureBoard
 from lightning_spot_launch import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 __all__ = ["DEFAULT_STEP_TIMEOUT", "DEFAULT_TIMEOUT", "FAILED_EXIT_CODE", "PEER_LOST_EXIT_CODE", "JobWatch"]

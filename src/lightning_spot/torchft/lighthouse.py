@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_spot.fault_tolerance.config import require_torchft
+from lightning_spot.torchft.config import require_torchft
 
 HEARTBEAT_TIMEOUT_MS = 1000
 JOIN_TIMEOUT_MS = 5000

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_spot._dist import broadcast_object
+from lightning_spot.utils.distributed import broadcast_object
 
 _END = "lightning-spot: end of pass"
 

@@ -29,17 +29,17 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_spot.fault_tolerance.config import TorchFT, check_reachable, require_torchft
-from lightning_spot.fault_tolerance.early_buckets import EarlyBuckets
-from lightning_spot.fault_tolerance.leave import LeaveOnSignal
-from lightning_spot.fault_tolerance.running_quorum import layouts_in, layouts_refusal, replica_id
-from lightning_spot.fault_tolerance.shares import participant_rows, take_rows
 from lightning_spot.layout import LayoutError
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.held_logs import HeldLogs
 from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.step_runner import batch_size_of
+from lightning_spot.torchft.config import TorchFT, check_reachable, require_torchft
+from lightning_spot.torchft.early_buckets import EarlyBuckets
+from lightning_spot.torchft.leave import LeaveOnSignal
+from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, replica_id
+from lightning_spot.torchft.shares import participant_rows, take_rows
 
 log = logging.getLogger(__name__)
 

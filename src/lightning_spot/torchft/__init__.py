@@ -9,6 +9,6 @@ the step commits, and a step that does not commit is run again with the new quor
 takes the state of the same stage of a live peer, as a Lightning checkpoint, at a step boundary.
 """
 
-from lightning_spot.fault_tolerance.config import TorchFT, resolve_fault_tolerance
+from lightning_spot.torchft.config import TorchFT, resolve_fault_tolerance
 
 __all__ = ["TorchFT", "resolve_fault_tolerance"]

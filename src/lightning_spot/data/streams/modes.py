@@ -8,9 +8,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_spot.streaming.fixed_layout import FixedLayoutLoader, is_fixed_layout
-from lightning_spot.streaming.global_stream import GlobalStreamLoader
-from lightning_spot.streaming.litdata_shards import ShardedStreamLoader, is_litdata
+from lightning_spot.data.streams.fixed_layout import FixedLayoutLoader, is_fixed_layout
+from lightning_spot.data.streams.global_stream import GlobalStreamLoader
+from lightning_spot.data.streams.litdata_shards import ShardedStreamLoader, is_litdata
 
 
 def stream_dataloader(loader: DataLoader, **share: Any) -> GlobalStreamLoader | ShardedStreamLoader:

@@ -30,7 +30,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
-from lightning_spot._seeded import draw_key, seeded_draws
+from lightning_spot.replay.draws import draw_key, seeded_draws
 
 
 def whole_dataset_order(sampler: Any) -> Any:

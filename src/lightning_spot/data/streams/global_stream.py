@@ -15,10 +15,10 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
-from lightning_spot.data import explain_indivisible_batch, replica_slice, valid_global_batches
+from lightning_spot.data.sharded import explain_indivisible_batch, replica_slice, valid_global_batches
+from lightning_spot.data.streams.contract import check_stream, release_workers
+from lightning_spot.data.streams.positions import PositionLog
 from lightning_spot.layout import LayoutError
-from lightning_spot.streaming.contract import check_stream, release_workers
-from lightning_spot.streaming.positions import PositionLog
 
 
 def batch_rows(batch: Any) -> int:

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_spot.data.streams.contract import check_stream
+from lightning_spot.data.streams.global_stream import GlobalStreamLoader
 from lightning_spot.layout import LayoutError
-from lightning_spot.streaming.contract import check_stream
-from lightning_spot.streaming.global_stream import GlobalStreamLoader
 
 MODE = "fixed layout"
 _MARK = "_lightning_spot_stream_mode"

@@ -8,7 +8,7 @@ layout) and takes its contiguous ``1/D`` slice of each; all pipeline stages of a
 same slice. ``shuffle=True`` is replaced by a sampler seeded with ``seed + epoch`` (the same rule
 as ``DistributedSampler``), because a ``RandomSampler`` draws from each process's global RNG. A user's own
 ``DistributedSampler`` gives the whole dataset's order; other random draws of samplers, ``__getitem__`` and
-``collate_fn`` are seeded alike on every stage of a pipeline (:mod:`lightning_spot._data_draws`).
+``collate_fn`` are seeded alike on every stage of a pipeline (:mod:`lightning_spot.data.draws`).
 A plain ``TensorDataset`` (or a ``Subset`` of one) with the default collate function is read one index per tensor
 (:class:`TensorRows`), as a hand-written loop slices its tensors, instead of one ``__getitem__`` per sample.
 """
@@ -30,10 +30,10 @@ from torch.utils.data import (
     default_collate,
 )
 
-from lightning_spot._data_draws import SeededFetches, draws_from_process, replica_worker_init, whole_dataset_order
-from lightning_spot._seeded import draw_key, seeded_draws
-from lightning_spot._units import divisors
+from lightning_spot.data.draws import SeededFetches, draws_from_process, replica_worker_init, whole_dataset_order
 from lightning_spot.layout import LayoutError
+from lightning_spot.replay.draws import draw_key, seeded_draws
+from lightning_spot.utils.units import divisors
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -329,7 +329,7 @@ def shard_dataloader(
     if isinstance(loader.dataset, IterableDataset):
         raise LayoutError(
             "shard_dataloader shards map-style datasets by index; an IterableDataset cannot be sharded that way: "
-            "lightning_spot.streaming.stream_dataloader reads it (spot_pipeline does so itself, docs/streaming.md)."
+            "lightning_spot.data.streams.stream_dataloader reads it (spot_pipeline does so itself, docs/streaming.md)."
         )
     batch_sampler: Any = loader.batch_sampler
     # prediction: Lightning's wrapper notes each batch's dataset indices (for prediction writers); it wraps this

@@ -4,7 +4,7 @@
 
 Mode "global stream" (the default): every data-parallel replica reads the same unsharded stream in
 global batches (the user's DataLoader ``batch_size``) and keeps its share of each, with the same slice arithmetic
-as map-style data (``lightning_spot.data``). The stream's state does not depend on the layout, so a resume onto
+as map-style data (``lightning_spot.data.sharded``). The stream's state does not depend on the layout, so a resume onto
 any P x D continues at the right sample. The price: every replica reads the whole stream (D times the reading
 of one; in every mode only a pipeline's first stage reads, ``stage_feed`` sends the batches to the others).
 
@@ -21,12 +21,12 @@ returning and taking its position, and iterating it continues from that position
 state lives in the worker processes, so a plain DataLoader must use ``num_workers=0``.
 """
 
-from lightning_spot.streaming.contract import check_stream, is_stream
-from lightning_spot.streaming.fixed_layout import FixedLayoutLoader, fixed_layout, is_fixed_layout
-from lightning_spot.streaming.global_stream import GlobalStreamLoader
-from lightning_spot.streaming.litdata_shards import LITDATA_VERSION, ShardedStreamLoader, is_litdata
-from lightning_spot.streaming.modes import peek_batch, stream_dataloader
-from lightning_spot.streaming.stage_feed import StageFeed, stage_feed
+from lightning_spot.data.streams.contract import check_stream, is_stream
+from lightning_spot.data.streams.fixed_layout import FixedLayoutLoader, fixed_layout, is_fixed_layout
+from lightning_spot.data.streams.global_stream import GlobalStreamLoader
+from lightning_spot.data.streams.litdata_shards import LITDATA_VERSION, ShardedStreamLoader, is_litdata
+from lightning_spot.data.streams.modes import peek_batch, stream_dataloader
+from lightning_spot.data.streams.stage_feed import StageFeed, stage_feed
 
 __all__ = [
     "LITDATA_VERSION",

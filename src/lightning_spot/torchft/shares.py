@@ -7,7 +7,7 @@ from typing import Any
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from lightning_spot.data import replica_slice
+from lightning_spot.data.sharded import replica_slice
 from lightning_spot.layout import LayoutError
 
 

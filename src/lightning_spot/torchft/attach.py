@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_spot._dist import broadcast_object
 from lightning_spot.checkpoint.payload import Payload
-from lightning_spot.fault_tolerance.config import TorchFT
-from lightning_spot.fault_tolerance.heal import HEAL_URL, apply_stage_state, stage_state
-from lightning_spot.fault_tolerance.replica_group import ReplicaGroup
-from lightning_spot.fault_tolerance.running_quorum import layout_tag, read_running
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.held_logs import HeldLogs
 from lightning_spot.runtime.logging_bridge import LastStageShare
+from lightning_spot.torchft.config import TorchFT
+from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
+from lightning_spot.torchft.replica_group import ReplicaGroup
+from lightning_spot.torchft.running_quorum import layout_tag, read_running
+from lightning_spot.utils.distributed import broadcast_object
 
 __all__ = ["HEAL_URL", "ReplicaGroup", "attach", "check_fits", "healed_checkpoint"]
 
