@@ -232,7 +232,7 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
     import lightning as L
 
     from lightning_spot import SpotCheckpoint
-    from lightning_spot.checkpoint import callback as callback_module
+    from lightning_spot.checkpoint import step_policy
     from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
     from tests.models import fit_in_this_process, make_loader, make_model
 
@@ -248,7 +248,7 @@ def test_a_snapshot_by_the_clock_waits_for_the_previous_write_rather_than_stalli
 
     monkeypatch.setattr(Snapshotter, "_store", slow_store)
     # warned of from 0.2 s while the write lasts 0.8 s: a window far wider than the ~0.25 s between agreements
-    monkeypatch.setattr(callback_module, "POSTPONED_WARN_SECONDS", 0.2)
+    monkeypatch.setattr(step_policy, "POSTPONED_WARN_SECONDS", 0.2)
     spot = SpotCheckpoint(
         str(tmp_path / "run"),
         snapshot_dir=str(tmp_path / "shm"),

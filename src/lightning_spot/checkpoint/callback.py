@@ -42,6 +42,7 @@ from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME, SnapshotE
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import split_checkpoint
 from lightning_spot.checkpoint.staging import Staging
+from lightning_spot.checkpoint.step_policy import Agreed, StepPolicy
 from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
@@ -51,9 +52,6 @@ from lightning_spot.runtime.process import process_started
 from lightning_spot.utils.distributed import all_gather_object, broadcast_object, is_initialized, rank
 
 log = logging.getLogger(__name__)
-
-#: a snapshot postponed this long (seconds since the last one) while a rank still writes the previous one is warned of
-POSTPONED_WARN_SECONDS = 300.0
 
 
 class SpotCheckpoint(L.Callback):
@@ -169,7 +167,6 @@ class SpotCheckpoint(L.Callback):
         self._last_step = -1
         self._checked_step = -1
         self._loop = LoopSteps()  # the loop's step times: what background writes cost it
-        self._warned_postponed = False
         #: the step's agreement, posted at its start (see :meth:`_post_agreement`) on the boundaries of the cadence
         self._agreement: Optional[PostedMax] = None
         self._agreement_cadence = AgreementCadence()
@@ -203,6 +200,13 @@ class SpotCheckpoint(L.Callback):
             rank_zero_info("SpotCheckpoint: no snapshots in host memory: the other pipelines hold this one's state")
             self.cadence.snapshots = False
         self.snapshots = self._snapshot_store(url) if self.cadence.snapshots else None
+        #: the per-step decision (its settings as they stand now that the snapshot store is open or not)
+        self.policy = StepPolicy(
+            self.every_n_train_steps,
+            self.snapshot_every_n_train_steps,
+            snapshots=self.snapshots is not None,
+            save_on_train_end=self.save_on_train_end,
+        )
         if self.snapshots is not None and is_initialized() and self.snapshots.group is None:
             self.snapshots.group = dist.new_group(backend="gloo")  # snapshot traffic, off the training group
         host.use_checkpoint_storage(self.storage_options, url, self.snapshots)
@@ -404,33 +408,21 @@ class SpotCheckpoint(L.Callback):
 
     def _at_step_end(self, trainer: L.Trainer, step: int) -> None:
         self._record_progress(trainer)
-        due = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0  # type: ignore[operator]
-        late = snap_late = False
         self._observe_costs(trainer)
-        agreement, self._agreement = self._agreement, None
-        if agreement is not None:
-            notice = self.watcher.notice if self.watcher is not None else None
-            seen, snap_elapsed, snap_every, elapsed, durable_every, writing = self._agreement_cadence.read(agreement)
-            late = durable_every > 0 and elapsed >= durable_every
-            # a snapshot by the clock waits until no rank is still writing the previous one (its copy would wait)
-            snap_late = self.snapshots is not None and snap_every > 0 and snap_elapsed >= snap_every
-            snap_late = snap_late and not self._postponed(bool(writing), snap_elapsed)
-            if seen:
-                stop_for_preemption(
-                    notice,
-                    step=trainer.global_step,
-                    save=lambda reason: self.save(trainer, reason=reason, blocking=True),
-                    report=lambda stop: self._preempted(trainer, stop),
-                )
-        due = due or late
-        ending = self.save_on_train_end and (
-            (trainer.max_steps not in (None, -1) and step >= trainer.max_steps) or trainer.should_stop
-        )
-        if due or ending:
-            self.save(trainer, reason="end" if ending and not due else "periodic")
-        elif self.snapshots is not None and (
-            snap_late or (bool(self.snapshot_every_n_train_steps) and step % self.snapshot_every_n_train_steps == 0)  # type: ignore[operator]
-        ):
+        posted, self._agreement = self._agreement, None
+        agreed = Agreed.of(self._agreement_cadence.read(posted)) if posted is not None else None
+        ending = (trainer.max_steps not in (None, -1) and step >= trainer.max_steps) or trainer.should_stop
+        decision = self.policy.decide(step, agreed, ending=ending)
+        if decision.stop_for_notice:
+            stop_for_preemption(
+                self.watcher.notice if self.watcher is not None else None,
+                step=trainer.global_step,
+                save=lambda reason: self.save(trainer, reason=reason, blocking=True),
+                report=lambda stop: self._preempted(trainer, stop),
+            )
+        if decision.save is not None:
+            self.save(trainer, reason=decision.save)
+        elif decision.snapshot:
             self.snapshot(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -635,18 +627,6 @@ class SpotCheckpoint(L.Callback):
             rank_zero_info(f"SpotCheckpoint: {self.cadence.describe()}")
             if self.journal is not None:
                 self.journal.record("cadence", step=trainer.global_step, **self.cadence.chosen())
-
-    def _postponed(self, writing: bool, elapsed: float) -> bool:
-        """Whether a snapshot due by the clock waits for a rank still writing the previous one; says so once if the
-        wait grows long (a writer stuck, e.g. on a peer copy: the memory tier then falls behind)."""
-        if writing and elapsed >= POSTPONED_WARN_SECONDS and not self._warned_postponed:
-            self._warned_postponed = True
-            log.warning(
-                "lightning-spot: no snapshot for %.0fs: a rank is still writing the previous one (host memory, or the "
-                "copy to its peer node, is slower than the interval); the newest snapshot is that old",
-                elapsed,
-            )
-        return writing
 
     def _loop_cost(self, record: dict[str, Any]) -> float:
         """What a finished snapshot or save cost the loop: its stall, plus how much the steps its background write
