@@ -497,7 +497,7 @@ def test_a_local_checkpoint_that_retention_deletes_lends_its_tensor_files_to_the
 
 
 def test_the_closing_line_gives_the_first_saves_stall_the_later_median_and_the_waits_for_uploads() -> None:
-    from lightning_spot.checkpoint.callback import _per_save
+    from lightning_spot.checkpoint.saver import per_save as _per_save
 
     saves = [{"stall_seconds": s, "waited_seconds": w} for s, w in ((4.7, 0.0), (0.1, 0.0), (0.9, 0.8), (0.2, 0.0))]
     assert _per_save(saves) == (

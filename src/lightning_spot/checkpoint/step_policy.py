@@ -43,9 +43,14 @@ class Agreed:
     durable_every: float
     writing: bool
 
+    def posted(self) -> list[float]:
+        """This rank's values as posted to the agreement (a maximum over the ranks each)."""
+        elapsed = [self.snapshot_elapsed, self.snapshot_every, self.durable_elapsed, self.durable_every]
+        return [float(self.notice), *elapsed, float(self.writing)]
+
     @classmethod
     def of(cls, values: list[float]) -> Agreed:
-        """From the agreement's values, in the order the callback posts them."""
+        """From the agreed values (:meth:`posted`'s order)."""
         notice, snap_elapsed, snap_every, elapsed, durable_every, writing = values
         return cls(bool(notice), snap_elapsed, snap_every, elapsed, durable_every, bool(writing))
 

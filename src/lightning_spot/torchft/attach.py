@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_spot.checkpoint.payload import Payload
+from lightning_spot.checkpoint.resume import ResumeOverride
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.held_logs import HeldLogs
@@ -118,14 +119,7 @@ def _settle_heap() -> None:
 
 def _resume_from_peer(trainer: pl.Trainer) -> None:
     """Make Lightning's resume (right after setup) load the healed state, whatever ``ckpt_path`` says."""
-    connector = trainer._checkpoint_connector
-    inner = connector.resume_start
-
-    def resume_start(checkpoint_path: Any = None, weights_only: Any = None) -> None:
-        connector.resume_start = inner  # type: ignore[method-assign]
-        inner(HEAL_URL, weights_only)
-
-    connector.resume_start = resume_start  # type: ignore[method-assign]
+    ResumeOverride.of(trainer).add("torchft_heal", lambda _asked: HEAL_URL, first=True, once=True)
 
 
 def healed_checkpoint(
