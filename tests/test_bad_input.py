@@ -12,6 +12,7 @@ from lightning_spot import Layout, LayoutError, ModelContractError, SpotPipeline
 from lightning_spot.data.sharded import ReplicaBatchSampler
 from lightning_spot.partition.placement import tied_parameters
 from lightning_spot.runtime.schedules import resolve_schedule
+from lightning_spot.strategy.settings import check_supported
 from tests.distributed import launch
 from tests.models import NoLayersModel, TiedEmbeddingModel, make_model
 
@@ -122,8 +123,9 @@ def test_fp16_with_optimizer_offload_is_refused() -> None:
         plugin = MixedPrecision("16-mixed", "cuda")
     strategy = SpotPipelineStrategy(precision_plugin=plugin, offload="optimizer")
     with pytest.raises(LayoutError, match="precision='16-mixed' with offload=\\['optimizer'\\] is not supported.*bf16"):
-        strategy._check_supported(None, make_model())  # type: ignore[arg-type]
-    SpotPipelineStrategy(precision_plugin=plugin)._check_supported(None, make_model())  # type: ignore[arg-type]
+        check_supported(make_model(), strategy.precision_plugin, strategy.settings)
+    allowed = SpotPipelineStrategy(precision_plugin=plugin)
+    check_supported(make_model(), allowed.precision_plugin, allowed.settings)
 
 
 @pytest.fixture(scope="module")
@@ -175,4 +177,4 @@ def test_offload_levels_are_checked_when_the_strategy_is_made(value: object, wor
 
 def test_offloading_the_parameters_implies_the_optimizer() -> None:
     """Weights that rest in host memory are updated there: "parameters" brings "optimizer" with it."""
-    assert SpotPipelineStrategy(offload="parameters")._requested.offload == ("optimizer", "parameters")
+    assert SpotPipelineStrategy(offload="parameters").settings.requested.offload == ("optimizer", "parameters")

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
+from torch.amp import GradScaler
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
@@ -48,7 +49,7 @@ from lightning_spot.runtime.logging_bridge import (
     replay,
 )
 from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric, refuse_meta_states
-from lightning_spot.runtime.offload import OptimizerOffload
+from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload
 from lightning_spot.runtime.outside_calls import OutsideCalls, next_engine
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
@@ -97,6 +98,9 @@ class PipelineEngine:
         activation_checkpointing: bool = False,
         compiler: Compiler | None = None,
         outside_timeout: float = 60.0,
+        scaler: GradScaler | None = None,
+        activation_offload: ActivationOffload | None = None,
+        grads_final: Sequence[Callable[[int], None]] = (),
     ) -> None:
         self.module = module
         self.layout = layout
@@ -122,6 +126,9 @@ class PipelineEngine:
         self.ctx = ctx
         self.capture = LogCapture()
         self.runner = StepRunner(module, plan.num_stages, self.capture, ctx.device)
+        #: fp16: one loss scale everywhere; activations to host memory; hooks when a stage's gradients are final
+        self.runner.scaler, self.runner.activation_offload = scaler, activation_offload
+        self.runner.grads_final.extend(grads_final)
         self.runner.draw_seed, self.runner.dp_rank = seed, ctx.dp_rank  # (the step's draws: alike on every stage)
         #: the module's lists that steps append to (Lightning 2's outputs for an epoch's end), kept on every rank
         self.appends = StepAppends(module)
@@ -287,7 +294,7 @@ class PipelineEngine:
                 for s in self.local_stages
             }
             self.runner.weights = WeightStreaming(layers, self.ctx.device, dp_group, synced=self.stage_modules)
-            self.runner.grads_final.append(self.runner.weights.backward_done)
+            self.runner.grads_final.insert(0, self.runner.weights.backward_done)  # (before the strategy's hooks)
             return
         if self.layout.is_mixed:
             self.fixed_params = ("pipelines of mixed depths", "their gradient sums are set up for the parameters then")
@@ -532,6 +539,16 @@ class PipelineEngine:
             yield
         finally:
             self.defer_replica_sync = False
+
+    def use_replica_group(self, draw_rank: int, held_logs: HeldLogs) -> None:
+        """This pipeline is a torchft replica group: its step's draws get ``draw_rank`` (its group) in their seed,
+        its logged values wait for the commit (``held_logs``), and its parameters' gradient buckets are fixed."""
+        self.runner.dp_rank, self.held_logs = draw_rank, held_logs
+        self.fixed_params = ("fault_tolerance='torchft'", "its gradient buckets hold the parameters trainable then")
+
+    def restore_position(self, samples_seen: int) -> None:
+        """The samples trained before the checkpoint this run resumed from (the data's position)."""
+        self.samples_seen = samples_seen
 
     def offload_optimizers(self, optimizers: list[Any]) -> OptimizerOffload:
         """``offload="optimizer"``: fp32 masters and optimizer state in host memory (the streamed weights' masters

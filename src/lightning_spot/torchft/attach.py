@@ -74,13 +74,12 @@ def attach(
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
-    engine.fixed_params = ("fault_tolerance='torchft'", "its gradient buckets hold the parameters trainable then")
     # each pipeline is a replica of its own world (data-parallel rank 0): its step's draws (noise for its rows) get
-    # its replica group in their seed, not another pipeline's
-    engine.runner.dp_rank = zlib.crc32(str(group.settings.replica_group).encode())
-    # logged values wait for the commit (a share of their own to the pipeline's other stages)
+    # its replica group in their seed, not another pipeline's; logged values wait for the commit (a share of their
+    # own to the pipeline's other stages)
     share = LastStageShare(engine.ctx.pp_group, engine.last_stage_rank, engine.ctx.device)
-    engine.held_logs = group.held_logs = HeldLogs(engine.module, share, engine.ctx.device, engine.holds_last)
+    group.held_logs = HeldLogs(engine.module, share, engine.ctx.device, engine.holds_last)
+    engine.use_replica_group(zlib.crc32(str(group.settings.replica_group).encode()), group.held_logs)
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group
@@ -131,7 +130,7 @@ def healed_checkpoint(
     if state is None:
         raise RuntimeError(f"{HEAL_URL} is restored once, after a pipeline joined and took a peer's state")
     checkpoint = apply_stage_state(module, optimizers, engine.ties.aliases, state["stage"])
-    engine.samples_seen = int(state["samples_seen"])
+    engine.restore_position(int(state["samples_seen"]))
     record = {
         "step": int(checkpoint.get("global_step", 0)),
         "tier": "peer",

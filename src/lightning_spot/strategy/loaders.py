@@ -1,0 +1,51 @@
+"""The training data as each rank reads it: its replica's share of every global batch, on any layout.
+
+    loader = loader_for(dataloader, engine, trainer, fed=True, streams=made)   # sharded, or a stream, positioned
+
+A map-style loader's batches are split among the data-parallel replicas (each loads its share; resumable by the
+global batches trained this epoch, the same count on every layout). A stream is read by the first stage of each
+pipeline and sent to the others (``fed``; every stage reads it under torchft or with pipelines of mixed depths).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from lightning_spot.data.sharded import shard_dataloader
+from lightning_spot.data.streams import is_stream, stage_feed, stream_dataloader
+from lightning_spot.runtime.engine import PipelineEngine
+
+
+def loader_for(
+    dataloader: object,
+    engine: PipelineEngine,
+    trainer: Optional[pl.Trainer],
+    fed: bool,
+    streams: weakref.WeakSet[Any],
+) -> object:
+    """What this rank reads of ``dataloader`` (see the module's text); other objects are returned as they are. The
+    stream loaders made are added to ``streams`` (their workers are shut down at teardown: Lightning does so only
+    for the loaders it sees)."""
+    if not isinstance(dataloader, DataLoader):
+        return dataloader
+    epoch_loop = trainer.fit_loop.epoch_loop if trainer is not None and trainer.training else None
+    layout = engine.layout
+    share: dict[str, Any] = {  # progress: global batches trained this epoch (the same on every layout)
+        "dp_rank": engine.ctx.dp_rank,
+        "dp_size": layout.grid.data_parallel,
+        "weights": layout.pipeline_microbatches if layout.is_mixed else None,
+        "divisor": layout.total_microbatches if epoch_loop is not None else None,
+        "progress": (lambda: epoch_loop.batch_progress.current.processed) if epoch_loop else None,  # type: ignore[attr-defined]
+        "world_size": layout.grid.world_size,
+    }
+    if is_stream(dataloader):  # read on the first stage only (every stage under torchft or mixed depths)
+        ctx, fed = engine.ctx, fed and not layout.is_mixed
+        stream = stage_feed(stream_dataloader(dataloader, **share), ctx.pp_group if fed else None, ctx.pp_rank == 0)
+        streams.add(stream)
+        return stream
+    return shard_dataloader(dataloader, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **share)
