@@ -1,6 +1,7 @@
 """The training data as each rank reads it: its replica's share of every global batch, on any layout.
 
     loader = loader_for(dataloader, engine, trainer, fed=True, streams=made)   # sharded, or a stream, positioned
+    class SpotPipelineStrategy(..., DataHooks, ...): ...   # Lightning's data hooks, calling loader_for
 
 A map-style loader's batches are split among the data-parallel replicas (each loads its share; resumable by the
 global batches trained this epoch, the same count on every layout). A stream is read by the first stage of each
@@ -11,14 +12,19 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_spot.data.sharded import shard_dataloader
 from lightning_spot.data.streams import is_stream, stage_feed, stream_dataloader
 from lightning_spot.runtime.engine import PipelineEngine
+from lightning_spot.strategy.settings import PipelineSettings
 
 
 def loader_for(
@@ -49,3 +55,24 @@ def loader_for(
         streams.add(stream)
         return stream
     return shard_dataloader(dataloader, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), **share)
+
+
+class DataHooks(ParallelStrategy):
+    """Lightning's data hooks of the strategy (a mixin of ``SpotPipelineStrategy``, which sets what is declared
+    here): the transfer hooks' draws seeded alike on every stage, and each loader made this rank's share."""
+
+    settings: PipelineSettings
+    _streams: weakref.WeakSet[Any]
+    _engine: Callable[[], PipelineEngine]  # (the engine, once built: CheckpointHooks._engine)
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        self._engine().runner.seed_hooks()  # (the transfer hooks' augmentations draw alike on every stage)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        self._engine().runner.seed_hooks()  # (and the first batch's on_before_batch_transfer)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        fed = self.settings.fault_tolerance is None
+        return loader_for(dataloader, self._engine(), trainer, fed=fed, streams=self._streams)

@@ -13,52 +13,42 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_spot.checkpoint.callback import checkpoints_last
-from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
-from lightning_spot.checkpoint.payload import stored_names
 from lightning_spot.checkpoint.sources import StateSources
 from lightning_spot.layout import Layout, PipelineLayout, StagesArg
 from lightning_spot.observe import grad_norms
-from lightning_spot.partition.stage_run import refuse_collective_in_step
 from lightning_spot.planning.choose import LayoutChoice
 from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
 from lightning_spot.runtime.callbacks_on_stages import on_stages, writers_once_per_pipeline
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.compiled import CompiledModule
 from lightning_spot.runtime.engine import PipelineEngine
-from lightning_spot.runtime.logging_bridge import ALREADY_REDUCED
 from lightning_spot.runtime.offload import OptimizerOffload
-from lightning_spot.runtime.process import elastic_world, threads_set_by_user
+from lightning_spot.runtime.process import threads_set_by_user
 from lightning_spot.runtime.zero_grad import zeroed_after_step
 from lightning_spot.strategy.assemble import build_pipeline, route_gradient_clipping
-from lightning_spot.strategy.checkpoint_io import PipelineCheckpointIO
-from lightning_spot.strategy.loaders import loader_for
+from lightning_spot.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_spot.strategy.collectives import StepSafeCollectives
+from lightning_spot.strategy.loaders import DataHooks
 from lightning_spot.strategy.process import ProcessSetup
+from lightning_spot.strategy.process_hooks import ProcessHooks
 from lightning_spot.strategy.settings import Microbatches, PartitionArg, PipelineSettings, check_supported
 from lightning_spot.torchft import TorchFT
-from lightning_spot.torchft.attach import HEAL_URL, ReplicaGroup, attach, healed_checkpoint
+from lightning_spot.torchft.attach import attach
 from lightning_spot.torchft.no_replicas import NoReplicas, Replicas
-from lightning_spot.utils.distributed import broadcast_object, is_initialized
 from lightning_spot.watchdog import DEFAULT_STEP_TIMEOUT, DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
@@ -67,7 +57,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
+class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHooks, StepSafeCollectives):
     """Split a LightningModule's layer sequence into pipeline stages and replicate the pipeline.
 
     Args:
@@ -194,24 +184,6 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
 
     # ---------------------------------------------------------------- properties
     @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def is_distributed(self) -> bool:
         return True
 
@@ -239,85 +211,6 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
         if self.layout_choice is None:  # (setup samples a batch before the layout exists: one replica, all the data)
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.layout.data_parallel, "rank": self.layout.dp_rank(self.global_rank)}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
-    def replicas(self) -> Optional[ReplicaGroup]:
-        """This pipeline's torchft replica group (``fault_tolerance="torchft"``, once fitting starts), else None."""
-        return self._replicas if isinstance(self._replicas, ReplicaGroup) else None
-
-    @property
-    def thread_setup(self) -> Any:
-        return self.process.threads if self.process is not None else None
-
-    @property
-    def host_malloc(self) -> Any:
-        return self.process.host_malloc if self.process is not None else None
-
-    # -------------------------------------------------------------- environment
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def set_world_ranks(self) -> None:
-        env = self.cluster_environment
-        if env is not None and env.creates_processes_externally and self.parallel_devices:  # torchrun: its world
-            self.parallel_devices, nodes = elastic_world(list(self.parallel_devices))
-            self.num_nodes = nodes or self.num_nodes
-        if env is not None:
-            env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            env.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self.process = ProcessSetup.start(
-            processes=self.num_processes, user_threads=self._user_threads, environment=self.cluster_environment,
-            device=self.root_device, backend=self._process_group_backend, timeout=self.settings.timeout,
-            step_timeout=self.settings.step_timeout, rank=self.global_rank, world_size=self.world_size,
-        )  # fmt: skip
-        self._process_group_backend = self.process.backend
-
-    def _watched(self, kind: str) -> Any:
-        """A pipeline step, watched for progress (a frozen peer stops the job after ``step_timeout``)."""
-        if self.process is None:
-            return nullcontext()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return self.process.watched(kind, f"{kind} at global step {trainer.global_step}" if trainer else kind)
-
-    @override
-    def on_train_start(self) -> None:  # Lightning's per-batch SIGTERM broadcast, without the lockstep
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and self._sigterm is None and self.settings.fault_tolerance is None:
-            self._sigterm = SigtermAgreement.install(trainer)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self.process is not None:
-            self.process.on_exception(exception)
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        init = torch.device("meta") if empty_init else nullcontext()
-        with init, self.precision_plugin.tensor_init_context():
-            yield
-
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device; each rank materialises only its stages."""
-        with torch.device("meta"):
-            yield
 
     # -------------------------------------------------------------------- setup
     @override
@@ -373,11 +266,6 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
         self.model.to(self.root_device)
 
     # -------------------------------------------------------------------- steps
-    def _engine(self) -> PipelineEngine:
-        if self.engine is None:
-            raise RuntimeError("spot_pipeline has not been set up yet")
-        return self.engine
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context(), self._watched("training_step"):
@@ -447,146 +335,6 @@ class SpotPipelineStrategy(CompiledModule, ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context(), self._watched("predict_step"):
             return self._engine().eval_step("predict_step", "predict", args[0], args[1:], kwargs)
-
-    # --------------------------------------------------------------------- data
-    @override
-    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        self._engine().runner.seed_hooks()  # (the transfer hooks' augmentations draw alike on every stage)
-        return super().batch_to_device(batch, device, dataloader_idx)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        self._engine().runner.seed_hooks()  # (and the first batch's on_before_batch_transfer)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        fed = self.settings.fault_tolerance is None
-        return loader_for(dataloader, self._engine(), trainer, fed=fed, streams=self._streams)
-
-    # ------------------------------------------------------------- checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @property
-    def checkpoints(self) -> PipelineCheckpointIO:
-        """This rank's checkpoint reads and writes (once the engine is built)."""
-        return PipelineCheckpointIO(self._engine(), self.sources)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The optimizer state keyed by parameter name (flattened), so that any layout can read it."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # (a LightningOptimizer's own)
-        assert self.lightning_module is not None
-        return self.checkpoints.optimizer_state(self.lightning_module, optimizer)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers under the names checkpoints store (a tied parameter once)."""
-        return stored_names(super().lightning_module_state_dict(), self.tied_aliases)
-
-    @property
-    def tied_aliases(self) -> dict[str, str]:
-        """This rank's other names of tied parameters -> the name checkpoints store them under."""
-        return self.engine.ties.aliases if self.engine is not None else {}
-
-    def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Step, layout and data position for a checkpoint manifest."""
-        return self.checkpoints.info(checkpoint)
-
-    def use_checkpoint_storage(
-        self, storage_options: dict[str, Any], run_url: Optional[str] = None, snapshots: Optional[SnapshotStore] = None
-    ) -> None:
-        """fsspec options for checkpoint URLs (``SpotCheckpoint`` hands over its own; also used by
-        ``fit(ckpt_path=URL)`` and ``ModelCheckpoint``), the run directory, where plans are remembered, and
-        the in-memory snapshots that ``ckpt_path="snapshot://STEP"`` resumes from."""
-        self.sources.use(storage_options, run_url, snapshots)
-
-    def newest_snapshot(self) -> tuple[Optional[int], str]:
-        """Collective: the newest step the surviving in-memory snapshots hold completely for this layout."""
-        assert self.lightning_module is not None
-        return self.sources.newest_snapshot(self.lightning_module, list(self.optimizers), self.tied_aliases)
-
-    @property
-    def replica_group_id(self) -> Optional[str]:
-        ft = self.settings.fault_tolerance
-        return ft.resolved().replica_group if ft is not None else None
-
-    def fault_events(self) -> list[dict[str, Any]]:
-        return self._replicas.take_events()
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        return self._replicas.participant_rank == 0
-
-    @property
-    def last_global_batch(self) -> Optional[int]:
-        """Samples in the last trained global batch (``None`` before the first step)."""
-        return self.engine.last_global_batch if self.engine is not None else None
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a sharded checkpoint directory at ``filepath`` (any fsspec URL; what ModelCheckpoint asks for)."""
-        url = self.broadcast(str(filepath))
-        self.checkpoints.save(checkpoint, url, storage_options, whole=self.is_global_zero)
-        self.barrier("spot_pipeline.save_checkpoint")
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load a checkpoint (or the latest intact one of a run directory) written on any layout onto this one."""
-        module, optimizers = self.lightning_module, list(self.optimizers)
-        assert module is not None
-        url = self.broadcast(str(checkpoint_path))
-        if url == HEAL_URL and self.replicas is not None:  # (torchft: a peer's state, taken at the join)
-            checkpoint, self.restored_manifest = healed_checkpoint(self.replicas, module, optimizers, self._engine())
-            return checkpoint
-        checkpoint, self.restored_manifest = self.checkpoints.load(url, module, optimizers, self.offload)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # done in load_checkpoint, resharded by parameter name
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # done in load_checkpoint
-
-    # -------------------------------------------------------------- collectives
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        refuse_collective_in_step("`self.all_gather`")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        refuse_collective_in_step("The strategy's `barrier`")
-        if not is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        refuse_collective_in_step("The strategy's `broadcast`")
-        return broadcast_object(obj, group_src=src)
-
-    @override
-    def reduce(
-        self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Union[Tensor, Any]:
-        if group == ALREADY_REDUCED or not isinstance(tensor, Tensor):
-            return tensor  # values the logging bridge reduced over replicas and micro-batches already
-        refuse_collective_in_step("The strategy's `reduce`")
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
     def teardown(self) -> None:
