@@ -25,9 +25,12 @@ import torch.distributed as dist
 
 from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.notice import Notice
+from lightning_spot.preemption.signals import SIGNALS
 from lightning_spot.preemption.watcher import PreemptionWatcher
 
 _METHOD = "_broadcast_sigterm_tensor"
+#: the agreement's name among the parts that act on SIGTERM (``signals.SIGNALS``)
+_PART = "lightning_sigterm"
 log = logging.getLogger(__name__)
 
 
@@ -75,9 +78,11 @@ class SigtermAgreement:
         connector = trainer._signal_connector
         if connector.received_sigterm:  # caught by Lightning's handler already: agreed like any other
             self.signalled, connector.received_sigterm = True, False
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         #: the handlers Lightning composed with its own (one that was installed before it): still called
-        self._others = [h for h in getattr(self._previous, "signal_handlers", []) if not _is_notifier(h)]
+        self._others = [
+            h for h in getattr(SIGNALS.before(signal.SIGTERM), "signal_handlers", []) if not _is_notifier(h)
+        ]
+        SIGNALS.add(signal.SIGTERM, _PART, self._on_sigterm)
 
     @classmethod
     def install(cls, trainer: Any) -> SigtermAgreement | None:
@@ -88,9 +93,7 @@ class SigtermAgreement:
             return None
         if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
             return None
-        if threading.current_thread() is not threading.main_thread() or not _lightnings(
-            signal.getsignal(signal.SIGTERM)
-        ):
+        if threading.current_thread() is not threading.main_thread() or not _lightnings(SIGNALS.before(signal.SIGTERM)):
             return None
         return cls(trainer, list(trainer.optimizers))
 
@@ -125,11 +128,7 @@ class SigtermAgreement:
         self._loop.__dict__.pop(_METHOD, None)
         for hook in self._hooks:
             hook.remove()
-        if (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) == self._on_sigterm
-        ):
-            signal.signal(signal.SIGTERM, self._previous)
+        SIGNALS.remove(signal.SIGTERM, _PART)
         self._pending = None
 
 

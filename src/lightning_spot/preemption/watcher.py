@@ -17,10 +17,14 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any, Union
+from typing import Union
 
 from lightning_spot.preemption.cloud import DEFAULT_ENDPOINTS, POLLERS, CloudPoller, detect_cloud
 from lightning_spot.preemption.notice import Notice
+from lightning_spot.preemption.signals import SIGNALS
+
+#: the watcher's name among the parts that act on a signal (``signals.SIGNALS``)
+_PART = "preemption_watcher"
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,6 @@ class PreemptionWatcher:
         self.endpoints = {**DEFAULT_ENDPOINTS, **(endpoints or {})}
         self._notice: Notice | None = None
         self._lock = threading.Lock()
-        self._previous: dict[int, Any] = {}
         self._pollers: list[CloudPoller] = []
 
     @property
@@ -85,8 +88,7 @@ class PreemptionWatcher:
         """Install the signal handlers (main thread only) and start the cloud pollers."""
         if threading.current_thread() is threading.main_thread():
             for name in self.signals:
-                signum = getattr(signal, name)
-                self._previous[signum] = signal.signal(signum, self._on_signal)
+                SIGNALS.add(getattr(signal, name), _PART, self._on_signal)
         elif self.signals:
             log.warning("lightning-spot: not in the main thread; preemption signals are not watched")
         for cloud in self.clouds:
@@ -95,10 +97,9 @@ class PreemptionWatcher:
             self._pollers.append(poller)
 
     def stop(self) -> None:
-        """Restore the previous signal handlers and stop polling."""
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        """Leave the signals (their previous handlers come back with the last part) and stop polling."""
+        for name in self.signals:
+            SIGNALS.remove(getattr(signal, name), _PART)
         for poller in self._pollers:
             poller.stop()
         self._pollers.clear()

@@ -19,9 +19,12 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
 
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
+from lightning_spot.preemption.signals import SIGNALS
+
+#: the leave's name among the parts that act on a signal (``signals.SIGNALS``)
+_PART = "torchft_leave"
 
 
 class LeaveOnSignal:
@@ -31,7 +34,6 @@ class LeaveOnSignal:
         self.on_leave = on_leave
         self.signals = tuple(signals)
         self.who = who
-        self._previous: dict[int, Any] = {}
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
         self._old_fd = -1
@@ -40,7 +42,7 @@ class LeaveOnSignal:
     def start(self) -> None:
         """Install the handlers and the wake-up pipe (from the main thread)."""
         for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._ignore)
+            SIGNALS.add(signum, _PART, self._ignore)
         self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._thread.start()
 
@@ -74,9 +76,8 @@ class LeaveOnSignal:
         if threading.current_thread() is not threading.main_thread():
             return
         signal.set_wakeup_fd(self._old_fd)
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous.clear()
+        for signum in self.signals:
+            SIGNALS.remove(signum, _PART)
         if self._thread.is_alive():
             os.write(self._write, b"\0")
             self._thread.join(timeout=1.0)
