@@ -28,8 +28,8 @@ from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
 from lightning_spot.layout import LayoutError
 from lightning_spot.observe.run_report import build_report
 from lightning_spot.torchft import TorchFT
+from lightning_spot.torchft.batch_split import participant_rows, take_rows
 from lightning_spot.torchft.config import check_reachable
-from lightning_spot.torchft.shares import participant_rows, take_rows
 from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
 from tests.workers.ft_train import BATCH, FINETUNE_SAMPLES, SAMPLES, finetune_scenario

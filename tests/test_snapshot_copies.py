@@ -143,7 +143,7 @@ def test_a_local_upload_writes_the_same_bytes_with_or_without_direct_io(
 ) -> None:
     import errno
 
-    from lightning_spot.checkpoint.durable import shares
+    from lightning_spot.checkpoint.durable import from_snapshot
 
     if direct:
         try:
@@ -160,7 +160,7 @@ def test_a_local_upload_writes_the_same_bytes_with_or_without_direct_io(
                 raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(shares.os, "open", open_)
+    monkeypatch.setattr(from_snapshot.os, "open", open_)
     source = tmp_path / "source"
     data = os.urandom(size)
     source.write_bytes(data)
@@ -168,12 +168,12 @@ def test_a_local_upload_writes_the_same_bytes_with_or_without_direct_io(
     target.parent.mkdir()
     target.write_bytes(b"x" * (size + 9000))  # a larger spare, written over
     inode = target.stat().st_ino
-    shares._copy_local(source, str(target), {"size": size})
+    from_snapshot._copy_local(source, str(target), {"size": size})
     assert target.read_bytes() == data and target.stat().st_ino == inode
     assert len(opened) == (size >= 4096), "direct I/O is tried for files of a block or more"
     if direct:  # this machine's disk takes it: the whole blocks went that way
         with open(source, "rb") as src:
-            assert shares._write_direct(src.fileno(), str(target), size) == size - size % 4096
+            assert from_snapshot._write_direct(src.fileno(), str(target), size) == size - size % 4096
 
 
 def test_a_checkpoint_whose_copy_changed_is_written_by_no_rank(tmp_path: Path) -> None:

@@ -455,7 +455,7 @@ def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_a
     """Local directories get the share copied inside the kernel (sendfile), other storage in chunks: the same
     files, and the records are those of the bytes (the tensor file's as its snapshot recorded it)."""
     from lightning_spot.checkpoint import checksum
-    from lightning_spot.checkpoint.durable.shares import upload_share
+    from lightning_spot.checkpoint.durable.from_snapshot import upload_share
     from lightning_spot.checkpoint.durable.storage import Storage
 
     store = SnapshotStore(tmp_path / "shm")
@@ -474,7 +474,7 @@ def test_a_share_uploads_the_same_bytes_and_checksums_to_a_local_directory_and_a
 
 def test_a_local_checkpoint_that_retention_deletes_lends_its_tensor_files_to_the_next_uploads(tmp_path: Path) -> None:
     from lightning_spot import load_full_state_dict
-    from lightning_spot.checkpoint.durable.shares import SPARES, clear_spares, recycle
+    from lightning_spot.checkpoint.durable.from_snapshot import SPARES, clear_spares, recycle
     from lightning_spot.checkpoint.durable.storage import Storage
     from lightning_spot.checkpoint.durable.write import write_checkpoint
     from lightning_spot.checkpoint.payload import Payload

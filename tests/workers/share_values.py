@@ -1,4 +1,4 @@
-"""Two ranks share a step's logged values the way a P2 pipeline does (``LastStageShare``): rank 1 holds the last
+"""Two ranks share a step's logged values the way a P2 pipeline does (``LastStageBroadcast``): rank 1 holds the last
 stage and sends, rank 0 receives. Before each training step rank 0 posts the receive of the step's values
 (``expect``); meanwhile both ranks exchange "activations" point to point under the default tag, as
 ``torch.distributed.pipelining`` does, and nothing may wait on the posted receive. Each rank writes what it got:
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_spot.runtime.logging_bridge import LastStageShare
+from lightning_spot.runtime.logging_bridge import LastStageBroadcast
 
 LAST = 1
 #: (kind, names logged) of each step: the names change once in training and once in an evaluation
@@ -24,7 +24,7 @@ STEPS += [("train", ("loss", "acc"))] * 3
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    share = LastStageShare(dist.group.WORLD, LAST, torch.device("cpu"))
+    share = LastStageBroadcast(dist.group.WORLD, LAST, torch.device("cpu"))
     got = []
     for step, (kind, names) in enumerate(STEPS):
         if kind == "train":

@@ -25,9 +25,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_spot.checkpoint.cadence import Cadence
 from lightning_spot.checkpoint.cost_feed import CostFeed
-from lightning_spot.checkpoint.durable.shares import clear_spares
+from lightning_spot.checkpoint.durable.from_snapshot import clear_spares
 from lightning_spot.checkpoint.durable.storage import Storage
-from lightning_spot.checkpoint.host import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.loop_cost import LoopSteps
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
@@ -35,6 +34,7 @@ from lightning_spot.checkpoint.resume import ResumeOverride, newest_state
 from lightning_spot.checkpoint.run_record import RunRecorder
 from lightning_spot.checkpoint.saver import Saver, closing_line
 from lightning_spot.checkpoint.step_policy import Agreed, StepPolicy
+from lightning_spot.checkpoint.strategy_api import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.tiers import check_storage, open_snapshots
 from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm

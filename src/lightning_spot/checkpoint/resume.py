@@ -21,8 +21,8 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_spot.checkpoint.durable.storage import Storage, step_of
-from lightning_spot.checkpoint.host import CheckpointHost
 from lightning_spot.checkpoint.memory.snapshot import SNAPSHOT_SCHEME
+from lightning_spot.checkpoint.strategy_api import CheckpointHost
 from lightning_spot.utils.distributed import broadcast_object
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from lightning_spot.checkpoint.durable.journal import (
     summarize,
 )
 from lightning_spot.checkpoint.durable.storage import Storage
-from lightning_spot.checkpoint.host import CheckpointHost
+from lightning_spot.checkpoint.strategy_api import CheckpointHost
 from lightning_spot.preemption.stop import PreemptionStop
 from lightning_spot.runtime.clock import Timeline
 from lightning_spot.runtime.process import process_started

@@ -25,16 +25,16 @@ import lightning as L
 import torch.distributed as dist
 
 from lightning_spot.checkpoint.background import start_background
+from lightning_spot.checkpoint.durable.from_snapshot import recycle
 from lightning_spot.checkpoint.durable.read import CheckpointError
-from lightning_spot.checkpoint.durable.shares import recycle
 from lightning_spot.checkpoint.durable.storage import Storage, step_dirname, step_of
 from lightning_spot.checkpoint.durable.write import write_checkpoint
-from lightning_spot.checkpoint.host import CheckpointHost
 from lightning_spot.checkpoint.loop_cost import LoopSteps
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
 from lightning_spot.checkpoint.payload import Payload, split_checkpoint
 from lightning_spot.checkpoint.staging import Staging
+from lightning_spot.checkpoint.strategy_api import CheckpointHost
 from lightning_spot.runtime.clock import Timeline
 from lightning_spot.utils.distributed import rank
 

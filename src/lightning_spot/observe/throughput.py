@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_spot.observe.host import pipeline_host
+from lightning_spot.observe.strategy_api import pipeline_host
 from lightning_spot.planning.hardware import sync_device
 from lightning_spot.runtime.step_runner import batch_size_of
 

@@ -20,7 +20,7 @@ import fsspec
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_spot.observe.host import pipeline_host
+from lightning_spot.observe.strategy_api import pipeline_host
 from lightning_spot.runtime.clock import StepClock, Timeline
 from lightning_spot.utils.distributed import all_gather_object
 

@@ -40,7 +40,7 @@ from lightning_spot.runtime.grads import Grads, add_grads, all_reduce_mean, put_
 from lightning_spot.runtime.held_logs import HELD, HeldLogs
 from lightning_spot.runtime.logging_bridge import (
     METRIC,
-    LastStageShare,
+    LastStageBroadcast,
     LogCapture,
     LogRecord,
     PackedLogs,
@@ -187,7 +187,7 @@ class PipelineEngine:
         last_stages = ctx.dp_group if self.holds_last else None  # of all pipelines (or None: one pipeline)
         self.runner.loss_weights.use_group(last_stages)
         self.last_stage_rank = plan.rank_of_stage(plan.num_stages - 1)
-        self.share = LastStageShare(ctx.pp_group, self.last_stage_rank, ctx.device)
+        self.share = LastStageBroadcast(ctx.pp_group, self.last_stage_rank, ctx.device)
         self.metric_calls = self.runner.metric_calls = MetricCalls(module, last_stages, self.holds_last, self.share)
         #: what stands for each logged torchmetrics.Metric on this rank, by logged name
         self.shared_metrics: dict[str, SharedMetric] = {}

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_spot.runtime.logging_bridge import METRIC, LastStageShare, PackedLogs, replay
+from lightning_spot.runtime.logging_bridge import METRIC, LastStageBroadcast, PackedLogs, replay
 from lightning_spot.runtime.metric_bridge import MetricCalls, summed_states, value_with
 
 #: in a step's shared values: how many user values wait for the quorum (the other stages then take them too)
@@ -49,7 +49,7 @@ class _StepStates:
 class HeldLogs:
     """The logged values of the step in flight, replayed through ``LightningModule.log`` once it commits."""
 
-    def __init__(self, module: nn.Module, share: LastStageShare, device: torch.device, holds_last: bool) -> None:
+    def __init__(self, module: nn.Module, share: LastStageBroadcast, device: torch.device, holds_last: bool) -> None:
         self.module = module
         #: the last stage's values to the other stages of the pipeline (a share of its own: its names stay known)
         self.share = share

@@ -3,7 +3,7 @@
 The user's step function runs once per micro-batch and reaches its ``self.log`` calls only on the
 last stage. :class:`LogCapture` records those calls instead of forwarding them; after the schedule,
 :func:`reduce_records` combines them over micro-batches and over the last stage's data-parallel
-replicas, :class:`LastStageShare` sends the result to every stage, and :func:`replay` logs it
+replicas, :class:`LastStageBroadcast` sends the result to every stage, and :func:`replay` logs it
 on each rank through the real ``LightningModule.log``, marked as synchronised already
 (``sync_dist_group=ALREADY_REDUCED``: the strategy's ``reduce`` returns such values unchanged).
 """
@@ -235,10 +235,10 @@ def reduce_records(
     return packed.values()
 
 
-class LastStageShare:
+class LastStageBroadcast:
     """Sends small Python objects from the rank holding the last stage to the other ranks of its pipeline.
 
-        share = LastStageShare(pp_group, last_stage_rank, device)
+        share = LastStageBroadcast(pp_group, last_stage_rank, device)
         obj = share(payload if holds_last_stage else None)        # the last stage's object on every rank
         share.expect()                                            # before a training step's schedule
         logged = share.logged(values if holds_last_stage else None)   # a step's logged values (cheaper)

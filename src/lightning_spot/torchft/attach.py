@@ -19,7 +19,7 @@ from lightning_spot.checkpoint.resume import ResumeOverride
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.held_logs import HeldLogs
-from lightning_spot.runtime.logging_bridge import LastStageShare
+from lightning_spot.runtime.logging_bridge import LastStageBroadcast
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.torchft.replica_group import ReplicaGroup
@@ -77,7 +77,7 @@ def attach(
     # each pipeline is a replica of its own world (data-parallel rank 0): its step's draws (noise for its rows) get
     # its replica group in their seed, not another pipeline's; logged values wait for the commit (a share of their
     # own to the pipeline's other stages)
-    share = LastStageShare(engine.ctx.pp_group, engine.last_stage_rank, engine.ctx.device)
+    share = LastStageBroadcast(engine.ctx.pp_group, engine.last_stage_rank, engine.ctx.device)
     group.held_logs = HeldLogs(engine.module, share, engine.ctx.device, engine.holds_last)
     engine.use_replica_group(zlib.crc32(str(group.settings.replica_group).encode()), group.held_logs)
     if group.healed_state is not None:

@@ -35,11 +35,11 @@ from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.held_logs import HeldLogs
 from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.step_runner import batch_size_of
+from lightning_spot.torchft.batch_split import participant_rows, take_rows
 from lightning_spot.torchft.config import TorchFT, check_reachable, require_torchft
 from lightning_spot.torchft.early_buckets import EarlyBuckets
 from lightning_spot.torchft.leave import LeaveOnSignal
 from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, replica_id
-from lightning_spot.torchft.shares import participant_rows, take_rows
 
 log = logging.getLogger(__name__)
 

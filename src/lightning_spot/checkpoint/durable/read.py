@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lightning_spot.checkpoint import model_copies
 from lightning_spot.checkpoint.checksum import ChecksumError
-from lightning_spot.checkpoint.durable import shares
+from lightning_spot.checkpoint.durable import from_snapshot
 from lightning_spot.checkpoint.durable.shards import load_shards
 from lightning_spot.checkpoint.durable.storage import MANIFEST, Storage, join
 from lightning_spot.checkpoint.durable.write import FORMAT, rng_filename
@@ -181,11 +181,11 @@ def restore_training_state(
         )
     target = _stored_target(module, optimizers, aliases)
     target |= model_copies.targets(target["model"], model_copies.marked(decode(manifest.get("lightning", {}))))
-    if manifest.get("kind") == shares.KIND:  # each rank's snapshot files: read those holding our names
+    if manifest.get("kind") == from_snapshot.KIND:  # each rank's snapshot files: read those holding our names
         needs = {group_name: set(named) for group_name, named in target.items()}
-        target = shares.read_shares(storage, rel, manifest, needs, prefer=rank() if same_layout else None)
+        target = from_snapshot.read_shares(storage, rel, manifest, needs, prefer=rank() if same_layout else None)
         apply_training_state(module, optimizers, target, saved_values, aliases)
-        state = shares.read_share_state(storage, rel, manifest, rank()) if same_layout else None
+        state = from_snapshot.read_share_state(storage, rel, manifest, rank()) if same_layout else None
         if state is not None:
             restore_rng(state["rng"])
         return model_copies.groups_in(target)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_spot._version import __version__
+from lightning_spot.checkpoint.durable.from_snapshot import KIND, upload_share
 from lightning_spot.checkpoint.durable.shards import save_shards
-from lightning_spot.checkpoint.durable.shares import KIND, upload_share
 from lightning_spot.checkpoint.durable.storage import MANIFEST, Storage, join, retry
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.payload import Payload

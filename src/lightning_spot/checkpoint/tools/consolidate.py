@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_spot.checkpoint.durable import shares
+from lightning_spot.checkpoint.durable import from_snapshot
 from lightning_spot.checkpoint.durable.read import newest_intact
 from lightning_spot.checkpoint.durable.shards import SafeReader
 from lightning_spot.checkpoint.durable.storage import Storage
@@ -48,13 +48,13 @@ def model_groups(storage: Storage, rel: str, manifest: dict[str, Any]) -> list[t
     """The model tensors of checkpoint ``rel`` (each stored name once), grouped by the file that holds them:
     (file, names) in file order. Reading one group at a time holds one file's model tensors."""
     groups: dict[str, list[str]] = {}
-    if manifest.get("kind") == shares.KIND:  # snapshot shares: one per rank; replicas hold the same names
+    if manifest.get("kind") == from_snapshot.KIND:  # snapshot shares: one per rank; replicas hold the same names
         seen: set[str] = set()
         for r in sorted(manifest["shares"], key=int):
             names = [n for n in manifest["shares"][r]["names"].get("model", ()) if n not in seen]
             seen.update(names)
             if names:
-                groups[shares.share_name(int(r), shares.TENSORS)] = names
+                groups[from_snapshot.share_name(int(r), from_snapshot.TENSORS)] = names
         return list(groups.items())
     metadata = SafeReader(storage.url_of(rel), storage.options).read_metadata()
     for index, info in metadata.storage_data.items():
@@ -67,8 +67,8 @@ def model_groups(storage: Storage, rel: str, manifest: dict[str, Any]) -> list[t
 
 def read_model(storage: Storage, rel: str, manifest: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
     """The model tensors ``names`` of checkpoint ``rel``, read into fresh CPU memory and checked."""
-    if manifest.get("kind") == shares.KIND:
-        return shares.read_shares(storage, rel, manifest, {"model": set(names)})["model"]
+    if manifest.get("kind") == from_snapshot.KIND:
+        return from_snapshot.read_shares(storage, rel, manifest, {"model": set(names)})["model"]
     reader = SafeReader(storage.url_of(rel), storage.options, manifest["files"])
     metadata = reader.read_metadata()
     wanted = set(names)
