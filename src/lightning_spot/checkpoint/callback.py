@@ -307,10 +307,11 @@ class SpotCheckpoint(L.Callback):
         self._final_wait = time.monotonic() - waited
         if trainer.is_global_zero and self.storage is not None:
             clear_spares(self.storage)  # every upload is committed
-        self.recorder.ended(trainer, self.url, self.summary()["stall_fraction"])
+        summary = self.summary()
+        self.recorder.ended(trainer, self.url, summary["stall_fraction"])
         saver.clear_snapshots(trainer)
         if self.saves and trainer.is_global_zero:
-            rank_zero_info(closing_line(self.summary(), self.saves, self.url, self._train_seconds))
+            rank_zero_info(closing_line(summary, self.saves, self.url, self._train_seconds))
 
     # ---------------------------------------------------------- save, snapshot
     def save(self, trainer: L.Trainer, *, reason: str = "on demand", blocking: bool = False) -> None:

@@ -49,9 +49,6 @@ class SignalOwner:
         if signal.getsignal(signum) == self._dispatch:
             signal.signal(signum, before)
 
-    def holds(self, signum: int, name: str) -> bool:
-        return name in self._parts.get(signum, {})
-
     def before(self, signum: int) -> Any:
         """The handler of ``signum`` other than the owner's: the one it replaced, or the one installed now."""
         return self._before[signum] if signum in self._before else signal.getsignal(signum)

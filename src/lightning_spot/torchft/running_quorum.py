@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 #: a member heartbeating less long ago than this is live (torchft's lighthouse gives up on one after 5 s by default)
 LIVE_SECONDS = 5.0
-_REPLICA_ID = re.compile(r"^s(?P<stages>\d+)c(?P<cuts>[\d.]*)_pipeline_(?P<group>[^:]+)")
+_TAG = r"s(?P<stages>\d+)c(?P<cuts>[\d.]*)"
+_REPLICA_ID = re.compile(rf"^(?P<tag>{_TAG})_pipeline_(?P<group>[^:]+)")
 _MEMBER = re.compile(
     r"<b>(?P<id>[^<]+)</b>.*?Step:\s*(?P<step>\d+).*?World size:\s*(?P<world>\d+)", re.DOTALL
 )  # fmt: skip
@@ -45,16 +46,24 @@ def parse_replica_id(value: str) -> tuple[str, str] | None:
     match = _REPLICA_ID.match(value)
     if match is None:
         return None
-    return match["group"], f"s{match['stages']}c{match['cuts']}"
+    return match["group"], match["tag"]
+
+
+def parse_tag(tag: str) -> tuple[int, list[int]] | None:
+    """(stages, cuts) of a :func:`layout_tag`; ``None`` for anything else."""
+    match = re.fullmatch(_TAG, tag)
+    if match is None:
+        return None
+    return int(match["stages"]), [int(c) for c in match["cuts"].split(".") if c]
 
 
 def describe_layout(tag: str) -> str:
-    """``s2c2`` as a person reads it: ``2 stages cut at layers [2]``."""
-    match = re.fullmatch(r"s(\d+)c([\d.]*)", tag)
-    if match is None:
+    """``s2c2`` as a person reads it: ``2 stage(s) cut at layers [2]``."""
+    parsed = parse_tag(tag)
+    if parsed is None:
         return tag
-    cuts = [int(c) for c in match[2].split(".") if c]
-    return f"{match[1]} stage(s){f' cut at layers {cuts}' if cuts else ''}"
+    stages, cuts = parsed
+    return f"{stages} stage(s){f' cut at layers {cuts}' if cuts else ''}"
 
 
 @dataclass(frozen=True)
@@ -93,13 +102,14 @@ def layouts_refusal(members: Iterable[tuple[str, str, int | None]], layout: str,
     if not other:
         return None
     theirs = other[0][1]
+    stages, cuts = parse_tag(theirs) or (1, [])
     held = ", ".join(f"pipeline {g}" + (f" at step {s}" if s is not None else "") for g, _, s in other)
     return (
         f"pipeline {group} would train {describe_layout(layout)}, but the running pipelines ({held}) train "
         f"{describe_layout(theirs)}. torchft heals a joining pipeline from the same stage of a running one, so "
         f"pipelines of different depths or cuts cannot train together (yet). Instead: start this pipeline with "
-        f"their layout (as many nodes or processes as their stages, e.g. `--nnodes {_stages(theirs)}`, or "
-        f"SpotPipelineStrategy(pipeline_stages={_stages(theirs)}, partition={_cuts(theirs)})) so that it takes a "
+        f"their layout (as many nodes or processes as their stages, e.g. `--nnodes {stages}`, or "
+        f"SpotPipelineStrategy(pipeline_stages={stages}, partition={cuts})) so that it takes a "
         f"peer's state and trains with them; or stop every pipeline and start them all again at one layout: they "
         f"resume from the run's durable checkpoints (SpotCheckpoint), never from step 0."
     )
@@ -109,15 +119,6 @@ def layouts_in(replica_ids: Iterable[str]) -> list[tuple[str, str, None]]:
     """(group, layout tag, None) of each replica id of a quorum that carries a layout."""
     parsed = (parse_replica_id(r) for r in replica_ids)
     return [(p[0], p[1], None) for p in parsed if p is not None]
-
-
-def _stages(tag: str) -> int:
-    match = re.match(r"s(\d+)", tag)
-    return int(match[1]) if match else 1
-
-
-def _cuts(tag: str) -> list[int]:
-    return [int(c) for c in tag.split("c", 1)[-1].split(".") if c]
 
 
 def parse_status(page: str) -> RunningQuorum:
