@@ -5,7 +5,7 @@
     trainer.fit(model, dm)      # the same command after a preemption resumes from the latest checkpoint
 
 The callback decides *when*: its hooks open the tiers (``tiers``), choose where a resume reads from
-(``resume``), post the per-step agreement and carry out the decision of ``step_policy`` through the ``Saver``
+(``resume``), contribute to the strategy's per-step agreement and carry out the decision of ``step_policy`` through the ``Saver``
 (the I/O: copies to host memory, background uploads, retention), feed the measured costs to the ``Cadence`` and
 keep the run's history (``run_record``).
 """
@@ -36,15 +36,15 @@ from lightning_spot.checkpoint.saver import Saver, closing_line
 from lightning_spot.checkpoint.step_policy import Agreed, StepPolicy
 from lightning_spot.checkpoint.strategy_api import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.tiers import check_storage, open_snapshots
-from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
 from lightning_spot.utils.distributed import broadcast_object, is_initialized
 
 log = logging.getLogger(__name__)
-#: the name of SpotCheckpoint's chooser of the resume path (``resume.ResumeOverride``)
-RESUME_CHOOSER = "spot_checkpoint"
+#: SpotCheckpoint's name where it takes part: the choosers of the resume path (``resume.ResumeOverride``), the
+#: per-step agreement (``step_agreement``)
+PART = "spot_checkpoint"
 
 
 class SpotCheckpoint(L.Callback):
@@ -136,9 +136,8 @@ class SpotCheckpoint(L.Callback):
         self.policy = StepPolicy(every_n_train_steps, snapshot_every_n_train_steps, snapshots, save_on_train_end)
         self._group: Optional[dist.ProcessGroup] = None
         self._checked_step = -1
-        #: the step's agreement, posted at its start (see :meth:`_post_agreement`) on the boundaries of the cadence
-        self._agreement: Optional[PostedMax] = None
-        self._agreement_cadence = AgreementCadence()
+        #: the values agreed on the strategy's per-step agreement since the last step's end (see :meth:`_to_agree`)
+        self._agreed: Optional[Agreed] = None
         self._train_start = 0.0
         self._train_seconds = 0.0
         self._undo_sigterm: Callable[[], None] = lambda: None
@@ -187,7 +186,7 @@ class SpotCheckpoint(L.Callback):
         if self.async_save and is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
         self.saver.open(self.storage, self.snapshots, self._group)
-        ResumeOverride.of(trainer).add(RESUME_CHOOSER, lambda path: self._resume_path(trainer, path))
+        ResumeOverride.of(trainer).add(PART, lambda path: self._resume_path(trainer, path))
         if self.preemption and self.watcher is None:
             self.watcher = self.preemption if isinstance(self.preemption, PreemptionWatcher) else PreemptionWatcher()
         group = host.replica_group_id  # torchft: each pipeline's own history (its restarts, the quorums it saw)
@@ -207,8 +206,10 @@ class SpotCheckpoint(L.Callback):
             if self.watcher is not None:
                 self.watcher.stop()
                 self._undo_sigterm()
+            if is_checkpoint_host(trainer.strategy):
+                trainer.strategy.step_agreement.leave(PART)
             self.recorder.close()
-            ResumeOverride.of(trainer).remove(RESUME_CHOOSER)
+            ResumeOverride.of(trainer).remove(PART)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -221,7 +222,8 @@ class SpotCheckpoint(L.Callback):
         saver.buffer_names = frozenset(name for name, _ in pl_module.named_buffers())
         saver.last_step = self._checked_step = trainer.global_step
         saver.loop = LoopSteps()
-        self._agreement, self._agreement_cadence = None, AgreementCadence()
+        self._agreed = None
+        _host(trainer).step_agreement.join(PART, self._to_agree, self._on_agreed)
         if self.watcher is not None:
             self.watcher.start()
             self._undo_sigterm = take_over_sigterm(trainer, self.watcher)  # its notices are agreed per step below
@@ -238,14 +240,10 @@ class SpotCheckpoint(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.saver.copies_done()  # (an average swapped in for validation, in the hooks that follow this one)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        # read at the step's end: no rank waits for the others at its start
-        if self._agreement is None and self._agreement_cadence.due():
-            self._agreement = self._post_agreement(trainer)
-
-    def _post_agreement(self, trainer: L.Trainer) -> Optional[PostedMax]:
-        """Post this rank's values (``Agreed.posted``) with the cadence's proposal: every rank decides alike on the
-        largest values (clocks and measured costs differ between ranks); ``None``: nothing to agree on."""
+    def _to_agree(self) -> Optional[list[float]]:
+        """This rank's values (``Agreed.posted``), posted at a step's start on the strategy's per-step agreement:
+        every rank decides alike on the largest values (clocks and measured costs differ between ranks); ``None``:
+        nothing to agree on."""
         snap_every, durable_every = self.cadence.snapshot_every(), self.cadence.durable_every()
         if snap_every is None and durable_every is None and self.watcher is None:
             return None
@@ -253,13 +251,17 @@ class SpotCheckpoint(L.Callback):
         notice = self.watcher is not None and self.watcher.notice is not None
         agreed = Agreed(notice, now - saver.last_snapshot_time, snap_every or 0.0, now - saver.last_time,
                         durable_every or 0.0, saver.writing_snapshot)  # fmt: skip
-        return self._agreement_cadence.post(agreed.posted(), trainer.strategy.root_device)
+        return agreed.posted()
+
+    def _on_agreed(self, values: list[float]) -> None:
+        self._agreed = Agreed.of(values)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         if step == self._checked_step:  # only at optimizer-step boundaries (not inside an accumulation window)
             return
         self._checked_step = step
+        _host(trainer).step_agreement.settle()  # (usually settled already, after the optimizer step)
         loop = self.saver.loop
         loop.step_ended(time.monotonic())
         try:
@@ -273,8 +275,7 @@ class SpotCheckpoint(L.Callback):
         if said is not None:
             rank_zero_info(said)
             self.recorder.record("cadence", step=trainer.global_step, **self.cadence.chosen())
-        posted, self._agreement = self._agreement, None
-        agreed = Agreed.of(self._agreement_cadence.read(posted)) if posted is not None else None
+        agreed, self._agreed = self._agreed, None
         ending = (trainer.max_steps not in (None, -1) and step >= trainer.max_steps) or trainer.should_stop
         decision = self.policy.decide(step, agreed, ending=ending)
         if decision.stop_for_notice:

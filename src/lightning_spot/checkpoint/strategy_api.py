@@ -15,6 +15,7 @@ import torch
 
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.layout import PipelineLayout
+from lightning_spot.preemption.step_agreement import StepAgreement
 from lightning_spot.runtime.clock import StepClock
 
 
@@ -42,6 +43,11 @@ class CheckpointHost(Protocol):
     @property
     def step_clock(self) -> StepClock | None:
         """This rank's pipeline clock (its ``timeline`` is set while a timeline records)."""
+        ...
+
+    @property
+    def step_agreement(self) -> StepAgreement:
+        """The process's per-step agreement (posted at each batch's start, settled after the optimizer step)."""
         ...
 
     @property

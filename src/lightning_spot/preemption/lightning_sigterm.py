@@ -2,10 +2,11 @@
 
 Lightning broadcasts rank 0's "SIGTERM received" flag over every rank before each training batch (a collective
 on the critical path of every step: ~0.9 ms per step on a 2-process CPU pipeline). Once the watcher's handler
-replaces Lightning's, that flag never turns True, and the watcher's notice is agreed by ``SpotCheckpoint``'s own
-per-step all-reduce instead: the broadcast is skipped (the epoch loop's method is shadowed on the instance, and
+replaces Lightning's, that flag never turns True, and the watcher's notice is agreed on the process's per-step
+agreement instead (``step_agreement``, ``SpotCheckpoint`` contributes it): the broadcast is skipped (the epoch loop's method is shadowed on the instance, and
 restored by the returned function). A SIGTERM that Lightning's handler caught before the watcher started
-becomes the watcher's notice.
+becomes the watcher's notice. Without a watcher, ``SigtermAgreement`` keeps Lightning's stop, agreed on the process's
+per-step agreement.
 
     undo = take_over_sigterm(trainer, watcher)   # after watcher.start()
     ...
@@ -23,9 +24,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_spot.preemption.coordinate import AgreementCadence, PostedMax
 from lightning_spot.preemption.notice import Notice
 from lightning_spot.preemption.signals import SIGNALS
+from lightning_spot.preemption.step_agreement import StepAgreement
 from lightning_spot.preemption.watcher import PreemptionWatcher
 
 _METHOD = "_broadcast_sigterm_tensor"
@@ -55,26 +56,23 @@ class SigtermAgreement:
     Lightning broadcasts rank 0's flag before every training batch and from inside its signal handler: a
     blocking collective at every step's start, which keeps all ranks in lockstep (the last stage cannot start
     its update before the first stage's last backward is done; ~5% of a short CPU pipeline step). Here a
-    SIGTERM on any rank sets a flag of this object's own (Lightning's handler is replaced); a batch's start
-    posts a non-blocking all-reduce (MAX) of the flags, waited for after the step's optimizer step (an
-    optimizer step post-hook), when every rank has posted it. If any rank was signalled, every rank then sets
-    Lightning's ``received_sigterm`` and Lightning ends every rank at the end of that same batch. Not every
-    batch posts one: every batch while batches are slow, every k-th (k <= 8) once k batches take less than
-    0.25 s (:class:`~lightning_spot.preemption.coordinate.AgreementCadence`, agreed by all ranks).
+    SIGTERM on any rank sets a flag of this object's own (Lightning's handler is replaced, its broadcast skipped);
+    the flag rides on the process's :class:`~lightning_spot.preemption.step_agreement.StepAgreement` (posted at a
+    batch's start, settled after the step's optimizer step, when every rank has posted it). If any rank was
+    signalled, every rank then sets Lightning's ``received_sigterm`` and Lightning ends every rank at the end of
+    that same batch.
 
-        agreement = SigtermAgreement.install(trainer)   # None when another agreement is in place
+        agreement = SigtermAgreement.install(trainer, step_agreement)   # None when another one is in place
         ...
         agreement.uninstall()
     """
 
-    def __init__(self, trainer: Any, optimizers: list[Any]) -> None:
+    def __init__(self, trainer: Any, step_agreement: StepAgreement) -> None:
         self.trainer = trainer
         self.signalled = False
-        self._pending: PostedMax | None = None
-        self.cadence = AgreementCadence()
+        self._step_agreement = step_agreement
         self._loop = trainer.fit_loop.epoch_loop
-        self._loop.__dict__[_METHOD] = self.post
-        self._hooks = [opt.register_step_post_hook(lambda *_: self.settle()) for opt in optimizers]
+        self._loop.__dict__[_METHOD] = lambda: None
         connector = trainer._signal_connector
         if connector.received_sigterm:  # caught by Lightning's handler already: agreed like any other
             self.signalled, connector.received_sigterm = True, False
@@ -83,9 +81,10 @@ class SigtermAgreement:
             h for h in getattr(SIGNALS.before(signal.SIGTERM), "signal_handlers", []) if not _is_notifier(h)
         ]
         SIGNALS.add(signal.SIGTERM, _PART, self._on_sigterm)
+        step_agreement.join(_PART, lambda: [float(self.signalled)], self._agreed)
 
     @classmethod
-    def install(cls, trainer: Any) -> SigtermAgreement | None:
+    def install(cls, trainer: Any, step_agreement: StepAgreement) -> SigtermAgreement | None:
         """Take over from Lightning's per-batch broadcast unless something already did (``SpotCheckpoint``'s
         watcher), the handler is not Lightning's, or this is not the main thread of a distributed run."""
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -95,7 +94,7 @@ class SigtermAgreement:
             return None
         if threading.current_thread() is not threading.main_thread() or not _lightnings(SIGNALS.before(signal.SIGTERM)):
             return None
-        return cls(trainer, list(trainer.optimizers))
+        return cls(trainer, step_agreement)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         log.info("lightning-spot: SIGTERM received; every rank stops at the end of the next training batch")
@@ -108,28 +107,15 @@ class SigtermAgreement:
             if callable(handler):
                 handler(signum, frame)
 
-    def post(self) -> None:
-        """At a training batch's start: post this rank's flag when the cadence says so (the last batch's agreement
-        is settled first)."""
-        self.settle()
-        if self.cadence.due():
-            self._pending = self.cadence.post([float(self.signalled)], self.trainer.strategy.root_device)
-
-    def settle(self) -> None:
-        """Wait for the posted agreement; if any rank was signalled, every rank stops after this batch."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        (signalled,) = self.cadence.read(pending)
-        if signalled > 0:
+    def _agreed(self, values: list[float]) -> None:
+        """If any rank was signalled, every rank stops after this batch."""
+        if values[0] > 0:
             self.trainer._signal_connector.received_sigterm = True
 
     def uninstall(self) -> None:
         self._loop.__dict__.pop(_METHOD, None)
-        for hook in self._hooks:
-            hook.remove()
+        self._step_agreement.leave(_PART)
         SIGNALS.remove(signal.SIGTERM, _PART)
-        self._pending = None
 
 
 def _lightnings(handler: Any) -> bool:

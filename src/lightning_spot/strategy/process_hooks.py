@@ -23,6 +23,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
+from lightning_spot.preemption.step_agreement import StepAgreement
 from lightning_spot.runtime.process import elastic_world
 from lightning_spot.strategy.process import ProcessSetup
 from lightning_spot.strategy.settings import PipelineSettings
@@ -37,6 +38,7 @@ class ProcessHooks(ParallelStrategy):
     _user_threads: Any
     _process_group_backend: Optional[str]
     _sigterm: Optional[SigtermAgreement]
+    step_agreement: StepAgreement
 
     @property
     def num_nodes(self) -> int:
@@ -106,9 +108,14 @@ class ProcessHooks(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:  # Lightning's per-batch SIGTERM broadcast, without the lockstep
+        self.step_agreement.reset()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and self._sigterm is None and self.settings.fault_tolerance is None:
-            self._sigterm = SigtermAgreement.install(trainer)
+            self._sigterm = SigtermAgreement.install(trainer, self.step_agreement)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.step_agreement.post(self.root_device)  # settled after the optimizer step (``optimizer_step``)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -32,6 +32,7 @@ from lightning_spot.layout import Layout, PipelineLayout, StagesArg
 from lightning_spot.observe import grad_norms
 from lightning_spot.planning.choose import LayoutChoice
 from lightning_spot.preemption.lightning_sigterm import SigtermAgreement
+from lightning_spot.preemption.step_agreement import StepAgreement
 from lightning_spot.runtime.callbacks_on_stages import on_stages, writers_once_per_pipeline
 from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.compiled import CompiledModule
@@ -164,6 +165,8 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
         #: this pipeline's torchft replica group, or the null object that passes every call through
         self._replicas: Replicas = NoReplicas()
         self._sigterm: Optional[SigtermAgreement] = None
+        #: the one per-step agreement of this process (Lightning's SIGTERM stop and SpotCheckpoint contribute)
+        self.step_agreement = StepAgreement()
         #: the stream loaders made for Lightning (it cannot shut their DataLoaders' workers down itself)
         self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
         #: names of the pretrained tensors this rank read (empty without ``pretrained``)
@@ -293,7 +296,9 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
             clock = engine.clock
             if clock is not None and clock.timeline is not None:  # the closure runs the schedule: time the update
                 closure = _then_timed(closure, lambda: stack.enter_context(clock.span("optimizer", "optimizer")))
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.step_agreement.settle()  # every rank posted it at the step's start
+        return result
 
     @property
     def step_clock(self) -> Optional[StepClock]:
