@@ -1,4 +1,4 @@
-"""The I/O of ``SpotCheckpoint``: a step's state copied to host memory, then written in the background.
+"""``SpotCheckpoint``'s saves: a step's state copied to host memory, then written in the background.
 
     saver = Saver(async_save=True, io_threads=2, keep_last=3, record=journal.record)
     saver.open(storage, snapshots, group=gloo_group)   # at setup: the tiers this run writes to
@@ -9,7 +9,8 @@
 
 Saving blocks training only while this rank's tensors are copied; one upload runs at a time (a new save first
 waits for the previous). With snapshots, a save's copy is that step's snapshot and the upload copies the
-snapshot's files. A checkpoint exists once its manifest is written; older ones are deleted (``keep_last``) only
+snapshot's files. The split and the write are the strategy's ``PipelineCheckpointIO`` (``host.checkpoints``, the I/O
+of ``trainer.save_checkpoint`` too). A checkpoint exists once its manifest is written; older ones are deleted (``keep_last``) only
 after a newer one is committed. The step's records (stall, bytes, write time, the writer's CPU time) feed the
 cadence and the run's summary.
 """
@@ -28,11 +29,11 @@ from lightning_spot.checkpoint.background import start_background
 from lightning_spot.checkpoint.durable.from_snapshot import recycle
 from lightning_spot.checkpoint.durable.read import CheckpointError
 from lightning_spot.checkpoint.durable.storage import Storage, step_dirname, step_of
-from lightning_spot.checkpoint.durable.write import write_checkpoint
 from lightning_spot.checkpoint.loop_cost import LoopSteps
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
-from lightning_spot.checkpoint.payload import Payload, split_checkpoint
+from lightning_spot.checkpoint.payload import Payload
+from lightning_spot.checkpoint.pipeline_io import PipelineCheckpointIO
 from lightning_spot.checkpoint.staging import Staging
 from lightning_spot.checkpoint.strategy_api import CheckpointHost
 from lightning_spot.runtime.clock import Timeline
@@ -88,26 +89,21 @@ class Saver:
         waited = time.monotonic() - start
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         background = self.async_save and not blocking and self.group is not None
-        info = host.checkpoint_info(checkpoint)
+        io = host.checkpoints  # the strategy's: trainer.save_checkpoint writes through it too
+        info = io.info(checkpoint)
         snapshot: Optional[threading.Thread] = None  # the writer of this step's snapshot
         if self.snapshots is not None:  # the same copy is the step's snapshot: memory stays at least as new as
             self.last_snapshot_time = time.monotonic()  # storage, and the upload copies the snapshot's files
             snapshotter = self._snapshotter(trainer, host)
             copy_start = time.monotonic()
             # into the snapshot's file, or into our staging (free again: the previous save is done)
-            payload = snapshotter.copy(checkpoint, info["step"], now=self.buffer_names, aliases=host.tied_aliases)
+            payload = snapshotter.copy(checkpoint, info["step"], now=self.buffer_names, aliases=io.aliases)
             snapshotter.take(payload, dict(info), since=copy_start)
             snapshot = snapshotter.thread
             if snapshot is not None:
                 self.snapshots.pin(info["step"], rank())  # not recycled before the upload has read it
         else:
-            payload = split_checkpoint(
-                checkpoint,
-                copy=background,
-                with_lightning=trainer.is_global_zero,
-                staging=self.staging,
-                aliases=host.tied_aliases,
-            )
+            payload = io.split(checkpoint, whole=trainer.is_global_zero, copy=background, staging=self.staging)
         stall = time.monotonic() - start
         info["timings"] = {"stall_seconds": round(stall, 4), "waited_for_previous_seconds": round(waited, 4)}
         info["reason"] = reason
@@ -121,9 +117,9 @@ class Saver:
         rel = step_dirname(info["step"])
         if background:
             self._staging_free.clear()
-            self._thread = start_background(self._write_in_background, rel, payload, info, timeline, snapshot)
+            self._thread = start_background(self._write_in_background, io, rel, payload, info, timeline, snapshot)
         else:  # e.g. before a coordinated stop exits the process: the snapshot is written too
-            self._write(rel, payload, info, timeline, snapshot)
+            self._write(io, rel, payload, info, timeline, snapshot)
 
     def skipped(self, step: int) -> None:
         """A save this pipeline does not write (torchft: another pipeline of the quorum writes the step)."""
@@ -131,6 +127,7 @@ class Saver:
 
     def _write(
         self,
+        io: PipelineCheckpointIO,
         rel: str,
         payload: Payload,
         info: dict[str, Any],
@@ -147,11 +144,11 @@ class Saver:
                 snapshot.join()
                 from_snapshot = (self.snapshots, info["step"])  # if every rank's payload was written
                 changed = self.snapshotter is not None and self.snapshotter.changed(info["step"])
-            manifest = write_checkpoint(
+            manifest = io.write(
                 self.opened(),
                 rel,
                 payload,
-                info=info,
+                info,
                 group=self.group,
                 thread_count=self.io_threads,
                 snapshot=from_snapshot,
@@ -213,12 +210,13 @@ class Saver:
         """Keep this rank's state of this step in host memory (written in the background; not collective)."""
         self.last_snapshot_time = time.monotonic()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        snapshotter, info = self._snapshotter(trainer, host), host.checkpoint_info(checkpoint)
+        io = host.checkpoints
+        snapshotter, info = self._snapshotter(trainer, host), io.info(checkpoint)
         start = time.monotonic()
         # the staging buffers are shared with the durable saves: an upload in progress may still read them (normally
         # it has moved on to the snapshot's files by now)
         self._staging_free.wait()
-        payload = snapshotter.copy(checkpoint, info["step"], now=self.buffer_names, aliases=host.tied_aliases)
+        payload = snapshotter.copy(checkpoint, info["step"], now=self.buffer_names, aliases=io.aliases)
         stall = snapshotter.take(payload, info, since=start)
         timeline = _timeline(host)
         if timeline is not None and stall:

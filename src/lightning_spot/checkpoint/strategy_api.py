@@ -2,7 +2,7 @@
 
     if not is_checkpoint_host(trainer.strategy): raise TypeError(...)
     trainer.strategy.use_checkpoint_storage(options, url)  # the callback hands its storage over
-    info = trainer.strategy.checkpoint_info(checkpoint)   # step, layout, data position for the manifest
+    io = trainer.strategy.checkpoints                      # the I/O that trainer.save_checkpoint uses too
 
 ``SpotPipelineStrategy`` provides it; the checkpoint package never imports the strategy.
 """
@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeGuard
 import torch
 
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
+from lightning_spot.checkpoint.pipeline_io import PipelineCheckpointIO
 from lightning_spot.layout import PipelineLayout
 from lightning_spot.preemption.step_agreement import StepAgreement
 from lightning_spot.runtime.clock import StepClock
@@ -61,17 +62,14 @@ class CheckpointHost(Protocol):
         ...
 
     @property
-    def tied_aliases(self) -> dict[str, str]:
-        """This rank's other names of tied parameters -> the name checkpoints store them under."""
-        ...
-
-    @property
     def writes_checkpoints(self) -> bool:
         """Whether this pipeline writes the durable checkpoints (with torchft: the first of the quorum)."""
         ...
 
-    def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Step, layout and data position of a Lightning checkpoint dict, for its manifest."""
+    @property
+    def checkpoints(self) -> PipelineCheckpointIO:
+        """This rank's checkpoint I/O (a manifest's info, the split into tensors, the write), the one that
+        ``trainer.save_checkpoint`` uses too."""
         ...
 
     def use_checkpoint_storage(
@@ -92,6 +90,6 @@ def is_checkpoint_host(strategy: object) -> TypeGuard[CheckpointHost]:
     """Whether ``strategy`` offers the :class:`CheckpointHost` methods (checked on its class, so that
     properties that need a set-up strategy are not evaluated)."""
     cls = type(strategy)
-    return all(callable(getattr(cls, name, None)) for name in ("checkpoint_info", "use_checkpoint_storage")) and all(
-        hasattr(cls, name) for name in ("pipeline_layout", "last_global_batch", "step_clock")
+    return all(callable(getattr(cls, name, None)) for name in ("use_checkpoint_storage",)) and all(
+        hasattr(cls, name) for name in ("checkpoints", "pipeline_layout", "last_global_batch", "step_clock")
     )

@@ -1,10 +1,11 @@
 """The strategy's checkpoint hooks: Lightning's save and load, and what ``SpotCheckpoint`` asks of the strategy.
 
-    class SpotPipelineStrategy(..., CheckpointHooks, ...): ...   # save_checkpoint, load_checkpoint, checkpoint_info...
+    class SpotPipelineStrategy(..., CheckpointHooks, ...): ...   # save_checkpoint, load_checkpoint, checkpoints...
 
-Saves and loads go through ``PipelineCheckpointIO`` (``checkpoint_io``): each rank its stages' tensors, by parameter
-name, onto any layout. ``load_checkpoint`` also takes a peer's state (torchft's join) and records what the run
-resumed from (``restored_manifest``). The members ``SpotCheckpoint`` reads are those of ``checkpoint.host``'s
+Saves and loads go through ``PipelineCheckpointIO`` (``checkpoint.pipeline_io``; ``SpotCheckpoint``'s saves use the
+same object, as ``checkpoints``): each rank its stages' tensors, by parameter name, onto any layout.
+``load_checkpoint`` also takes a peer's state (torchft's join) and records what the run resumed from
+(``restored_manifest``). The members ``SpotCheckpoint`` reads are those of ``checkpoint.strategy_api``'s
 ``CheckpointHost``.
 """
 
@@ -17,10 +18,10 @@ from typing_extensions import override
 
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.payload import stored_names
+from lightning_spot.checkpoint.pipeline_io import PipelineCheckpointIO
 from lightning_spot.checkpoint.sources import StateSources
 from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.offload import OptimizerOffload
-from lightning_spot.strategy.checkpoint_io import PipelineCheckpointIO
 from lightning_spot.strategy.settings import PipelineSettings
 from lightning_spot.torchft.attach import HEAL_URL, ReplicaGroup, healed_checkpoint
 from lightning_spot.torchft.no_replicas import Replicas
@@ -78,10 +79,6 @@ class CheckpointHooks(ParallelStrategy):
     def tied_aliases(self) -> dict[str, str]:
         """This rank's other names of tied parameters -> the name checkpoints store them under."""
         return self.engine.ties.aliases if self.engine is not None else {}
-
-    def checkpoint_info(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Step, layout and data position for a checkpoint manifest."""
-        return self.checkpoints.info(checkpoint)
 
     def use_checkpoint_storage(
         self, storage_options: dict[str, Any], run_url: Optional[str] = None, snapshots: Optional[SnapshotStore] = None

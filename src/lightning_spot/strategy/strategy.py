@@ -5,8 +5,8 @@
 
 This class answers Lightning's hooks, each in a few lines; the work happens in the modules beside it
 (``settings``: the arguments checked once; ``process``: this process set up; ``assemble``: the pipeline built at
-setup; ``checkpoint_io``: sharded checkpoints on any layout; ``loaders``: each rank's share of the data) and in the
-packages below (``planning``, ``partition``, ``runtime``, ``data``, ``checkpoint``, ``torchft``).
+setup; ``loaders``: each rank's share of the data) and in the packages below (``planning``, ``partition``,
+``runtime``, ``data``, ``checkpoint``: sharded checkpoints on any layout and their I/O, ``torchft``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Checkpoints of a pipeline: what the strategy's save and load hooks do, on any layout.
+"""Checkpoints of a pipeline, read and written on any layout: the one I/O of both save paths.
 
-    io = PipelineCheckpointIO(engine, sources)
+    io = strategy.checkpoints                          # PipelineCheckpointIO(engine, sources), once set up
     io.info(checkpoint)                                # step, layout, data position: the manifest's
-    io.save(checkpoint, url, options, whole=rank == 0) # a sharded checkpoint directory (ModelCheckpoint's path)
+    io.save(checkpoint, url, options, whole=rank == 0) # trainer.save_checkpoint (ModelCheckpoint): a directory
+    payload = io.split(checkpoint, whole=..., copy=True, staging=staging)   # SpotCheckpoint's saves: the copy,
+    io.write(storage, "step-000000200", payload, info, group=gloo)          # then the upload (in a thread)
     checkpoint, manifest = io.load(url, module, optimizers, offload)   # storage, snapshot or run directory
 
 Each rank writes and reads only its stages' tensors, by parameter name, so a checkpoint written on one layout
@@ -22,6 +24,7 @@ from lightning_spot.checkpoint import flat_optimizer, payload
 from lightning_spot.checkpoint.durable import pretrained_record, write
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.sources import StateSources
+from lightning_spot.checkpoint.staging import Staging
 from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.offload import OptimizerOffload
 
@@ -54,12 +57,27 @@ class PipelineCheckpointIO:
         """The optimizer state keyed by parameter name (flattened), so that any layout can read it."""
         return payload.stored_names(flat_optimizer.optimizer_state(module, optimizer), self.aliases)
 
+    def split(
+        self, checkpoint: dict[str, Any], *, whole: bool, copy: bool = False, staging: Optional[Staging] = None
+    ) -> payload.Payload:
+        """This rank's part of ``checkpoint`` as tensors and JSON, under the stored names (``whole``: with
+        Lightning's own entries, on one rank; ``copy``: the tensors copied to host memory, into ``staging``)."""
+        return payload.split_checkpoint(
+            checkpoint, copy=copy, with_lightning=whole, staging=staging, aliases=self.aliases
+        )
+
+    def write(
+        self, storage: Storage, rel: str, parts: payload.Payload, info: dict[str, Any], **options: Any
+    ) -> Optional[dict[str, Any]]:
+        """Collective: write every rank's ``parts`` under ``rel`` and commit them with the manifest (returned on
+        the first rank); ``options``: ``write_checkpoint``'s (the group, threads, snapshot files to upload)."""
+        return write.write_checkpoint(storage, rel, parts, info=info, **options)
+
     def save(self, checkpoint: dict[str, Any], url: str, options: Optional[Any], whole: bool) -> None:
         """Write this rank's part of a sharded checkpoint directory at ``url`` (``whole``: with Lightning's own
         entries, on one rank); the caller waits for every rank."""
-        parts = payload.split_checkpoint(checkpoint, copy=False, with_lightning=whole, aliases=self.aliases)
         options = options if options is not None else self.sources.storage_options
-        write.write_checkpoint(Storage(url, options), "", parts, info=self.info(checkpoint))
+        self.write(Storage(url, options), "", self.split(checkpoint, whole=whole), self.info(checkpoint))
 
     def load(
         self, url: str, module: pl.LightningModule, optimizers: list[Any], offload: Optional[OptimizerOffload]
