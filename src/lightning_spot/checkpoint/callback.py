@@ -30,6 +30,7 @@ from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.checkpoint.loop_cost import LoopSteps
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
+from lightning_spot.checkpoint.replica_rules import CheckpointRules, OwnCheckpoints
 from lightning_spot.checkpoint.resume import ResumeOverride, newest_state
 from lightning_spot.checkpoint.run_record import RunRecorder
 from lightning_spot.checkpoint.saver import Saver, closing_line
@@ -135,6 +136,8 @@ class SpotCheckpoint(L.Callback):
         )
         self.policy = StepPolicy(every_n_train_steps, snapshot_every_n_train_steps, snapshots, save_on_train_end)
         self._group: Optional[dist.ProcessGroup] = None
+        #: who writes and which tiers are kept, the strategy's (``replica_rules``; torchft's in its jobs)
+        self.rules: CheckpointRules = OwnCheckpoints()
         self._checked_step = -1
         #: the values agreed on the strategy's per-step agreement since the last step's end (see :meth:`_to_agree`)
         self._agreed: Optional[Agreed] = None
@@ -173,7 +176,8 @@ class SpotCheckpoint(L.Callback):
             return
         host = _host(trainer)
         url = broadcast_object(self.dirpath or os.path.join(trainer.default_root_dir, "spot_checkpoints"))
-        if host.replica_group_id is not None and self.cadence.snapshots:
+        self.rules = host.checkpoint_rules
+        if not self.rules.keeps_snapshots and self.cadence.snapshots:
             rank_zero_info("SpotCheckpoint: no snapshots in host memory: the other pipelines hold this one's state")
             self.cadence.snapshots = False
         if self.cadence.snapshots:
@@ -189,8 +193,8 @@ class SpotCheckpoint(L.Callback):
         ResumeOverride.of(trainer).add(PART, lambda path: self._resume_path(trainer, path))
         if self.preemption and self.watcher is None:
             self.watcher = self.preemption if isinstance(self.preemption, PreemptionWatcher) else PreemptionWatcher()
-        group = host.replica_group_id  # torchft: each pipeline's own history (its restarts, the quorums it saw)
-        self.recorder.open(self.storage, url, self.storage_options, group, enabled=trainer.is_global_zero)
+        history = self.rules.history_id  # torchft: each pipeline's own (its restarts, the quorums it saw)
+        self.recorder.open(self.storage, url, self.storage_options, history, enabled=trainer.is_global_zero)
 
     def _resume_path(self, trainer: L.Trainer, checkpoint_path: Optional[str]) -> Optional[str]:
         """Where ``fit`` without ``ckpt_path`` resumes from (``resume.newest_state``); ``None``: as asked."""
@@ -270,7 +274,7 @@ class SpotCheckpoint(L.Callback):
             loop.back_to_training(time.monotonic())
 
     def _at_step_end(self, trainer: L.Trainer, step: int) -> None:
-        self.recorder.progress(trainer, _host(trainer))
+        self.recorder.progress(trainer, _host(trainer), self.rules.events())
         said = self.costs.observe(self.saver)
         if said is not None:
             rank_zero_info(said)
@@ -317,7 +321,7 @@ class SpotCheckpoint(L.Callback):
     # ---------------------------------------------------------- save, snapshot
     def save(self, trainer: L.Trainer, *, reason: str = "on demand", blocking: bool = False) -> None:
         """Checkpoint the current step on every rank (collective); ``blocking`` waits until it is committed."""
-        if not _host(trainer).writes_checkpoints:  # torchft: another pipeline of the quorum writes this step
+        if not self.rules.writes():  # torchft: another pipeline of the quorum writes this step
             self.saver.skipped(trainer.global_step)
             return
         self.saver.save(trainer, _host(trainer), reason=reason, blocking=blocking)

@@ -3,7 +3,7 @@
     record = RunRecorder(heartbeat_seconds=30.0)
     record.open(storage, url, storage_options, replica_group=None, enabled=trainer.is_global_zero)
     record.started(trainer, host)          # the "start" event: resumed from where, on which layout
-    record.progress(trainer, host)         # each step: faults, the first step, a heartbeat now and then
+    record.progress(trainer, host, events) # each step: faults, the first step, a heartbeat now and then
     record.ended(trainer, url, stall)      # the "end" event and the report (restarts survived, time lost)
 
 Rank 0 writes (the journal is a no-op elsewhere). Under torchft each pipeline keeps its own history in
@@ -88,9 +88,10 @@ class RunRecorder:
             process_started=round(process_started(), 3),
         )
 
-    def progress(self, trainer: L.Trainer, host: CheckpointHost) -> None:
-        """At a step's end: the strategy's fault events, the first step, and a heartbeat every so often."""
-        for event in host.fault_events():
+    def progress(self, trainer: L.Trainer, host: CheckpointHost, events: list[dict[str, Any]]) -> None:
+        """At a step's end: the fault events (``CheckpointRules.events``), the first step, and a heartbeat every so
+        often."""
+        for event in events:
             self.record(**event)
         batch = host.last_global_batch
         if not self._first_step_seen:

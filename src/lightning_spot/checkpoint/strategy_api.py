@@ -15,6 +15,7 @@ import torch
 
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.pipeline_io import PipelineCheckpointIO
+from lightning_spot.checkpoint.replica_rules import CheckpointRules
 from lightning_spot.layout import PipelineLayout
 from lightning_spot.preemption.step_agreement import StepAgreement
 from lightning_spot.runtime.clock import StepClock
@@ -52,18 +53,8 @@ class CheckpointHost(Protocol):
         ...
 
     @property
-    def replica_group_id(self) -> str | None:
-        """This pipeline's id in a torchft job (the others hold its state: no snapshots; its own run history),
-        else ``None``."""
-        ...
-
-    def fault_events(self) -> list[dict[str, Any]]:
-        """Quorum changes and steps run again since the last call (torchft jobs), for the run history."""
-        ...
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        """Whether this pipeline writes the durable checkpoints (with torchft: the first of the quorum)."""
+    def checkpoint_rules(self) -> CheckpointRules:
+        """Who writes checkpoints and which tiers this pipeline keeps (``replica_rules``; torchft's in its jobs)."""
         ...
 
     @property

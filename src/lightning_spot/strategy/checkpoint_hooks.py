@@ -19,11 +19,13 @@ from typing_extensions import override
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.payload import stored_names
 from lightning_spot.checkpoint.pipeline_io import PipelineCheckpointIO
+from lightning_spot.checkpoint.replica_rules import CheckpointRules, OwnCheckpoints
 from lightning_spot.checkpoint.sources import StateSources
 from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.strategy.settings import PipelineSettings
 from lightning_spot.torchft.attach import HEAL_URL, ReplicaGroup, healed_checkpoint
+from lightning_spot.torchft.checkpoint_rules import ReplicatedCheckpoints
 from lightning_spot.torchft.no_replicas import Replicas
 
 
@@ -94,16 +96,12 @@ class CheckpointHooks(ParallelStrategy):
         return self.sources.newest_snapshot(self.lightning_module, list(self.optimizers), self.tied_aliases)
 
     @property
-    def replica_group_id(self) -> Optional[str]:
+    def checkpoint_rules(self) -> CheckpointRules:
+        """Who writes checkpoints and which tiers this pipeline keeps (torchft's rules with ``fault_tolerance``)."""
         ft = self.settings.fault_tolerance
-        return ft.resolved().replica_group if ft is not None else None
-
-    def fault_events(self) -> list[dict[str, Any]]:
-        return self._replicas.take_events()
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        return self._replicas.participant_rank == 0
+        if ft is None:
+            return OwnCheckpoints()
+        return ReplicatedCheckpoints(str(ft.resolved().replica_group), lambda: self._replicas)
 
     @property
     def last_global_batch(self) -> Optional[int]:

@@ -1,0 +1,31 @@
+"""torchft's checkpoint rules, handed to ``SpotCheckpoint`` by the strategy (``checkpoint.replica_rules``).
+
+    rules = ReplicatedCheckpoints("s2c2_pipeline_1", lambda: strategy.replicas_now)
+
+The other pipelines of the quorum hold this one's state (a joiner heals from them): no snapshots in host memory.
+The first pipeline of the quorum writes the durable checkpoints (the same state on every pipeline); each pipeline
+keeps its own run history (its restarts, the quorums it saw), fed by its replica group's events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_spot.torchft.no_replicas import Replicas
+
+
+@dataclass(frozen=True)
+class ReplicatedCheckpoints:
+    """This pipeline's checkpoint rules in a torchft job (``replicas``: its replica group, attached at fit start)."""
+
+    history_id: str
+    replicas: Callable[[], Replicas]
+    keeps_snapshots: bool = False
+
+    def writes(self) -> bool:
+        return self.replicas().participant_rank == 0
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.replicas().take_events()
