@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.amp import GradScaler
 from torch.nn.parallel import DistributedDataParallel
@@ -49,7 +49,7 @@ from lightning_spot.runtime.logging_bridge import (
     replay,
 )
 from lightning_spot.runtime.metric_bridge import MetricCalls, SharedMetric, refuse_meta_states
-from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload
+from lightning_spot.runtime.offload import ActivationOffload
 from lightning_spot.runtime.outside_calls import OutsideCalls, next_engine
 from lightning_spot.runtime.schedules import measured_bubble, resolve_schedule, theoretical_bubble
 from lightning_spot.runtime.stages import SpotStage, StageModule, no_forward_buffer_sync
@@ -101,7 +101,12 @@ class PipelineEngine:
         scaler: GradScaler | None = None,
         activation_offload: ActivationOffload | None = None,
         grads_final: Sequence[Callable[[int], None]] = (),
+        optimizer_offload: bool = False,
+        replica_group: str | None = None,
     ) -> None:
+        """``optimizer_offload``: the optimizers' masters will rest in host memory (:func:`offload_optimizers`);
+        ``replica_group``: this pipeline is that torchft replica group (its step's draws get the group in their
+        seed, its logged values wait for the commit: ``held_logs``)."""
         self.module = module
         self.layout = layout
         self.split = split
@@ -181,6 +186,10 @@ class PipelineEngine:
         self._late: list[nn.Parameter] = []
         #: (the setting, why) parameters may not be made trainable after setup here (``None``: they may)
         self.fixed_params: tuple[str, str] | None = None
+        if replica_group is not None:
+            self.fixed_params = ("fault_tolerance='torchft'", "its gradient buckets hold the parameters trainable then")
+        elif optimizer_offload:
+            self.fixed_params = ("offload='optimizer'", "its host masters are the parameters trainable then")
         self.ddp_kwargs = ddp_kwargs or {}
         self.holds_last = plan.num_stages - 1 in placed
         self.holds_first = 0 in placed
@@ -191,8 +200,15 @@ class PipelineEngine:
         self.metric_calls = self.runner.metric_calls = MetricCalls(module, last_stages, self.holds_last, self.share)
         #: what stands for each logged torchmetrics.Metric on this rank, by logged name
         self.shared_metrics: dict[str, SharedMetric] = {}
-        #: torchft: training steps' logged values wait for the commit (``None``: logged at once)
+        #: torchft: training steps' logged values wait for the commit (``None``: logged at once); each pipeline is a
+        #: replica of its own world (data-parallel rank 0): its step's draws (noise for its rows) get its replica
+        #: group in their seed, not another pipeline's
         self.held_logs: HeldLogs | None = None
+        if replica_group is not None:
+            # (a share of their own to the pipeline's other stages: its names stay known)
+            share = LastStageBroadcast(ctx.pp_group, self.last_stage_rank, ctx.device)
+            self.held_logs = HeldLogs(module, share, ctx.device, self.holds_last)
+            self.runner.dp_rank = zlib.crc32(replica_group.encode())
         self._programs: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: Grads | None = None
         self._pending_factor = 1.0
@@ -280,7 +296,10 @@ class PipelineEngine:
         self._synced = {id(p) for p in self.params}
         self.ties.make_equal()
         if stream_weights:
-            self.fixed_params = ("offload='parameters'", "the weights streamed are the ones trainable at setup")
+            self.fixed_params = self.fixed_params or (
+                "offload='parameters'",
+                "the weights streamed are the ones trainable at setup",
+            )
             if self.layout.is_mixed or self.spec.splits_backward:
                 raise LayoutError(
                     f"offload='parameters' runs pipelines of one depth with schedules whose backward computes weight "
@@ -297,7 +316,10 @@ class PipelineEngine:
             self.runner.grads_final.insert(0, self.runner.weights.backward_done)  # (before the strategy's hooks)
             return
         if self.layout.is_mixed:
-            self.fixed_params = ("pipelines of mixed depths", "their gradient sums are set up for the parameters then")
+            self.fixed_params = self.fixed_params or (
+                "pipelines of mixed depths",
+                "their gradient sums are set up for the parameters then",
+            )
             placement = placement_of(self.module)
             self.cross = CrossPipelineSync(
                 self.module,
@@ -540,29 +562,9 @@ class PipelineEngine:
         finally:
             self.defer_replica_sync = False
 
-    def use_replica_group(self, draw_rank: int, held_logs: HeldLogs) -> None:
-        """This pipeline is a torchft replica group: its step's draws get ``draw_rank`` (its group) in their seed,
-        its logged values wait for the commit (``held_logs``), and its parameters' gradient buckets are fixed."""
-        self.runner.dp_rank, self.held_logs = draw_rank, held_logs
-        self.fixed_params = ("fault_tolerance='torchft'", "its gradient buckets hold the parameters trainable then")
-
     def restore_position(self, samples_seen: int) -> None:
         """The samples trained before the checkpoint this run resumed from (the data's position)."""
         self.samples_seen = samples_seen
-
-    def offload_optimizers(self, optimizers: list[Any]) -> OptimizerOffload:
-        """``offload="optimizer"``: fp32 masters and optimizer state in host memory (the streamed weights' masters
-        when the weights are streamed too); the parameters trainable then are the ones followed."""
-        masters = self.runner.weights.masters if self.runner.weights is not None else None
-        offload = OptimizerOffload(optimizers, masters=masters)
-        if self.fixed_params is None:
-            self.fixed_params = ("offload='optimizer'", "its host masters are the parameters trainable then")
-        if offload.fused:
-            rank_zero_info(
-                f"spot_pipeline: the update in host memory runs torch's fused CPU kernel "
-                f"({', '.join(offload.fused)}); pass fused=False or foreach=... to the optimizer to keep yours"
-            )
-        return offload
 
     def _can_defer(self) -> bool:
         """Whether the replicas' gradient average can wait for an accumulation's last batch: plain DDP or the

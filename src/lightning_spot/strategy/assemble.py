@@ -42,7 +42,7 @@ from lightning_spot.runtime.cross_pipeline import mixed_groups
 from lightning_spot.runtime.engine import ParallelContext, PipelineEngine
 from lightning_spot.runtime.grads import global_norm_clipping, norm_scope
 from lightning_spot.runtime.loss_scale import coordinated_scaler
-from lightning_spot.runtime.offload import ActivationOffload
+from lightning_spot.runtime.offload import ActivationOffload, OptimizerOffload
 from lightning_spot.strategy.settings import PipelineSettings
 from lightning_spot.utils.distributed import broadcast_object, is_initialized
 from lightning_spot.watchdog import DEFAULT_STEP_TIMEOUT
@@ -111,6 +111,8 @@ def build_pipeline(
         scaler=coordinated_scaler(precision),  # fp16: one loss scale everywhere
         activation_offload=ActivationOffload(device) if "activations" in choice.offload else None,
         grads_final=(grads_final,),
+        optimizer_offload="optimizer" in choice.offload,
+        replica_group=str(settings.fault_tolerance.resolved().replica_group) if settings.fault_tolerance else None,
     )
     rank_zero_info(f"spot_pipeline: {engine.describe()}")
     reads = load_pretrained(module, settings.pretrained, engine.ties.aliases) if settings.pretrained else []
@@ -172,3 +174,16 @@ def route_gradient_clipping(engine: PipelineEngine, precision: Precision, device
     scope = norm_scope(engine.layout.is_mixed, engine.ctx.pp_group, engine.ctx.dp_rank, engine.ties.duplicates)
     precision.clip_grad_by_norm = global_norm_clipping(scope, device)  # type: ignore[method-assign,assignment]
     grad_norms.use_scope(scope)
+
+
+def offload_optimizers(engine: PipelineEngine, optimizers: list[Any]) -> OptimizerOffload:
+    """``offload="optimizer"``: fp32 masters and optimizer state in host memory (the streamed weights' masters when
+    the weights are streamed too); the parameters trainable then are the ones followed (``engine.fixed_params``)."""
+    masters = engine.runner.weights.masters if engine.runner.weights is not None else None
+    offload = OptimizerOffload(optimizers, masters=masters)
+    if offload.fused:
+        rank_zero_info(
+            f"spot_pipeline: the update in host memory runs torch's fused CPU kernel "
+            f"({', '.join(offload.fused)}); pass fused=False or foreach=... to the optimizer to keep yours"
+        )
+    return offload

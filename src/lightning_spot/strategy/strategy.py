@@ -40,7 +40,7 @@ from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.runtime.process import threads_set_by_user
 from lightning_spot.runtime.zero_grad import zeroed_after_step
-from lightning_spot.strategy.assemble import build_pipeline, route_gradient_clipping
+from lightning_spot.strategy.assemble import build_pipeline, offload_optimizers, route_gradient_clipping
 from lightning_spot.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_spot.strategy.collectives import StepSafeCollectives
 from lightning_spot.strategy.loaders import DataHooks
@@ -245,7 +245,7 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             if "optimizer" in self._offloaded():
-                self.offload = self.engine.offload_optimizers(list(self.optimizers))
+                self.offload = offload_optimizers(self.engine, list(self.optimizers))
             ft = self.settings.fault_tolerance
             if ft is not None and self.replicas is None:
                 self._replicas = attach(

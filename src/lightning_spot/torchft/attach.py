@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import time
-import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,8 +17,6 @@ from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.checkpoint.resume import ResumeOverride
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.runtime.engine import PipelineEngine
-from lightning_spot.runtime.held_logs import HeldLogs
-from lightning_spot.runtime.logging_bridge import LastStageBroadcast
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.torchft.replica_group import ReplicaGroup
@@ -74,12 +71,7 @@ def attach(
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
-    # each pipeline is a replica of its own world (data-parallel rank 0): its step's draws (noise for its rows) get
-    # its replica group in their seed, not another pipeline's; logged values wait for the commit (a share of their
-    # own to the pipeline's other stages)
-    share = LastStageBroadcast(engine.ctx.pp_group, engine.last_stage_rank, engine.ctx.device)
-    group.held_logs = HeldLogs(engine.module, share, engine.ctx.device, engine.holds_last)
-    engine.use_replica_group(zlib.crc32(str(group.settings.replica_group).encode()), group.held_logs)
+    group.held_logs = engine.held_logs  # (the engine holds the step's logged values until the commit)
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group
