@@ -335,3 +335,7 @@ class Preference(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+#: the block sequence of each family's model, as found by discovery
+LAYERS = {"gpt2": "model.transformer.h", "llama": "model.model.layers", "qwen2": "model.model.layers"}

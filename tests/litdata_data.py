@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from tests.models import make_dataset
+from lightning_spot.data.streams import stream_dataloader
+from tests.models import TrainedCount, make_dataset
 
 
 def write_litdata(directory: str | Path, n: int, chunk_size: int = 8) -> str:
@@ -40,3 +41,53 @@ def sample_ids(xs: torch.Tensor, n: int, ordered: bool = False) -> list[int]:
     inputs = make_dataset(n).tensors[0]
     ids = [int((inputs == row).all(dim=1).nonzero()[0]) for row in xs]
     return ids if ordered else sorted(ids)
+
+
+#: the shards' samples and the global batch of the litdata tests (12 splits into 1, 2, 3 or 4 replicas)
+N, BATCH = 96, 12
+
+
+class Job:
+    """D replicas read as Lightning's fit loop reads: one batch ahead of the one trained, the count of batches
+    trained in the pass starting again at 0 when a pass ends (Lightning knows the pass's length)."""
+
+    def __init__(
+        self, shards: str, replicas: int, workers: int = 0, state: dict | None = None, n: int = N, batch: int = BATCH
+    ) -> None:
+        self.n = n
+        self.count = TrainedCount(int(state["global_batches_done"]) if state else 0)
+        self.loaders = [
+            stream_dataloader(
+                litdata_loader(shards, batch, num_workers=workers),
+                dp_rank=r,
+                dp_size=replicas,
+                divisor=replicas,
+                progress=self.count,
+            )
+            for r in range(replicas)
+        ]
+        for loader in self.loaders:
+            if state:
+                loader.load_state_dict(state)
+        self._begin()
+
+    def _begin(self) -> None:
+        self.its = [iter(loader) for loader in self.loaders]
+        self.ahead = [next(it, None) for it in self.its]
+
+    def step(self, ordered: bool = False) -> list[int]:
+        if self.ahead[0] is None:  # Lightning's next epoch
+            self.count.value = 0
+            self._begin()
+        batch = torch.cat([share[0] for share in self.ahead])
+        self.ahead = [next(it, None) for it in self.its]
+        self.count.value += 1
+        return sample_ids(batch, self.n, ordered)
+
+    def steps(self, count: int) -> list[list[int]]:
+        return [self.step() for _ in range(count)]
+
+    def state(self) -> dict[str, Any]:
+        states = [loader.state_dict() for loader in self.loaders]
+        assert all(s["global_batches_done"] == states[0]["global_batches_done"] for s in states)
+        return states[0]

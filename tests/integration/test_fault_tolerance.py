@@ -1,0 +1,333 @@
+"""Survivors keep training (torchft): pipelines are replica groups joined by a lighthouse in this process.
+
+Every job here trains the same model and data as a plain single-process Lightning run; whatever pipelines come and
+go, the final parameters must equal that run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_spot.checkpoint.durable.journal import read_events
+from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
+from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
+from lightning_spot.observe.run_report import build_report
+from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
+from tests.parity import assert_same_params, reference_run
+from tests.workers.ft_train import BATCH, FINETUNE_SAMPLES, SAMPLES, finetune_scenario
+
+pytest.importorskip("torchft")
+
+
+def _hostname_resolves() -> bool:
+    try:
+        socket.gethostbyname(socket.gethostname())
+        return True
+    except OSError:
+        return False
+
+
+#: torchft's managers and checkpoint transport advertise this machine's hostname to each other
+needs_hostname = pytest.mark.skipif(not _hostname_resolves(), reason="this machine's hostname does not resolve")
+
+
+WORKER = "tests/workers/ft_train.py"
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    from lightning_spot.torchft.lighthouse import start_lighthouse
+
+    server = start_lighthouse()
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def _reference(steps: int, model: str = "tiny") -> dict[str, Any]:
+    if model == "finetune":
+        return reference_run(finetune_scenario(steps))
+    return reference_run(
+        {"model": {"scheduler": True}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}}
+    )
+
+
+def test_a_sigterm_makes_the_process_leave_even_while_its_main_thread_is_blocked(tmp_path: Path) -> None:
+    """LeaveOnSignal: the main thread sits in a system call that Python restarts after each signal (as it would in
+    a collective or in torchft's quorum); SIGTERM still ends the process within a second, with the preemption exit
+    code, after the leave callback ran."""
+    code = (
+        "import os, sys\n"
+        "from lightning_spot.torchft.leave import LeaveOnSignal\n"
+        "LeaveOnSignal(lambda: print('callback ran', flush=True), who='pipeline 7 rank 0').start()\n"
+        "print('ready', flush=True)\n"
+        "r, w = os.pipe()\n"
+        "os.read(r, 1)  # blocks for good: PEP 475 restarts it after the (no-op) Python handler\n"
+        "sys.exit(3)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)  # (inside os.read by now)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code_ = proc.wait(timeout=10)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = proc.communicate()
+    assert code_ == 75, (code_, out, err)
+    assert took < 1.0, f"left after {took:.2f} s"
+    assert "callback ran" in out and "pipeline 7 rank 0 leaves at once (SIGTERM)" in err
+
+
+def _results(out: Path) -> dict[str, dict[str, Any]]:
+    return {f.stem: torch.load(f) for f in sorted(out.glob("group*_rank*.pt"))}
+
+
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path: Path, lighthouse: str) -> None:
+    """Three one-stage pipelines; pipeline 2 is killed in step 4 before its gradients reach the others; the two
+    survivors go on in the same processes, the step that lost a peer is run again, and a replacement of pipeline 2
+    started afterwards joins by taking a survivor's state. Every pipeline that finishes equals the reference, and
+    the durable checkpoints (written by one pipeline of each quorum) hold the reference's weights.
+
+    The data is what fine-tuning feeds: a transformers Llama on padded batches whose labels are -100 on prompts and
+    padding, so every pipeline's share holds a different number of tokens (the gradients are averaged by tokens, not
+    by pipelines), and each epoch ends with a short batch split 2:1:1 among three pipelines."""
+    out, checkpoints = tmp_path / "out", tmp_path / "ckpt"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [
+        WORKER,
+        str(out),
+        "--steps",
+        "400",
+        "--step-sleep",
+        "0.1",
+        "--checkpoint",
+        str(checkpoints),
+        "--groups",
+        "3",
+        "--model",
+        "finetune",
+        "--bucket-bytes",
+        "16384",  # several gradient buckets per pipeline: all but the last may go during the backward
+    ]
+    argv += ["--end-after-heal", "2:6"]  # every pipeline ends 6 steps after the replacement of pipeline 2 joined
+    with ExitStack() as stack:
+        procs = []
+        for group in (0, 2, 1):  # pipeline 1 starts late: pipeline 2 dies in the very step in which it joins
+            if group == 1:
+                time.sleep(2.0)
+            extra = ["--die-at", "4"] if group == 2 else []
+            extra += ["--timeline", str(tmp_path / "timeline")] if group == 0 else []
+            procs += stack.enter_context(
+                _running(1, [*argv, *extra], tmp_path / f"logs{group}", {**env, "REPLICA_GROUP_ID": str(group)})
+            )
+        procs = [procs[0], procs[2], procs[1]]
+        survivors = {p.pid for p in procs[:2]}
+        deadline = time.monotonic() + 240
+        while procs[2].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert procs[2].returncode == -9, "pipeline 2 was to kill itself in step 4"
+        # the replacement sends its gradient buckets during its backward (TorchFT(overlap=True)), the others after
+        # it: each pipeline's choice, the same sums
+        replacement = stack.enter_context(
+            _running(1, [*argv, "--overlap"], tmp_path / "logs2b", {**env, "REPLICA_GROUP_ID": "2"})
+        )[0]
+        for p in [*procs[:2], replacement]:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.returncode for p in [*procs[:2], replacement]]
+        if codes != [0, 0, 0]:
+            logs = [*(_logs(tmp_path / f"logs{g}", 1)[0] for g in range(2)), _logs(tmp_path / "logs2b", 1)[0]]
+            raise WorkerFailure(f"exit codes {codes}", logs)
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group1_rank0", "group2_rank0"]
+    assert {results[f"group{g}_rank0"]["pid"] for g in range(2)} == survivors, "a survivor was restarted"
+    steps = results["group0_rank0"]["global_step"]
+    assert steps > 9, "the first epoch's short last batch (step 9) must be among the steps trained"
+    ref = _reference(steps, "finetune")
+    for name, got in results.items():
+        assert got["global_step"] == steps, name
+        assert_same_params(got["state_dict"], ref)
+    for g in range(2):
+        assert results[f"group{g}_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
+    # logged values: the whole global batch's (summed over the quorum), each step logged once (the step run again
+    # once: epoch means as one process's); pipeline 0 trained every epoch from its start
+    # (and a torchmetrics.SumMetric of the labelled tokens, on steps and epochs)
+    for name, got in results.items():
+        assert got["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], rel=1e-4), name
+        assert got["metrics"]["tokens_step"] == ref["metrics"]["tokens_step"], name
+    for key in ("train_loss_epoch", "tokens_epoch"):
+        means = [e[key] for e in results["group0_rank0"]["epoch_metrics"]]
+        want = [e[key] for e in ref["epoch_metrics"]]
+        assert len(means) == len(want) >= 2 and means == pytest.approx(want, rel=2e-5), (key, means, want)
+    committed = Storage(str(checkpoints)).committed()  # one checkpoint per save, whichever pipeline wrote it
+    assert committed and committed == [step_dirname(s) for s in range(5, steps + 1, 5)][-len(committed) :]
+    last = steps - steps % 5
+    # the step run again counts once in the data consumed (an epoch: 8 batches of 12, then one of 8)
+    manifest = Storage(str(checkpoints)).read_json(f"{committed[-1]}/manifest.json")
+    epochs, batches = divmod(last, math.ceil(FINETUNE_SAMPLES / BATCH))
+    assert manifest["data"]["samples_consumed"] == epochs * FINETUNE_SAMPLES + batches * BATCH, manifest["data"]
+    assert_same_params(load_full_state_dict(str(checkpoints)), ref if last == steps else _reference(last, "finetune"))
+    # each pipeline's own history: the quorum changes and the step run again; the replacement resumed from a peer
+    ft = build_report(Storage(str(checkpoints / "pipeline-0")))["fault_tolerance"]
+    assert ft["steps_run_again"] >= 1 and ft["most_pipelines"] == 3 and ft["fewest_pipelines"] <= 2, ft
+    starts = [e for e in read_events(Storage(str(checkpoints / "pipeline-2"))) if e["kind"] == "start"]
+    assert starts[-1]["resumed_from"] == "peer" and starts[-1]["restart_count"] == 0, starts
+    # pipeline 0's timeline marks the quorum (all but its first step), the gradient all-reduce and the commit vote
+    trace = json.loads((tmp_path / "timeline" / "trace.json").read_text())["traceEvents"]
+    spans = [e["name"] for e in trace if e.get("tid") == "torchft" and e.get("ph") == "X"]
+    assert all(spans.count(name) >= 3 for name in ("quorum", "all-reduce", "commit")), spans
+    assert results["group2_rank0"]["launched_early"] > 0 and results["group0_rank0"]["launched_early"] == 0
+    died = int(next(out.glob("died_group2_step*")).name.rsplit("step", 1)[1])
+    # (a forked replacement starts within milliseconds: it may join at the boundary of the very step run again)
+    assert (results["group2_rank0"]["healed_at"] or 0) >= died > 0, "the replacement must have joined mid-run"
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(200)
+def test_a_lighthouse_that_dies_mid_run_stops_every_pipeline_with_a_clear_error(tmp_path: Path) -> None:
+    """Two one-stage pipelines; the lighthouse goes away after both trained a few steps: each pipeline fails its
+    next quorum within quorum_timeout (5 s here) with exit code 1 and an error that names the lighthouse."""
+    port = free_port()
+    code = f"from lightning_spot.torchft.lighthouse import start_lighthouse as s; x = s({port}); input()"
+    server = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, start_new_session=True)
+    address = f"http://127.0.0.1:{port}"
+    up = time.monotonic() + 90  # its process imports torch first: the pipelines must not start before it listens
+    while time.monotonic() < up and server.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    out = tmp_path / "out"
+    argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--quorum-timeout", "5"]
+    with ExitStack() as stack:
+        stack.callback(lambda: (server.kill(), server.wait()))
+        procs = []
+        for group in range(2):
+            env = {"TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(group)}
+            procs += stack.enter_context(_running(1, argv, tmp_path / f"logs{group}", env))
+        deadline = time.monotonic() + 120
+        logs = [tmp_path / f"logs{g}" / "rank0.log" for g in range(2)]
+        together = ("2 pipelines train from step", "joined 2 pipelines")  # (a later join, or both in the first)
+        while time.monotonic() < deadline and not any(w in p.read_text() for p in logs for w in together):
+            time.sleep(0.2)  # until both are in one quorum (the first says so)
+        time.sleep(1.0)
+        server.kill()  # the lighthouse's process dies
+        gone = time.monotonic()
+        codes = [p.wait(timeout=60) for p in procs]
+        ended = time.monotonic() - gone
+    texts = [p.read_text() for p in logs]
+    assert codes == [1, 1], texts[0][-3000:]
+    assert ended < 5 + 20, f"the pipelines took {ended:.1f} s to stop"
+    assert all(f"no quorum from the torchft lighthouse at {address} within 5 s" in t for t in texts), texts[0][-3000:]
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_a_two_stage_pipeline_that_loses_a_stage_returns_through_its_torchrun(tmp_path: Path) -> None:
+    """`lightning-spot run --replica-groups 2`: two P2 pipelines, each under its own torchrun. The last stage of
+    pipeline 1 dies in step 3; its torchrun stops the other stage and starts both again, and they take pipeline 0's
+    state; pipeline 0 is never restarted. Both pipelines end equal to the single-process run."""
+    out = tmp_path / "out"
+    argv = [
+        sys.executable, "-m", "lightning_spot.cli", "run", "--replica-groups", "2", "--nproc-per-node", "2",
+        "--lighthouse-port", "0", "--max-restarts", "2", WORKER, str(out), "--stages", "2", "--steps", "400",
+        "--step-sleep", "0.1", "--die", "1:1:3", "--groups", "2", "--end-after-heal", "1:6",
+    ]  # fmt: skip
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        try:
+            code = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert code == 0, log.read_text()[-8000:]
+    started = sorted(p.name.rsplit("_", 1)[0] for p in (out / "started").iterdir())
+    assert started == ["group0_rank0", "group0_rank1", "group1_rank0", "group1_rank0", "group1_rank1", "group1_rank1"]
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group0_rank1", "group1_rank0", "group1_rank1"]
+    steps = results["group0_rank0"]["global_step"]
+    ref = _reference(steps)
+    for g in range(2):
+        assert results[f"group{g}_rank0"]["global_step"] == steps
+        merged = {**results[f"group{g}_rank0"]["state_dict"], **results[f"group{g}_rank1"]["state_dict"]}
+        assert_same_params(merged, ref)
+    # it came back and took pipeline 0's state: at the step it died in or later (forked workers return in ~1 s,
+    # often before pipeline 0 has committed another step)
+    assert all((results[f"group1_rank{r}"]["healed_at"] or 0) >= 3 for r in range(2))
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_a_pipeline_that_comes_back_at_another_depth_is_refused_and_never_starts_the_run_over(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Two pipelines of two stages, each stage its own node (one agent per node, one rendezvous per pipeline, as
+    `REPLICA_GROUP_ID=g lightning-spot run --nnodes 1:2 --nproc-per-node 1 --rdzv-endpoint ...` runs them). Node b of
+    pipeline 1 dies for good in step 8: its node a re-forms a pipeline of depth 1, which is refused before it joins
+    (it read the running quorum's layout from the lighthouse) with an error naming the cause and what to run
+    instead; it never trains (it started the run over from step 1 in a quorum of its own before). Pipeline 0 trains
+    on alone, equal to one process."""
+    from tests.elastic import Agent, agents_cleanup, port_open, wait_for
+
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--die", "1:1:8"]
+    argv += ["--groups", "2", "--stop-file", str(stop)]
+    ports = [free_port(), free_port()]
+    with agents_cleanup([]) as agents:
+        for group in (0, 1):
+            for node in "ab":  # (node a first: it hosts its pipeline's rendezvous and survives)
+                env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
+                log = tmp_path / f"pipeline{group}{node}.log"
+                agents.append(Agent(f"{group}{node}", ports[group], 1, argv, log, nnodes="1:2", env=env))
+                if node == "a":
+                    wait_for(lambda g=group: port_open(ports[g]), 60, f"pipeline {group}'s rendezvous", agents)
+        survivors = agents[:3]
+        wait_for(lambda: any(out.glob("died_group1_step*")), 200, "pipeline 1's node b to die in step 8", survivors)
+        agents[3].kill_node()  # the node is gone for good: its agent does not restart the process
+        refused = agents[2]
+        wait_for(lambda: refused.proc.poll() is not None, 200, "pipeline 1's node a to give up", agents[:2])
+        stop.touch()
+        wait_for(lambda: all(a.proc.poll() is not None for a in agents[:2]), 120, "pipeline 0 to end", agents[:2])
+        codes = [a.proc.returncode for a in agents[:3]]
+        assert codes == [0, 0, 1], (codes, refused.output()[-5000:])
+        text = refused.output()
+    assert "pipeline 1 would train 1 stage(s), but the running pipelines (pipeline 0 at step" in text, text[-5000:]
+    assert "train 2 stage(s) cut at layers [2]" in text and "--nnodes 2" in text, text[-5000:]
+    # it never trained again: no line of a quorum it joined after the kill, no result of pipeline 1
+    assert text.count("pipeline 1 joined") == 1, text[-5000:]
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group0_rank1"]
+    steps = results["group0_rank0"]["global_step"]
+    assert steps > 8 and results["group0_rank1"]["global_step"] == steps
+    merged = {**results["group0_rank0"]["state_dict"], **results["group0_rank1"]["state_dict"]}
+    assert_same_params(merged, _reference(steps))

@@ -1,0 +1,81 @@
+"""``lightning-spot run``'s agent in one process: what counts as an error, a node that left, its flags and heartbeat."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+
+from tests.distributed import free_port
+
+
+def test_what_counts_as_an_error() -> None:
+    from lightning_spot_launch.failures import is_error
+
+    assert is_error([1]) and is_error([69, 1]) and is_error([2])
+    assert not is_error([75]) and not is_error([69]) and not is_error([-9, 69]) and not is_error([0, None])
+
+
+def test_a_node_that_left_is_not_waited_for() -> None:
+    """Two nodes complete a round; one leaves (as after a notice); the other's next round completes within its
+    last call instead of waiting 30 s for the leaver's heartbeats to expire (its join times out at 10 s)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from lightning_spot_launch import rendezvous
+
+    port = free_port()
+
+    def handler():
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{port}",
+            run_id="leave-test",
+            min_nodes=1,
+            max_nodes=2,
+            join_timeout="10",
+            last_call_timeout="1",
+            keep_alive_interval="10",
+            keep_alive_max_attempt="3",
+        )
+        return rendezvous._create(params)
+
+    stay, go = handler(), handler()
+    rounds = [threading.Thread(target=h.next_rendezvous) for h in (stay, go)]
+    for t in rounds:
+        t.start()
+    for t in rounds:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in rounds)
+    assert rendezvous.leave([go])
+    start = time.monotonic()
+    info = stay.next_rendezvous()  # raises RendezvousTimeoutError after 10 s if it waited for the leaver
+    assert info.world_size == 1 and time.monotonic() - start < 8
+    stay.shutdown()
+    # drop the handlers and their stores: the store's server threads outliving the test made a process forked
+    # later in this one (a DataLoader worker) hang when it exited, for 30 s
+    rendezvous._handlers.clear()
+    del stay, go
+    gc.collect()
+
+
+@pytest.mark.parametrize("flag", ["--fresh-processes", None])
+def test_run_passes_the_launcher_flags(flag: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_spot.cli import main
+
+    extra = [flag] if flag else ["--preload", "transformers"]
+    assert main(["run", "--dry-run", *extra, "train.py"]) == 0
+    line = capsys.readouterr().out
+    assert "-m lightning_spot_launch" in line and (flag or "--preload=transformers") in line
+
+
+def test_heartbeat_default_follows_the_node_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """1 s beats up to 64 nodes (a dead node given up after 3 s); beyond, torchrun's 5 s spare the store."""
+    from lightning_spot.cli import main
+
+    for nnodes, beat in (("1:4", 1), ("64", 1), ("1:128", 5)):
+        assert main(["run", "--dry-run", "--nnodes", nnodes, "--rdzv-endpoint", "h:1", "train.py"]) == 0
+        assert f"keep_alive_interval={beat}," in capsys.readouterr().out
+    assert main(["run", "--dry-run", "--nnodes", "1:128", "--keep-alive", "2", "--rdzv-endpoint", "h:1", "x.py"]) == 0
+    assert "keep_alive_interval=2," in capsys.readouterr().out, "an explicit value wins"
