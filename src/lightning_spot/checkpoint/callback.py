@@ -27,6 +27,7 @@ from lightning_spot.checkpoint.cadence import Cadence
 from lightning_spot.checkpoint.cost_feed import CostFeed
 from lightning_spot.checkpoint.durable.from_snapshot import clear_spares
 from lightning_spot.checkpoint.durable.storage import Storage
+from lightning_spot.checkpoint.forwarded import Forwarded
 from lightning_spot.checkpoint.loop_cost import LoopSteps
 from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 from lightning_spot.checkpoint.memory.snapshotter import Snapshotter
@@ -82,6 +83,17 @@ class SpotCheckpoint(L.Callback):
             they are deleted when training ends.
     """
 
+    #: settings held by the parts that act on them (changed after construction too, they reach those parts)
+    every_n_train_steps = Forwarded("policy.every_n_train_steps", "cadence.durable_steps")
+    every_n_minutes = Forwarded("cadence.durable_minutes")
+    save_on_train_end = Forwarded("policy.save_on_train_end")
+    keep_last = Forwarded("saver.keep_last")
+    async_save = Forwarded("saver.async_save")
+    io_threads = Forwarded("saver.io_threads")
+    heartbeat_seconds = Forwarded("recorder.heartbeat_seconds")
+    snapshot_every_n_train_steps = Forwarded("policy.snapshot_every_n_train_steps", "cadence.snapshot_steps")
+    snapshot_every_n_seconds = Forwarded("cadence.snapshot_seconds")
+
     def __init__(
         self,
         dirpath: Optional[str] = None,
@@ -103,20 +115,9 @@ class SpotCheckpoint(L.Callback):
     ) -> None:
         check_arguments(locals())
         self.dirpath = dirpath
-        self.every_n_train_steps = every_n_train_steps
-        self.every_n_minutes = every_n_minutes
-        self.save_on_train_end = save_on_train_end
-        self.keep_last = keep_last
         self.resume = resume
         self.storage_options = dict(storage_options or {})
-        self.async_save = async_save
-        self.io_threads = io_threads
         self.preemption = preemption
-        self.heartbeat_seconds = heartbeat_seconds
-        self.snapshot_every_n_train_steps = snapshot_every_n_train_steps
-        self.snapshot_every_n_seconds = snapshot_every_n_seconds
-        #: snapshots asked for by an interval (their absence is an error) or by default (a warning)
-        self._snapshots_explicit = bool(snapshot_every_n_train_steps or snapshot_every_n_seconds)
         self.cadence = Cadence(
             snapshot_steps=snapshot_every_n_train_steps,
             snapshot_seconds=snapshot_every_n_seconds,
@@ -181,7 +182,8 @@ class SpotCheckpoint(L.Callback):
             rank_zero_info("SpotCheckpoint: no snapshots in host memory: the other pipelines hold this one's state")
             self.cadence.snapshots = False
         if self.cadence.snapshots:
-            self.snapshots = open_snapshots(url, self.snapshot_dir, explicit=self._snapshots_explicit)
+            asked = bool(self.snapshot_every_n_train_steps or self.snapshot_every_n_seconds)  # (else by default)
+            self.snapshots = open_snapshots(url, self.snapshot_dir, explicit=asked)
             self.cadence.snapshots = self.snapshots is not None
         self.policy.snapshots = self.snapshots is not None
         host.use_checkpoint_storage(self.storage_options, url, self.snapshots)

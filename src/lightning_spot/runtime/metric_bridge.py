@@ -158,10 +158,13 @@ def micro_batch_value(metric: Metric, local: Callable[..., Any], args: tuple, kw
     one micro-batch where one process has the whole batch. A metric that cannot be computed on so few samples
     (``R2Score`` needs two; a short last batch cut into micro-batches of one) gives NaN there instead of failing the
     step, with a warning: what is logged from the metric object is the value of the step's whole batch (or epoch),
-    computed by the bridge from every call."""
+    computed by the bridge from every call. Errors of the inputs themselves (raised while the metric takes them in,
+    its ``update``: a shape that does not match) are the user's to see, and raised."""
     try:
         return local(*args, **kwargs)
     except (ValueError, RuntimeError) as err:
+        if not _raised_computing(err):
+            raise
         name = type(metric).__name__
         if name not in _UNCOMPUTABLE:
             _UNCOMPUTABLE.add(name)
@@ -174,6 +177,16 @@ def micro_batch_value(metric: Metric, local: Callable[..., Any], args: tuple, kw
                 stacklevel=2,
             )
         return torch.tensor(float("nan"), device=metric.device)
+
+
+def _raised_computing(err: BaseException) -> bool:
+    """Whether ``err`` came from a metric's ``compute`` (the value of too few samples), not from its ``update``."""
+    names = []
+    frame = err.__traceback__
+    while frame is not None:
+        names.append(frame.tb_frame.f_code.co_name)
+        frame = frame.tb_next
+    return "compute" in names and "update" not in names
 
 
 def refuse_meta_states(module: nn.Module) -> None:

@@ -56,3 +56,21 @@ def test_a_notice_stops_and_a_snapshot_waits_for_the_previous_write(
         assert policy.decide(10, agreed(snapshot_elapsed=10.0, snapshot_every=2.0), ending=False).snapshot
     said = [r for r in caplog.records if "still writing the previous one" in r.getMessage()]
     assert len(said) == 1, "a long wait is said once"
+
+
+def test_settings_changed_after_construction_reach_the_parts_that_act_on_them() -> None:
+    """As users change ModelCheckpoint's attributes after making it: SpotCheckpoint's settings have one value, held
+    by the part that acts on each (the policy, the cadence, the saver, the recorder)."""
+    from lightning_spot import SpotCheckpoint
+
+    ckpt = SpotCheckpoint(every_n_train_steps=10, keep_last=3)
+    assert not ckpt.policy.decide(5, None, ending=False).save
+    ckpt.every_n_train_steps = 5
+    ckpt.keep_last, ckpt.async_save, ckpt.io_threads, ckpt.heartbeat_seconds = 1, False, 4, 2.0
+    ckpt.snapshot_every_n_train_steps, ckpt.every_n_minutes = 2, 1.5
+    assert ckpt.policy.decide(5, None, ending=False).save == "periodic"
+    assert ckpt.cadence.durable_steps == 5 and ckpt.cadence.snapshot_steps == 2 and ckpt.cadence.durable_minutes == 1.5
+    assert (ckpt.saver.keep_last, ckpt.saver.async_save, ckpt.saver.io_threads) == (1, False, 4)
+    assert ckpt.recorder.heartbeat_seconds == 2.0 and ckpt.keep_last == 1
+    ckpt.save_on_train_end = False
+    assert ckpt.policy.decide(7, None, ending=True).save is None

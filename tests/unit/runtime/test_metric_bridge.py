@@ -30,6 +30,16 @@ def test_a_metric_called_on_a_micro_batch_it_cannot_compute_gives_nan_and_keeps_
         torchmetrics.R2Score()(torch.tensor([1.0]), torch.tensor([1.0]))
 
 
+def test_inputs_a_metric_cannot_take_raise_inside_a_step_too() -> None:
+    """Only a value that cannot be computed on few samples becomes NaN; inputs the metric's update refuses (shapes
+    that do not match) are the user's error, raised as in one process."""
+    metric = torchmetrics.MeanSquaredError()
+    share_computes(metric, holds_last=True, share=lambda value: value)
+    run = StageRun(0, first_stage=True, incoming=None, exit_after=False, device=torch.device("cpu"))
+    with running(run), pytest.raises(RuntimeError, match="same shape"):
+        metric(torch.zeros(3), torch.zeros(4))
+
+
 def test_a_metric_built_on_the_meta_device_is_refused_with_the_fix() -> None:
     module = nn.Module()
     module.layer = nn.Linear(2, 2)
