@@ -167,9 +167,10 @@ def test_a_lost_node_is_recovered_while_storage_is_unreachable(tmp_path: Path, u
 @pytest.mark.slow
 def test_a_joining_node_receives_its_state_from_the_other_nodes_memory(tmp_path: Path) -> None:
     """One node trains P2xD1; a second joins; the new P2xD2 ranks on the new node hold nothing in memory
-    and receive their stage's tensors point to point from the first node's snapshots."""
+    and receive their stage's tensors point to point from the first node's snapshots. (The first node waits at
+    step 8 until the second has joined: under load it could otherwise finish before.)"""
     steps = 40
-    config = _config(tmp_path, max_steps=steps)
+    config = _config(tmp_path, max_steps=steps, hold={"world": 4, "step": 8})
     shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b")}
     port = free_port()
     args = ["tests/workers/elastic_train.py", str(config)]

@@ -11,7 +11,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -22,16 +22,25 @@ from tests.models import make_loader, make_model
 
 
 class SlowSteps(L.Callback):
-    """Makes each step take a while, so that a test can interrupt the run in the middle."""
+    """Makes each step take a while, so that a test can interrupt the run in the middle; with ``hold`` (a world size
+    and a step), a smaller world waits at that step until it is stopped (a node joining restarts it), so that it
+    cannot finish first however slowly the joining node starts."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, hold: Optional[dict[str, int]] = None, stopped: Any = lambda: False) -> None:
         self.seconds = seconds
+        self.hold = hold
+        self.stopped = stopped
         #: (global step, wall-clock time) at the end of every step
         self.ended: list[tuple[int, float]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.ended.append((trainer.global_step, time.time()))
         time.sleep(self.seconds)
+        hold = self.hold
+        while (
+            hold and trainer.world_size < hold["world"] and trainer.global_step >= hold["step"] and not self.stopped()
+        ):
+            time.sleep(0.05)
 
 
 def main() -> None:
@@ -60,7 +69,7 @@ def main() -> None:
         snapshot_every_n_seconds=config.get("snapshot_every_seconds"),
         snapshot_dir=os.environ.get("SPOT_TEST_SNAPSHOT_DIR", config.get("snapshot_dir")),  # one per "node"
     )
-    slow = SlowSteps(config.get("step_seconds", 0.0))
+    slow = SlowSteps(config.get("step_seconds", 0.0), config.get("hold"), lambda: watcher.notice is not None)
     callbacks: list[L.Callback] = [checkpoint, slow]
     if config.get("timeline"):  # trace every step; a preempted run leaves per-rank trace files
         callbacks.append(PipelineTimeline(dirpath=str(out / "timeline"), start_step=0, num_steps=10**6, gantt=False))
