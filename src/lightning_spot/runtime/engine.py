@@ -186,6 +186,7 @@ class PipelineEngine:
         self._late: list[nn.Parameter] = []
         #: (the setting, why) parameters may not be made trainable after setup here (``None``: they may)
         self.fixed_params: tuple[str, str] | None = None
+        self._torchft = replica_group is not None  # (its reason comes first, then streaming or mixed depths)
         if replica_group is not None:
             self.fixed_params = ("fault_tolerance='torchft'", "its gradient buckets hold the parameters trainable then")
         elif optimizer_offload:
@@ -296,10 +297,8 @@ class PipelineEngine:
         self._synced = {id(p) for p in self.params}
         self.ties.make_equal()
         if stream_weights:
-            self.fixed_params = self.fixed_params or (
-                "offload='parameters'",
-                "the weights streamed are the ones trainable at setup",
-            )
+            if not self._torchft:
+                self.fixed_params = ("offload='parameters'", "the weights streamed are the ones trainable at setup")
             if self.layout.is_mixed or self.spec.splits_backward:
                 raise LayoutError(
                     f"offload='parameters' runs pipelines of one depth with schedules whose backward computes weight "
@@ -316,10 +315,11 @@ class PipelineEngine:
             self.runner.grads_final.insert(0, self.runner.weights.backward_done)  # (before the strategy's hooks)
             return
         if self.layout.is_mixed:
-            self.fixed_params = self.fixed_params or (
-                "pipelines of mixed depths",
-                "their gradient sums are set up for the parameters then",
-            )
+            if not self._torchft:
+                self.fixed_params = (
+                    "pipelines of mixed depths",
+                    "their gradient sums are set up for the parameters then",
+                )
             placement = placement_of(self.module)
             self.cross = CrossPipelineSync(
                 self.module,
