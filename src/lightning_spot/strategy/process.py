@@ -10,6 +10,7 @@ Each resource is set up here once; ``stop`` (the strategy's teardown) ends what 
 
 from __future__ import annotations
 
+import gc
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,7 +50,10 @@ class ProcessSetup:
         world_size: int,
     ) -> ProcessSetup:
         """Threads sized for the node's processes, freed host memory kept, the process group up (destroyed at
-        exit), and a watchdog that stops every rank when one fails or a step makes no progress."""
+        exit), and a watchdog that stops every rank when one fails or a step makes no progress. Garbage of an
+        earlier fit in this process (its process groups, in cycles) is freed first, here: freed in a DataLoader
+        worker forked from this process, a gloo group's destructor waits for threads that were not forked (a hang)."""
+        gc.collect()
         threads = set_up_threads(processes, user_threads)
         malloc = keep_freed_host_memory()
         rank_zero_info(f"spot_pipeline: {threads.describe()}; {malloc.describe()}")
