@@ -907,10 +907,13 @@ def lightning_callbacks(scenario: dict[str, Any]) -> list[L.Callback]:
     return callbacks
 
 
-def fit_in_this_process(root: Any, model: L.LightningModule, data: Any, **trainer_kwargs: Any) -> L.Trainer:
+def fit_in_this_process(
+    root: Any, model: L.LightningModule, data: Any, keep_process_group: bool = False, **trainer_kwargs: Any
+) -> L.Trainer:
     """Fit ``model`` with ``spot_pipeline`` on one CPU device in the test's own process (P1xD1, quiet); the
     environment and thread pool that the strategy sizes (``OMP_NUM_THREADS``) are restored afterwards, so later
-    tests' processes do not inherit them, and its process group (of one) is destroyed."""
+    tests' processes do not inherit them, and its process group (of one) is destroyed (unless
+    ``keep_process_group``: as after a plain Lightning fit, for the next fit in the process)."""
     import os
 
     from lightning_spot import SpotPipelineStrategy
@@ -935,6 +938,6 @@ def fit_in_this_process(root: Any, model: L.LightningModule, data: Any, **traine
         os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads(threads)
-        if torch.distributed.is_initialized():  # (the strategy's group of one process: later tests start without it)
+        if torch.distributed.is_initialized() and not keep_process_group:  # (later tests start without it)
             torch.distributed.destroy_process_group()
     return trainer

@@ -31,6 +31,7 @@ class SeesGarbageAtFitStart(L.Callback):
 
 
 def test_a_fit_frees_the_garbage_of_earlier_fits_before_workers_fork(tmp_path: Path) -> None:
+    fit_in_this_process(tmp_path, make_model(), make_loader(), max_steps=1, keep_process_group=True)  # the earlier fit
     enabled = gc.isenabled()
     gc.disable()  # (only an explicit collection frees the cycle)
     try:
