@@ -10,7 +10,6 @@ Each resource is set up here once; ``stop`` (the strategy's teardown) ends what 
 
 from __future__ import annotations
 
-import gc
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +22,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_spot.runtime.host_malloc import MallocSetup, keep_freed_host_memory
 from lightning_spot.runtime.process import ThreadSetup, destroy_process_group_at_exit, set_up_threads
-from lightning_spot.utils.distributed import is_initialized
 from lightning_spot.watchdog import DEFAULT_TIMEOUT, JobWatch
 
 
@@ -51,12 +49,7 @@ class ProcessSetup:
         world_size: int,
     ) -> ProcessSetup:
         """Threads sized for the node's processes, freed host memory kept, the process group up (destroyed at
-        exit), and a watchdog that stops every rank when one fails or a step makes no progress. Garbage of an
-        earlier fit in this process (its process groups, in cycles) is freed first, here: freed in a DataLoader
-        worker forked from this process, a gloo group's destructor waits for threads that were not forked (a hang).
-        (Only after an earlier fit: a collection costs ~0.2 s with torch and Lightning loaded.)"""
-        if is_initialized():
-            gc.collect()
+        exit), and a watchdog that stops every rank when one fails or a step makes no progress."""
         threads = set_up_threads(processes, user_threads)
         malloc = keep_freed_host_memory()
         rank_zero_info(f"spot_pipeline: {threads.describe()}; {malloc.describe()}")

@@ -1,6 +1,6 @@
 """A fit frees the garbage an earlier fit in the same process left (its process groups, in reference cycles) before
-DataLoader workers are forked from the process: freed inside a worker, a gloo group's destructor waits for threads
-that were not forked, and the worker hangs."""
+its DataLoaders fork their workers: freed inside a worker, a gloo group's destructor waits for threads that were not
+forked, and the worker hangs."""
 
 from __future__ import annotations
 
@@ -21,16 +21,18 @@ class Left:
         self.me = self
 
 
-class SeesGarbageAtFitStart(L.Callback):
+class SeesGarbageAtTrainStart(L.Callback):
+    """Whether the garbage is still there when training starts (the loaders are made, their workers not forked)."""
+
     def __init__(self, left: weakref.ref[Any]) -> None:
         self.left = left
-        self.alive_at_fit_start: bool | None = None
+        self.alive: bool | None = None
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.alive_at_fit_start = self.left() is not None
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.alive = self.left() is not None
 
 
-def test_a_fit_frees_the_garbage_of_earlier_fits_before_workers_fork(tmp_path: Path) -> None:
+def test_a_fit_frees_the_garbage_of_earlier_fits_before_its_loaders_fork_workers(tmp_path: Path) -> None:
     fit_in_this_process(tmp_path, make_model(), make_loader(), max_steps=1, keep_process_group=True)  # the earlier fit
     enabled = gc.isenabled()
     gc.disable()  # (only an explicit collection frees the cycle)
@@ -39,9 +41,9 @@ def test_a_fit_frees_the_garbage_of_earlier_fits_before_workers_fork(tmp_path: P
         ref = weakref.ref(left)
         del left
         assert ref() is not None
-        seen = SeesGarbageAtFitStart(ref)
-        fit_in_this_process(tmp_path, make_model(), make_loader(), max_steps=1, callbacks=[seen])
+        seen = SeesGarbageAtTrainStart(ref)
+        fit_in_this_process(tmp_path, make_model(), make_loader(num_workers=1), max_steps=1, callbacks=[seen])
     finally:
         if enabled:
             gc.enable()
-    assert seen.alive_at_fit_start is False
+    assert seen.alive is False
