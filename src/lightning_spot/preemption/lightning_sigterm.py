@@ -42,12 +42,13 @@ def take_over_sigterm(trainer: Any, watcher: PreemptionWatcher) -> Callable[[], 
         return lambda: None
     if getattr(trainer, "received_sigterm", False):  # caught by Lightning's handler before the watcher started
         watcher.trigger(Notice("SIGTERM", time.time()))
+    return _skip_broadcast(loop)
+
+
+def _skip_broadcast(loop: Any) -> Callable[[], None]:
+    """Shadow the epoch loop's per-batch SIGTERM broadcast on the instance; returns what puts Lightning's back."""
     loop.__dict__[_METHOD] = lambda: None
-
-    def undo() -> None:
-        loop.__dict__.pop(_METHOD, None)
-
-    return undo
+    return lambda: loop.__dict__.pop(_METHOD, None)
 
 
 class SigtermAgreement:
@@ -71,8 +72,7 @@ class SigtermAgreement:
         self.trainer = trainer
         self.signalled = False
         self._step_agreement = step_agreement
-        self._loop = trainer.fit_loop.epoch_loop
-        self._loop.__dict__[_METHOD] = lambda: None
+        self._restore_broadcast = _skip_broadcast(trainer.fit_loop.epoch_loop)
         connector = trainer._signal_connector
         if connector.received_sigterm:  # caught by Lightning's handler already: agreed like any other
             self.signalled, connector.received_sigterm = True, False
@@ -113,7 +113,7 @@ class SigtermAgreement:
             self.trainer._signal_connector.received_sigterm = True
 
     def uninstall(self) -> None:
-        self._loop.__dict__.pop(_METHOD, None)
+        self._restore_broadcast()
         self._step_agreement.leave(_PART)
         SIGNALS.remove(signal.SIGTERM, _PART)
 
