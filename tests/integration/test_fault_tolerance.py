@@ -331,3 +331,43 @@ def test_a_pipeline_that_comes_back_at_another_depth_is_refused_and_never_starts
     assert steps > 8 and results["group0_rank1"]["global_step"] == steps
     merged = {**results["group0_rank0"]["state_dict"], **results["group0_rank1"]["state_dict"]}
     assert_same_params(merged, _reference(steps))
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_optimizer_offload_under_torchft_survives_a_kill_and_heals_into_host_masters(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """offload="optimizer" with fault_tolerance="torchft": two one-stage pipelines whose fp32 masters and Adam state
+    live in host memory. Pipeline 1 dies in step 4 before its gradients reach pipeline 0, which runs the step again
+    alone and updates its masters from the quorum's gradients only; a replacement of pipeline 1 takes pipeline 0's
+    masters and optimizer state into its own host memory. Both end equal to one process without offload."""
+    out = tmp_path / "out"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--offload", "optimizer", "--groups", "2"]
+    argv += ["--end-after-heal", "1:6"]
+    with ExitStack() as stack:
+        first = stack.enter_context(_running(1, argv, tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"}))[0]
+        dying = stack.enter_context(
+            _running(1, [*argv, "--die-at", "4"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
+        )[0]
+        deadline = time.monotonic() + 200
+        while dying.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dying.returncode == -9, "pipeline 1 was to kill itself in step 4"
+        replacement = stack.enter_context(_running(1, argv, tmp_path / "logs1b", {**env, "REPLICA_GROUP_ID": "1"}))[0]
+        for p in (first, replacement):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [first.returncode, replacement.returncode]
+        if codes != [0, 0]:
+            raise WorkerFailure(f"exit codes {codes}", [_logs(tmp_path / d, 1)[0] for d in ("logs0", "logs1b")])
+    results = _results(out)
+    steps = results["group0_rank0"]["global_step"]
+    assert steps > 4 and results["group0_rank0"]["pid"] == first.pid
+    assert results["group0_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
+    assert (results["group1_rank0"]["healed_at"] or 0) >= 4, "the replacement must have taken pipeline 0's state"
+    ref = _reference(steps)
+    for name, got in results.items():
+        assert got["global_step"] == steps, name
+        assert_same_params(got["state_dict"], ref)

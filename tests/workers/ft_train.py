@@ -18,6 +18,7 @@ every pipeline ends at that step.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
 ``--overlap``: ``TorchFT(overlap=True)`` (gradient buckets sent during the backward); ``--bucket-bytes N``: buckets
 of N bytes (the same on every pipeline: several on a tiny model).
+``--offload LEVEL``: ``SpotPipelineStrategy(offload=LEVEL)`` (``optimizer``: masters and Adam's state in host memory).
 ``--timeline DIR``: PipelineTimeline of every step into DIR (``trace.json``).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--timeline", default=None, help="trace every step into this directory")
     parser.add_argument("--overlap", action="store_true", help="TorchFT(overlap=True)")
     parser.add_argument("--bucket-bytes", type=int, default=None, help="gradient buckets this small (every pipeline)")
+    parser.add_argument("--offload", default=None, help="SpotPipelineStrategy(offload=...), e.g. optimizer")
     args = parser.parse_args()
     if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
         from lightning_spot.torchft import early_buckets
@@ -207,6 +209,7 @@ def main() -> None:
         strategy=SpotPipelineStrategy(
             pipeline_stages=args.stages or int(os.environ["WORLD_SIZE"]),
             microbatches=4 if args.model == "gpt" else 2,
+            offload=args.offload,
             fault_tolerance=None
             if args.plain
             else TorchFT(timeout=args.ft_timeout, quorum_timeout=args.quorum_timeout, overlap=args.overlap),

@@ -122,7 +122,9 @@ class CheckpointHooks(ParallelStrategy):
         assert module is not None
         url = self.broadcast(str(checkpoint_path))
         if url == HEAL_URL and self.replicas is not None:  # (torchft: a peer's state, taken at the join)
-            checkpoint, self.restored_manifest = healed_checkpoint(self.replicas, module, optimizers, self._engine())
+            checkpoint, self.restored_manifest = healed_checkpoint(
+                self.replicas, module, optimizers, self._engine(), self.offload
+            )
             return checkpoint
         checkpoint, self.restored_manifest = self.checkpoints.load(url, module, optimizers, self.offload)
         return checkpoint

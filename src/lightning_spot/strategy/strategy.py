@@ -249,12 +249,18 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
             ft = self.settings.fault_tolerance
             if ft is not None and self.replicas is None:
                 self._replicas = attach(
-                    trainer, self.engine, ft, group_size=self.world_size, offloaded=bool(self.offload)
+                    trainer,
+                    self.engine,
+                    ft,
+                    group_size=self.world_size,
+                    offloaded=self._offloaded(),
+                    offload=self.offload,
                 )
 
     def _stage_grads_final(self, stage: int) -> None:
-        """A stage's backward of the step is over: with the optimizer offloaded, its gradients start for the host."""
-        if self.offload is not None:
+        """A stage's backward of the step is over: with the optimizer offloaded, its gradients start for the host
+        (not under torchft: the gradients that reach the host are the quorum's mean, after the step)."""
+        if self.offload is not None and self.replicas is None:
             self.offload.copy_out(self._engine().stage_modules[stage].parameters())
 
     def _offloaded(self) -> tuple[str, ...]:
@@ -289,10 +295,10 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         engine = self._engine()
         with ExitStack() as stack:
-            if self.offload is not None:  # the update (and clipping) run on the host
-                closure = stack.enter_context(self.offload.updating(optimizer, closure))
             # (torchft: gradients averaged over the quorum; the update only when the step commits)
             closure = self._replicas.committed(closure, lambda: engine.runner.loss_weights.items, engine.keep_step)
+            if self.offload is not None:  # the update (and clipping) run on the host, on the quorum's gradients
+                closure = stack.enter_context(self.offload.updating(optimizer, closure))
             clock = engine.clock
             if clock is not None and clock.timeline is not None:  # the closure runs the schedule: time the update
                 closure = _then_timed(closure, lambda: stack.enter_context(clock.span("optimizer", "optimizer")))

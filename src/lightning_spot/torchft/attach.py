@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,7 @@ from lightning_spot.checkpoint.payload import Payload
 from lightning_spot.checkpoint.resume import ResumeOverride
 from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.runtime.engine import PipelineEngine
+from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.torchft.replica_group import ReplicaGroup
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def check_fits(grid: Layout, trainer: pl.Trainer, offloaded: bool) -> None:
+def check_fits(grid: Layout, trainer: pl.Trainer, offloaded: tuple[str, ...] = ()) -> None:
     """What the torchft mode does not run (yet), named with the alternative."""
     if grid.data_parallel != 1:
         raise LayoutError(
@@ -42,18 +44,31 @@ def check_fits(grid: Layout, trainer: pl.Trainer, offloaded: bool) -> None:
             "fault_tolerance='torchft' agrees on the pipelines once per optimizer step and splits the global batch "
             "between them; accumulate_grad_batches > 1 is not supported with it: use a larger batch_size instead."
         )
-    if offloaded:
-        raise LayoutError("fault_tolerance='torchft' with offload='optimizer' is not supported yet")
+    if "parameters" in offloaded:
+        raise LayoutError(
+            "fault_tolerance='torchft' with offload='parameters' (weights streamed from host memory) is not supported "
+            "yet: use offload='optimizer' (fp32 masters and optimizer state in host memory), or more pipeline stages"
+        )
 
 
 def attach(
-    trainer: pl.Trainer, engine: PipelineEngine, settings: TorchFT, *, group_size: int, offloaded: bool = False
+    trainer: pl.Trainer,
+    engine: PipelineEngine,
+    settings: TorchFT,
+    *,
+    group_size: int,
+    offloaded: tuple[str, ...] = (),
+    offload: OptimizerOffload | None = None,
 ) -> ReplicaGroup:
-    """The pipeline's replica group after its first quorum; a joiner's state is restored as a checkpoint."""
+    """The pipeline's replica group after its first quorum; a joiner's state is restored as a checkpoint.
+    ``offloaded``: the run's offload levels; ``offload``: the host masters of ``offload="optimizer"`` (a peer
+    is handed those, not the device copies)."""
     check_fits(engine.layout.grid, trainer, offloaded)
 
     def state() -> dict[str, Any]:
-        return {"stage": stage_state(trainer), "samples_seen": engine.samples_seen}
+        # (with the optimizer offloaded: the fp32 masters and the host optimizer state, which the update reads)
+        with offload.on_host(list(trainer.strategy.optimizers)) if offload is not None else nullcontext():
+            return {"stage": stage_state(trainer), "samples_seen": engine.samples_seen}
 
     settings = settings.resolved()
     layout = layout_tag(engine.plan.num_stages, engine.plan.cuts)
@@ -114,14 +129,20 @@ def _resume_from_peer(trainer: pl.Trainer) -> None:
 
 
 def healed_checkpoint(
-    group: ReplicaGroup, module: nn.Module, optimizers: list[torch.optim.Optimizer], engine: PipelineEngine
+    group: ReplicaGroup,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    engine: PipelineEngine,
+    offload: OptimizerOffload | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(Lightning checkpoint, manifest-like record) of the state a peer sent at :func:`attach`."""
+    """(Lightning checkpoint, manifest-like record) of the state a peer sent at :func:`attach` (``offload``: into
+    the host masters and host optimizer state of ``offload="optimizer"``)."""
     started = time.monotonic()
     state, group.healed_state = group.healed_state, None
     if state is None:
         raise RuntimeError(f"{HEAL_URL} is restored once, after a pipeline joined and took a peer's state")
-    checkpoint = apply_stage_state(module, optimizers, engine.ties.aliases, state["stage"])
+    with offload.on_host(optimizers) if offload is not None else nullcontext():
+        checkpoint = apply_stage_state(module, optimizers, engine.ties.aliases, state["stage"])
     engine.restore_position(int(state["samples_seen"]))
     record = {
         "step": int(checkpoint.get("global_step", 0)),
