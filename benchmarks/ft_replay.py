@@ -23,8 +23,11 @@ from typing import Any
 WINDOW = 10
 
 
-def replay_ft(events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path) -> dict[str, Any]:
-    """Run the replay in ``out``: a lighthouse here, one torchrun (one pipeline) per node of the trace."""
+def replay_ft(
+    events: list[tuple[float, int, str]], steps: int, step_seconds: float, out: Path, *, step_gpu_seconds: float = 0.0
+) -> dict[str, Any]:
+    """Run the replay in ``out``: a lighthouse here, one torchrun (one pipeline) per node of the trace;
+    ``step_gpu_seconds``: a step's work, shared by the pipelines of the quorum."""
     from benchmarks.spot_replay import replay_config
     from lightning_spot.torchft.lighthouse import start_lighthouse
     from tests.distributed import free_port
@@ -33,7 +36,7 @@ def replay_ft(events: list[tuple[float, int, str]], steps: int, step_seconds: fl
     if any(how == "m" for _, _, how in events):
         raise SystemExit("--fault-tolerance replays notices as SIGTERM (s) or kills (k); --notice m is not supported")
     strategy = {"profile_cache": None, "fault_tolerance": "torchft", "microbatches": 2}
-    config = replay_config(out, steps, step_seconds, strategy=strategy)
+    config = replay_config(out, steps, step_seconds, strategy=strategy, step_gpu_seconds=step_gpu_seconds)
     args = ["tests/workers/elastic_train.py", str(out / "config.json")]
     lighthouse = start_lighthouse()
     address = lighthouse.address()
@@ -100,7 +103,7 @@ def figures_ft(out: Path, result: dict[str, Any]) -> dict[str, Any]:
 
     report = build_report(Storage(str(out / "run" / "pipeline-0")))
     final = torch.load(out / "out" / "final" / "pipeline-0" / "rank0.pt")
-    ended = [t for _, t in final["ended"]]
+    ended = [e[1] for e in final["ended"]]
     useful, wall, usual = useful_share(ended, report["started_epoch"])
     costs = []
     for e in result["events"]:
@@ -119,6 +122,7 @@ def figures_ft(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     worst = max((got[k] - ref["state_dict"][k]).abs().max().item() for k in ref["state_dict"])
     return {
         "useful_time_share": useful / wall,
+        **ft_goodput(final["ended"], result, report["started_epoch"]),
         "useful_seconds": useful,
         "wall_seconds": wall,
         "setup_seconds": ended[0] - report["started_epoch"],
@@ -127,6 +131,25 @@ def figures_ft(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         "fault_tolerance": report["fault_tolerance"],
         "restarts": len(report["restarts"]),
         "max_param_difference": worst,
+    }
+
+
+def ft_goodput(ended: list[Any], result: dict[str, Any], started_epoch: float) -> dict[str, Any]:
+    """GPU-time efficiency over pipeline 0's window (its history's start to its last step, the useful-time
+    share's): the steps trained, at the step time pipeline 0 measured while every node's pipeline was in the
+    quorum, against the node-seconds the trace gave (a joiner's start-up and a leaver's last seconds charged)."""
+    from benchmarks.goodput import efficiency, full_step_seconds, node_seconds, peak_nodes
+
+    log = result["events"]
+    start, end = started_epoch - result["epoch"], ended[-1][1] - result["epoch"]
+    node_s = node_seconds(log, start, end)
+    peak = peak_nodes(log)
+    step_s = full_step_seconds(ended, peak) if ended and len(ended[0]) > 2 else None
+    return {
+        "gpu_time_efficiency": efficiency(ended[-1][0], step_s, peak, node_s) if step_s else None,
+        "node_seconds": node_s,
+        "peak_nodes": peak,
+        "full_cluster_step_seconds": step_s,
     }
 
 
@@ -153,4 +176,7 @@ def print_ft(label: str, result: dict[str, Any], fig: dict[str, Any]) -> None:
         f"pipeline 0 {fig['restarts']}; quorum changes {ft.get('quorum_changes', 0)}, steps run again "
         f"{ft.get('steps_run_again', 0)}, {ft.get('seconds_with_fewer_pipelines', 0.0):.1f} s with fewer pipelines"
     )
+    from benchmarks.spot_replay import goodput_line
+
+    print(goodput_line(fig))
     print(f"final parameters vs an uninterrupted run: max difference {fig['max_param_difference']:.2e}")

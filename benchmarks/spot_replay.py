@@ -143,18 +143,20 @@ def replay(
     keep_alive: int | None = None,
     last_call: int | None = None,
     lead_seconds: float = 4.0,
+    step_gpu_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """Run the replay in ``out``; with ``settle`` each event waits until the group trains again, on every node
     that is a member, after the restart the previous event caused (one restart per event: for tests), else only
     leaves wait, until it trains. ``keep_alive``: the rendezvous's keep-alive interval in seconds (3 missed beats
     decide how soon a node that died is given up), ``last_call``: how long a round waits for more nodes; both
     ``lightning-spot run``'s defaults unless given.
-    ``lead_seconds``: how long after a metadata notice (``m``) the node is killed (AWS's 2 minutes, compressed)."""
+    ``lead_seconds``: how long after a metadata notice (``m``) the node is killed (AWS's 2 minutes, compressed).
+    ``step_gpu_seconds``: a step's work, shared by the processes that train it (added to ``step_seconds``)."""
     from lightning_spot.cli.run import KEEP_ALIVE_SECONDS, LAST_CALL_SECONDS, rendezvous_conf
     from tests.distributed import free_port
     from tests.elastic import Agent, port_open, wait_for
 
-    config = replay_config(out, steps, step_seconds, snapshot_every=1)
+    config = replay_config(out, steps, step_seconds, snapshot_every=1, step_gpu_seconds=step_gpu_seconds)
     args = ["tests/workers/elastic_train.py", str(out / "config.json")]
     port = free_port()
     rdzv_conf = "join_timeout=120," + rendezvous_conf(keep_alive or KEEP_ALIVE_SECONDS, last_call or LAST_CALL_SECONDS)
@@ -321,6 +323,7 @@ def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     phases = restart_phases(report, result["events"], result["epoch"])
     return {
         "useful_time_share": report["useful_time_share"],
+        **restart_goodput(report, result),
         "restarts": len(report["restarts"]),
         "steps_recomputed": report["steps_recomputed"],
         "time_lost_seconds": report["time_lost_seconds"],
@@ -330,6 +333,28 @@ def figures(out: Path, result: dict[str, Any]) -> dict[str, Any]:
         "final_layout": states[-1]["layout"] if states else None,
         "max_param_difference": worst,
         "report": report,
+    }
+
+
+def restart_goodput(report: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """GPU-time efficiency of a restart-path replay over its history's window (the useful-time share's): the
+    steps trained, at the full cluster's measured step time (its attempts on the most nodes), against the
+    node-seconds the trace gave."""
+    from benchmarks.goodput import efficiency, node_seconds, peak_nodes
+    from lightning_spot.observe.cost import world_of
+
+    log = result["events"]
+    start = report["started_epoch"] - result["epoch"]
+    node_s = node_seconds(log, start, start + report["wall_seconds"])
+    peak = peak_nodes(log)
+    full = [1.0 / a["steps_per_second"] for a in report["attempts"] if a["steps_per_second"] and world_of(a) == peak]
+    step_s = sum(full) / len(full) if full else None
+    steps = report["attempts"][-1]["last_step"] or 0
+    return {
+        "gpu_time_efficiency": efficiency(steps, step_s, peak, node_s) if step_s else None,
+        "node_seconds": node_s,
+        "peak_nodes": peak,
+        "full_cluster_step_seconds": step_s,
     }
 
 
@@ -403,6 +428,21 @@ def mean_phases(phases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def goodput_line(fig: dict[str, Any]) -> str:
+    """The GPU-time efficiency line of a replay's printout."""
+    eff = fig.get("gpu_time_efficiency")
+    if eff is None:
+        return (
+            f"GPU-time efficiency: - (no step measured on the full cluster of {fig['peak_nodes']} nodes; "
+            f"{fig['node_seconds']:.0f} node-seconds up)"
+        )
+    return (
+        f"GPU-time efficiency {eff:.1%}: samples trained / what {fig['node_seconds']:.0f} node-seconds up would train "
+        f"at the full cluster's speed ({fig['peak_nodes']} nodes, {fig['full_cluster_step_seconds'] * 1000:.0f} ms "
+        f"per step)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
@@ -421,7 +461,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--lead", type=float, default=120.0, help="a metadata notice's lead time, trace seconds")
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--step-seconds", type=float, default=0.25, help="a pause per step (stretches training)")
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        help="a pause per step (stretches training; default 0.25, 0 with --step-gpu-seconds)",
+    )
+    parser.add_argument(
+        "--step-gpu-seconds",
+        type=float,
+        default=0.0,
+        help="a step's work, shared by the processes that train it: each pauses this / their count per step (a "
+        "fixed global batch; the GPU-time efficiency needs it: a cluster's per-node speed is then its size's)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path, help="draw nodes available and training progress over time here")
     parser.add_argument("--keep", type=Path, help="keep the run directory here")
@@ -436,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         help='fault_tolerance="torchft": each node is a pipeline of its own, survivors keep training (ft_replay.py)',
     )
     args = parser.parse_args(argv)
+    if args.step_seconds is None:
+        args.step_seconds = 0.0 if args.step_gpu_seconds else 0.25
     if args.events:
         events = parse_events(args.events)
         label = f"synthetic {args.events}"
@@ -470,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_alive=args.keep_alive,
         last_call=args.last_call,
         lead_seconds=lead,
+        step_gpu_seconds=args.step_gpu_seconds,
     )
     if not result["ok"]:
         print("the run failed (log above)", file=sys.stderr)
@@ -484,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.get("delayed", 0) > 0.5:
             how += f", {e['delayed']:.1f}s after it was due (the group was restarting)"
         print(f"  {e['time']:6.1f}s  {e['event']}{how} -> {e['nodes']} nodes")
+    print(goodput_line(fig))
     print(
         f"useful-time share {fig['useful_time_share']:.1%}; restarts {fig['restarts']}; steps recomputed "
         f"{fig['steps_recomputed']}; time lost {fig['time_lost_seconds']:.1f} s of {fig['wall_seconds']:.1f} s"
@@ -518,7 +573,7 @@ def replay_with_fault_tolerance(
 ) -> int:
     from benchmarks.ft_replay import figures_ft, print_ft, replay_ft
 
-    result = replay_ft(events, args.steps, args.step_seconds, out)
+    result = replay_ft(events, args.steps, args.step_seconds, out, step_gpu_seconds=args.step_gpu_seconds)
     if not result["ok"]:
         print("the run failed (log above)", file=sys.stderr)
         return 1

@@ -28,8 +28,17 @@ of its own, off their path) and then stalls them ``ft_join_s``. Only when too fe
 take the restart path. Step times follow the node count as before (the pipelines keep their depth: at scale
 that may be slower than the layout a restart would choose, which this model does not charge).
 
+With ``Policy(pipeline_nodes=d)`` (torchft, pipelines ``d`` nodes deep) a lost node breaks its pipeline: its
+``d - 1`` other nodes idle (they wait for a replacement, as a torchrun of fixed ``--nnodes`` does) and the step
+time is that of the nodes in whole pipelines; a node that comes back completes a broken pipeline, which then joins.
+A loss hits a whole pipeline while there is one (the broken pipelines' few nodes are the less likely victims).
+
 Useful time is time spent on steps that are kept (as ``lightning-spot report`` counts it: a kept step costs
-its step time, snapshot and checkpoint stalls included); the share is useful time / wall time.
+its step time, snapshot and checkpoint stalls included); the share is useful time / wall time. **GPU-time
+efficiency** (goodput against the GPUs available) is the samples trained / the samples the nodes up at each
+moment would have trained at the full cluster's per-node speed: ``steps x step_seconds(peak) x peak / node-seconds``
+(``peak``: the most nodes the trace gives). It charges what the useful-time share cannot see: idle nodes (a broken
+pipeline's, a joiner's set-up) and a smaller cluster's slower steps.
 Every input is a field of ``Recovery``, ``Policy`` or the step-time function: nothing else is assumed.
 """
 
@@ -88,6 +97,8 @@ class Policy:
     snapshot_stall_s: float = 0.0  # training time blocked per snapshot
     checkpoint_stall_s: float = 0.0  # per durable checkpoint
     fault_tolerant: bool = False  # survivors keep training (see the module's docstring)
+    #: fault-tolerant: nodes per pipeline (a lost node idles the other nodes of its pipeline)
+    pipeline_nodes: int = 1
 
 
 @dataclass
@@ -104,10 +115,20 @@ class Outcome:
     down_s: float = 0.0  # restarting (every phase)
     idle_s: float = 0.0  # too few nodes for the model
     per_nodes: dict[int, float] = field(default_factory=dict)  # training seconds by node count
+    node_s: float = 0.0  # nodes up x seconds, over the wall time
+    peak_nodes: int = 0  # the most nodes up at once (the full cluster)
+    peak_step_s: float = 0.0  # seconds per step on the full cluster
+    idle_node_s: float = 0.0  # fault-tolerant: node-seconds of broken pipelines' nodes, waiting
 
     @property
     def share(self) -> float:
         return self.useful_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def gpu_time_efficiency(self) -> float:
+        """Samples trained / samples the nodes up would have trained at the full cluster's per-node speed."""
+        available = self.node_s / (self.peak_step_s * self.peak_nodes) if self.peak_step_s > 0 else 0.0
+        return self.steps / available if available > 0 else 0.0
 
     @property
     def share_while_enough(self) -> float:
@@ -140,6 +161,12 @@ def simulate(
         nodes += pending.pop(0)[1]
     ready = 0.0 if step_seconds(nodes) is not None else math.inf
     horizon = until_s if until_s is not None else math.inf
+    depth = max(1, policy.pipeline_nodes) if policy.fault_tolerant else 1
+    spare = nodes % depth  # nodes of broken pipelines (fault-tolerant, pipelines ``depth`` nodes deep)
+    out.peak_nodes = _peak(events)
+    out.peak_step_s = step_seconds(out.peak_nodes) or 0.0
+    counted = 0.0  # the node-seconds are counted up to this time
+    joining = 0  # fault-tolerant: nodes up that are still starting beside the run
 
     def per_step(n: int) -> float | None:
         s = step_seconds(n)
@@ -148,11 +175,19 @@ def simulate(
         stall = (policy.snapshot_stall_s / policy.snapshot_every) if policy.snapshot_every else 0.0
         return s + stall + policy.checkpoint_stall_s / policy.checkpoint_every
 
+    def count_nodes(until: float) -> None:
+        """Add the nodes up (and the broken pipelines' idle ones) from the last count to ``until``."""
+        nonlocal counted
+        if until > counted:
+            out.node_s += (nodes + joining) * (until - counted)
+            out.idle_node_s += (spare + joining) * (until - counted)
+            counted = until
+
     def train(until: float) -> float:
         """Advance the clock to ``until`` (training where possible); the time the run ended, if it did."""
         nonlocal clock, progress, snapshots
         begin = max(clock, ready)
-        s = per_step(nodes)
+        s = per_step(nodes - spare)
         if ready > clock:
             gap = min(until, ready) - clock
             if math.isinf(ready):
@@ -165,10 +200,12 @@ def simulate(
             done = min((until - begin) / s, todo)
             progress += done
             segments.append([done, s])
-            out.per_nodes[nodes] = out.per_nodes.get(nodes, 0.0) + done * s
+            out.per_nodes[nodes - spare] = out.per_nodes.get(nodes - spare, 0.0) + done * s
             if steps is not None and progress >= steps - 1e-9:
                 clock = begin + done * s
+                count_nodes(clock)
                 return clock
+        count_nodes(until)
         clock = until
         return math.inf
 
@@ -191,7 +228,7 @@ def simulate(
         if clock >= ready:  # a change during a restart redoes that restart: not one more
             out.restarts += 1
             out.from_storage += tier == "storage"
-        if step_seconds(nodes) is None:
+        if step_seconds(nodes - spare) is None:
             ready = math.inf
             return
         read = recovery.restore_memory_s if tier == "memory" else recovery.restore_storage_s
@@ -212,18 +249,29 @@ def simulate(
         if ended != math.inf:
             break
         training = clock >= ready
-        rides_through = change > 0 or step_seconds(nodes + change) is not None  # survivors can go on
+        # survivors can go on: the nodes left in whole pipelines hold the model
+        broken = _broken_after(nodes, spare, change, depth) if change < 0 else spare
+        rides_through = change > 0 or step_seconds(nodes + change - broken) is not None
         if policy.fault_tolerant and training and rides_through:
-            if change < 0 or notice == JOINED:
-                out.quorum_changes += 1
-                stall = recovery.ft_join_s if change > 0 else recovery.ft_leave_s + (per_step(nodes) or 0.0) / 2
-                nodes += change
-                ready = at + stall
-            else:  # the new node starts beside the run and joins when it is ready
+            if change > 0 and notice != JOINED:  # the new node starts beside the run and joins when it is ready
                 ready_at = at + recovery.join_restart_s + recovery.setup_s + recovery.restore_memory_s
                 pending = sorted([*pending, (ready_at, change, JOINED)], key=lambda e: e[0])
+                joining += change
+                continue
+            if notice == JOINED:
+                joining -= change
+            whole_before = nodes - spare
+            nodes += change
+            spare = broken if change < 0 else (spare + change) % depth
+            if nodes - spare != whole_before:  # the quorum changes (a node that completes no pipeline idles)
+                out.quorum_changes += 1
+                stall = recovery.ft_join_s if change > 0 else recovery.ft_leave_s + (per_step(whole_before) or 0.0) / 2
+                ready = at + stall
             continue
+        if notice == JOINED:  # (a joiner ready while the others restart: it joins their restart)
+            joining -= change
         nodes += change
+        spare = nodes % depth  # (restarted: whole pipelines re-form; the torchrun of a broken one waits)
         if change > 0:
             cost = (recovery.stop_s if training else 0.0) + recovery.join_restart_s
             restart(at, cost, tier())
@@ -249,6 +297,28 @@ def simulate(
     out.steps = progress
     out.useful_s = sum(n * s for n, s in segments)
     return out
+
+
+def _peak(events: Sequence[Event]) -> int:
+    """The most nodes up at once (events in time order; joiners of a fault-tolerant run count once)."""
+    up = peak = 0
+    for _, change, notice in sorted(events, key=lambda e: e[0]):
+        if notice != JOINED:
+            up += change
+            peak = max(peak, up)
+    return peak
+
+
+def _broken_after(nodes: int, spare: int, change: int, depth: int) -> int:
+    """Nodes of broken pipelines after ``-change`` nodes are lost: each loss breaks a whole pipeline while there
+    is one (its other ``depth - 1`` nodes idle), else takes an idle node."""
+    for _ in range(-change):
+        if nodes - spare >= depth and depth > 1:
+            spare += depth - 1
+        else:
+            spare = max(0, spare - 1)
+        nodes -= 1
+    return spare
 
 
 def _policy_notice(policy: str, index: int) -> bool:
@@ -534,6 +604,8 @@ def oobleck_case(measured: Recovery, at: AtScale = AtScale()) -> dict[str, Any]:
         "setting": "Oobleck's 10-minute case: BERT-large, 30 -> 15 nodes, one killed every 601.2 s, 2.5 h",
         "share": out.share,
         "share_torchft": ft.share,
+        "gpu_time_efficiency": out.gpu_time_efficiency,
+        "gpu_time_efficiency_torchft": ft.gpu_time_efficiency,
         "outcome_torchft": asdict(ft),
         "outcome": asdict(out),
         "recovery": asdict(recovery),
@@ -577,7 +649,11 @@ def large_case(
         ),
         "storage": Policy(snapshot_every=0, checkpoint_every=checkpoint_every, checkpoint_stall_s=copy),
         "torchft": Policy(
-            snapshot_every=0, checkpoint_every=checkpoint_every, checkpoint_stall_s=copy, fault_tolerant=True
+            snapshot_every=0,
+            checkpoint_every=checkpoint_every,
+            checkpoint_stall_s=copy,
+            fault_tolerant=True,
+            pipeline_nodes=-(-stages // gpus_per_node),  # a pipeline deeper than a node spans several
         ),
     }
     results = {
@@ -594,6 +670,7 @@ def large_case(
             name: {
                 "share": out.share,
                 "share_while_enough": out.share_while_enough,
+                "gpu_time_efficiency": out.gpu_time_efficiency,
                 "outcome": asdict(out),
                 "policy": asdict(paths[name]),
             }
@@ -653,8 +730,17 @@ def main(argv: list[str] | None = None) -> int:
             print(result["setting"])
             _print_recovery(Recovery(**result["recovery"]))
             restart_path = f"{result['share']:.1%}" if not math.isnan(measured.detect_s) else "(needs replays)"
-            print(f"  lightning-spot, restart path (simulated): {restart_path} useful time")
-            print(f"  lightning-spot, fault_tolerance='torchft' (simulated): {result['share_torchft']:.1%} useful time")
+            restart_eff = (
+                f"{result['gpu_time_efficiency']:.1%}" if not math.isnan(measured.detect_s) else "(needs replays)"
+            )
+            print(
+                f"  lightning-spot, restart path (simulated): {restart_path} useful time, {restart_eff} GPU-time "
+                f"efficiency"
+            )
+            print(
+                f"  lightning-spot, fault_tolerance='torchft' (simulated): {result['share_torchft']:.1%} useful time, "
+                f"{result['gpu_time_efficiency_torchft']:.1%} GPU-time efficiency"
+            )
             for name, share in result["published"].items():
                 print(f"  {name} (published, Oobleck's simulator): {share:.1%}")
         else:
@@ -673,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                     o = r["outcome"]
                     print(
                         f"  {path:<8} useful time {r['share']:.1%} ({r['share_while_enough']:.1%} of the time with "
-                        f"enough nodes): {o['restarts']} restarts ({o['from_storage']} read "
+                        f"enough nodes), GPU-time efficiency {r['gpu_time_efficiency']:.1%}: "
+                        f"{o['restarts']} restarts ({o['from_storage']} read "
                         f"storage), {o['steps_lost']:.0f} steps lost, {o['down_s'] / 3600:.2f} h restarting, "
                         f"{o['idle_s'] / 3600:.2f} h too few nodes"
                     )

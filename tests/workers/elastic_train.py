@@ -24,18 +24,32 @@ from tests.models import make_loader, make_model
 class SlowSteps(L.Callback):
     """Makes each step take a while, so that a test can interrupt the run in the middle; with ``hold`` (a world size
     and a step), a smaller world waits at that step until it is stopped (a node joining restarts it), so that it
-    cannot finish first however slowly the joining node starts."""
+    cannot finish first however slowly the joining node starts.
 
-    def __init__(self, seconds: float, hold: Optional[dict[str, int]] = None, stopped: Any = lambda: False) -> None:
+    ``gpu_seconds``: the pause stands for a step's work shared by the processes that train it (this world's, times
+    the pipelines in the torchft quorum), as a fixed global batch is: ``gpu_seconds / processes`` per step, so that
+    a process trains at the same speed whatever the cluster's size (``benchmarks/spot_replay.py --step-gpu-seconds``).
+    """
+
+    def __init__(
+        self,
+        seconds: float,
+        hold: Optional[dict[str, int]] = None,
+        stopped: Any = lambda: False,
+        gpu_seconds: float = 0.0,
+    ) -> None:
         self.seconds = seconds
+        self.gpu_seconds = gpu_seconds
         self.hold = hold
         self.stopped = stopped
-        #: (global step, wall-clock time) at the end of every step
-        self.ended: list[tuple[int, float]] = []
+        #: (global step, wall-clock time, processes training the step) at the end of every step
+        self.ended: list[tuple[int, float, int]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.ended.append((trainer.global_step, time.time()))
-        time.sleep(self.seconds)
+        replicas = getattr(trainer.strategy, "replicas", None)  # (fault_tolerance="torchft": the quorum's pipelines)
+        processes = trainer.world_size * max(1, getattr(replicas, "participants", 1) or 1)
+        self.ended.append((trainer.global_step, time.time(), processes))
+        time.sleep(self.seconds + self.gpu_seconds / processes)
         hold = self.hold
         while (
             hold and trainer.world_size < hold["world"] and trainer.global_step >= hold["step"] and not self.stopped()
@@ -69,7 +83,12 @@ def main() -> None:
         snapshot_every_n_seconds=config.get("snapshot_every_seconds"),
         snapshot_dir=os.environ.get("SPOT_TEST_SNAPSHOT_DIR", config.get("snapshot_dir")),  # one per "node"
     )
-    slow = SlowSteps(config.get("step_seconds", 0.0), config.get("hold"), lambda: watcher.notice is not None)
+    slow = SlowSteps(
+        config.get("step_seconds", 0.0),
+        config.get("hold"),
+        lambda: watcher.notice is not None,
+        gpu_seconds=config.get("step_gpu_seconds", 0.0),
+    )
     callbacks: list[L.Callback] = [checkpoint, slow]
     if config.get("timeline"):  # trace every step; a preempted run leaves per-rank trace files
         callbacks.append(PipelineTimeline(dirpath=str(out / "timeline"), start_step=0, num_steps=10**6, gantt=False))

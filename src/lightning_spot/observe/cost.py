@@ -31,7 +31,7 @@ class Prices:
     tokens_per_sample: int | None = None
 
 
-def _world(attempt: dict[str, Any]) -> int:
+def world_of(attempt: dict[str, Any]) -> int:
     """Processes (GPUs) of an attempt's layout."""
     layout = attempt.get("layout_detail") or {}
     if layout.get("world_size"):
@@ -52,24 +52,49 @@ def useful_seconds(attempts: list[dict[str, Any]]) -> float:
     return total
 
 
-def run_cost(report: dict[str, Any], prices: Prices) -> dict[str, Any]:
-    """GPU-hours and dollars of a run (``build_report``'s dict), per layout and in all."""
-    attempts = report["attempts"]
+def gpu_seconds_by_layout(attempts: list[dict[str, Any]]) -> dict[str, float]:
+    """GPU-seconds each layout held: an attempt's processes from the end of the previous attempt (restarting,
+    rendezvousing, restoring) to the end of its own."""
     by_layout: dict[str, float] = {}
     previous_end = None
     for a in attempts:
         end = a["started"] + a["seconds"]
         begin = previous_end if previous_end is not None else a["started"]
-        by_layout[a["layout"]] = by_layout.get(a["layout"], 0.0) + (end - begin) * _world(a) / 3600
+        by_layout[a["layout"]] = by_layout.get(a["layout"], 0.0) + (end - begin) * world_of(a)
         previous_end = end
-    gpu_hours = sum(by_layout.values())
+    return by_layout
+
+
+def samples_trained(attempts: list[dict[str, Any]]) -> int | None:
+    """Samples of the steps the run kept (its last step x the global batch); None when no batch size is known."""
     final_step = max((a.get("last_step") or 0 for a in attempts), default=0)
     batch = next((a["global_batch"] for a in reversed(attempts) if a.get("global_batch")), None)
-    samples = final_step * batch if batch else None
+    return final_step * batch if batch else None
+
+
+def gpu_time_efficiency(attempts: list[dict[str, Any]]) -> float | None:
+    """Samples trained / samples its GPU-seconds would have trained at the full cluster's per-GPU speed (the
+    attempts on the most GPUs, at their measured speed): goodput against the GPUs the run held, restarts and
+    slower layouts charged. None without a measured attempt on the most GPUs."""
+    samples = samples_trained(attempts)
+    most = max((world_of(a) for a in attempts), default=0)
+    full = [a["samples_per_second"] / most for a in attempts if world_of(a) == most and a.get("samples_per_second")]
+    held = sum(gpu_seconds_by_layout(attempts).values())
+    if not samples or not full or held <= 0:
+        return None
+    return samples / (held * sum(full) / len(full))
+
+
+def run_cost(report: dict[str, Any], prices: Prices) -> dict[str, Any]:
+    """GPU-hours and dollars of a run (``build_report``'s dict), per layout and in all."""
+    attempts = report["attempts"]
+    by_layout = {k: v / 3600 for k, v in gpu_seconds_by_layout(attempts).items()}
+    gpu_hours = sum(by_layout.values())
+    samples = samples_trained(attempts)
     measured = [a for a in attempts if a.get("samples_per_second")]
     reference = max(measured, key=lambda a: a["seconds"]) if measured else None
     on_demand_hours = (
-        samples / reference["samples_per_second"] * _world(reference) / 3600 if samples and reference else None
+        samples / reference["samples_per_second"] * world_of(reference) / 3600 if samples and reference else None
     )
     spot = gpu_hours * prices.spot_per_gpu_hour
     unit, per = ("tokens", prices.tokens_per_sample) if prices.tokens_per_sample else ("samples", 1)

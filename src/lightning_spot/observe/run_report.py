@@ -21,7 +21,7 @@ from lightning_spot.checkpoint.durable.journal import (
 )
 from lightning_spot.checkpoint.durable.storage import Storage
 from lightning_spot.layout import layout_label
-from lightning_spot.observe.cost import useful_seconds
+from lightning_spot.observe.cost import gpu_time_efficiency, useful_seconds
 
 #: events that say "this step was reached at this time" (checkpoint events carry the commit time instead)
 PROGRESS_KINDS = ("first_step", "progress", "preempted", "end")
@@ -121,6 +121,8 @@ def build_report(storage: Storage) -> dict[str, Any]:
         "started_epoch": t0,
         "wall_seconds": round(wall, 3),
         "useful_time_share": useful_seconds(attempts) / wall if wall > 0 else None,
+        #: samples trained / what the GPUs held would train at the most GPUs' measured speed (torchft: see below)
+        "gpu_time_efficiency": None if _is_pipeline_history(storage) else gpu_time_efficiency(attempts),
         "attempts": attempts,
         "restarts": totals["restarts"],
         "recovery_phase_seconds": phase_totals(totals["restarts"]),
@@ -136,6 +138,12 @@ def build_report(storage: Storage) -> dict[str, Any]:
         "intervals": next((e for e in reversed(events) if e["kind"] == "cadence"), None),
         "fault_tolerance": _quorums(events),
     }
+
+
+def _is_pipeline_history(storage: Storage) -> bool:
+    """Whether this is one torchft pipeline's history (``<run>/pipeline-<id>``): its steps are the quorum's
+    samples, not its own GPUs'."""
+    return storage.url.rstrip("/").rsplit("/", 1)[-1].startswith(PIPELINE_HISTORY)
 
 
 def _quorums(events: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -175,6 +183,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"attempts     {len(report['attempts'])}; preemptions survived {report['preemptions_survived']}; "
         f"steps recomputed {report['steps_recomputed']}; time lost to restarts {report['time_lost_seconds']:.1f}s",
         f"useful time  {_share(report.get('useful_time_share'))} of wall time went to steps that were kept",
+        _efficiency_line(report),
         f"checkpoints  {report['checkpoints']} saved, training stalled {report['checkpoint_stall_seconds']:.2f}s "
         f"({100 * report['checkpoint_stall_fraction']:.2f}% of training time); committed now: "
         f"{', '.join(report['committed_checkpoints']) or 'none'}",
@@ -204,6 +213,19 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", "throughput per layout"]
         lines += [f"  {k:<28}{v:10.1f} samples/s" for k, v in report["samples_per_second_by_layout"].items()]
     return "\n".join(lines)
+
+
+def _efficiency_line(report: dict[str, Any]) -> str:
+    """GPU-time efficiency, or why a history cannot tell it."""
+    value = report.get("gpu_time_efficiency")
+    if value is not None:
+        return (
+            f"GPU time     {_share(value)} efficiency: samples trained / what the GPU-seconds held would train at "
+            f"the largest layout's measured speed"
+        )
+    if _is_pipeline_history(Storage(report["run"])):
+        return "GPU time     - (one torchft pipeline's history: its steps are the quorum's; spot_replay.py measures the job's)"
+    return "GPU time     - (no speed measured on the largest layout)"
 
 
 def _fault_tolerance(ft: dict[str, Any] | None) -> list[str]:

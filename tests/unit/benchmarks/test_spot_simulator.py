@@ -167,3 +167,39 @@ def test_survivors_ride_through_a_kill_and_a_join_with_torchft() -> None:
     assert out.restarts == 0 and out.quorum_changes == 1
     assert out.wall_s == pytest.approx(joined + RECOVERY.ft_join_s + (20 - done) * 1.0)
     assert simulate([(0.0, 1, None), (5.0, -1, False), (6.0, 1, None)], speed, RECOVERY, ft, steps=5).restarts == 1
+
+
+def linear(n: int) -> float | None:
+    """A step of 8 node-seconds: 1 s on 8 nodes, 2 s on 4; 4 nodes at least (the model's memory)."""
+    return 8.0 / n if n >= 4 else None
+
+
+def test_gpu_time_efficiency_charges_the_nodes_up_that_do_not_train() -> None:
+    """Samples trained against the node-seconds up at the full cluster's per-node speed: 1 without events; with
+    torchft and pipelines of 4 nodes, a node lost for good idles the 3 others of its pipeline (2 pipelines of 4 train
+    on 4 of the 7 nodes left); pipelines of one node keep all 7 training."""
+    assert simulate([(0.0, 8, None)], linear, RECOVERY, steps=30).gpu_time_efficiency == pytest.approx(1.0)
+    events = [(0.0, 8, None), (10.0, -1, False)]
+    stall = RECOVERY.ft_leave_s + 0.5  # the heartbeat, half a step of 1 s run again
+    deep = simulate(
+        events, linear, RECOVERY, Policy(snapshot_every=0, fault_tolerant=True, pipeline_nodes=4), until_s=100
+    )
+    assert deep.restarts == 0 and deep.quorum_changes == 1 and deep.per_nodes.keys() == {8, 4}
+    assert deep.steps == pytest.approx(10 + (100 - 10 - stall) / 2.0)
+    assert deep.node_s == pytest.approx(8 * 10 + 7 * 90) and deep.idle_node_s == pytest.approx(3 * 90)
+    assert deep.gpu_time_efficiency == pytest.approx(deep.steps * 1.0 * 8 / deep.node_s)
+    flat = simulate(events, linear, RECOVERY, Policy(snapshot_every=0, fault_tolerant=True), until_s=100)
+    assert flat.steps == pytest.approx(10 + (100 - 10 - stall) / (8 / 7))
+    assert flat.idle_node_s == 0 and flat.gpu_time_efficiency == pytest.approx(flat.steps * 8 / flat.node_s)
+    assert deep.share == pytest.approx(flat.share), "the useful-time share cannot tell the two apart"
+    assert deep.gpu_time_efficiency < 0.65 < 0.95 < flat.gpu_time_efficiency
+    # the node comes back: it completes the broken pipeline, which joins after its own start-up
+    back = simulate(
+        [*events, (50.0, 1, None)],
+        linear,
+        RECOVERY,
+        Policy(snapshot_every=0, fault_tolerant=True, pipeline_nodes=4),
+        until_s=100,
+    )
+    assert back.quorum_changes == 2 and back.node_s == pytest.approx(8 * 10 + 7 * 40 + 8 * 50)
+    assert back.gpu_time_efficiency > deep.gpu_time_efficiency

@@ -71,6 +71,8 @@ def test_a_fault_tolerant_run_is_reported_per_pipeline_with_the_run_s_checkpoint
         build_report(Storage(str(tmp_path)))
     report = build_report(Storage(str(tmp_path / "pipeline-0")))
     assert report["committed_checkpoints"] == [step_dirname(50)] and report["attempts"][-1]["last_step"] == 50
+    # (a pipeline's steps are the quorum's samples: no efficiency against its own GPUs)
+    assert report["gpu_time_efficiency"] is None and "one torchft pipeline's history" in format_report(report)
 
 
 def test_report_counts_useful_time_and_cost(tmp_path: Path) -> None:
@@ -84,6 +86,10 @@ def test_report_counts_useful_time_and_cost(tmp_path: Path) -> None:
     useful = 30 / ((30 - 1) / 15) + 20 / ((50 - 31) / 14)
     assert report["useful_time_share"] == pytest.approx(useful / 58)
     assert "useful time" in format_report(report)
+    # GPU time: 1600 samples against 20.2 s x 4 + 37.8 s x 2 GPU-seconds at P2xD2's 61.9 samples/s over 4 GPUs
+    per_gpu = (30 - 1) / 15 * 32 / 4
+    assert report["gpu_time_efficiency"] == pytest.approx(1600 / ((20.2 * 4 + 37.8 * 2) * per_gpu))
+    assert f"{100 * report['gpu_time_efficiency']:.1f}% efficiency" in format_report(report)
     cost = run_cost(report, Prices(spot_per_gpu_hour=1.0, on_demand_per_gpu_hour=4.0))
     assert cost["gpu_hours_by_layout"] == pytest.approx(
         {"P2xD2 1F1B M=4": 20.2 * 4 / 3600, "P2xD1 1F1B M=4": 37.8 * 2 / 3600}
