@@ -138,19 +138,12 @@ def ft_goodput(ended: list[Any], result: dict[str, Any], started_epoch: float) -
     """GPU-time efficiency over pipeline 0's window (its history's start to its last step, the useful-time
     share's): the steps trained, at the step time pipeline 0 measured while every node's pipeline was in the
     quorum, against the node-seconds the trace gave (a joiner's start-up and a leaver's last seconds charged)."""
-    from benchmarks.goodput import efficiency, full_step_seconds, node_seconds, peak_nodes
+    from benchmarks.goodput import figures, node_seconds, peak_nodes, step_seconds_by_size
 
     log = result["events"]
     start, end = started_epoch - result["epoch"], ended[-1][1] - result["epoch"]
-    node_s = node_seconds(log, start, end)
-    peak = peak_nodes(log)
-    step_s = full_step_seconds(ended, peak) if ended and len(ended[0]) > 2 else None
-    return {
-        "gpu_time_efficiency": efficiency(ended[-1][0], step_s, peak, node_s) if step_s else None,
-        "node_seconds": node_s,
-        "peak_nodes": peak,
-        "full_cluster_step_seconds": step_s,
-    }
+    by_size = step_seconds_by_size(ended) if ended and len(ended[0]) > 2 else {}
+    return figures(ended[-1][0], by_size, peak_nodes(log), node_seconds(log, start, end))
 
 
 def print_ft(label: str, result: dict[str, Any], fig: dict[str, Any]) -> None:

@@ -45,7 +45,31 @@ def efficiency(steps: float, full_step_seconds: float, peak: int, node_s: float)
     return steps * full_step_seconds * peak / node_s
 
 
-def full_step_seconds(ended: Sequence[Sequence[float]], peak: int) -> float | None:
-    """The median step time while ``peak`` processes trained, from ``(step, end time, processes)`` per step."""
-    gaps = [b[1] - a[1] for a, b in zip(ended, ended[1:]) if a[2] == peak and b[2] == peak and b[0] == a[0] + 1]
-    return statistics.median(gaps) if gaps else None
+def step_seconds_by_size(ended: Sequence[Sequence[float]]) -> dict[int, float]:
+    """The median step time at each number of processes training, from ``(step, end time, processes)`` per step."""
+    gaps: dict[int, list[float]] = {}
+    for a, b in zip(ended, ended[1:]):
+        if a[2] == b[2] and b[0] == a[0] + 1:
+            gaps.setdefault(int(a[2]), []).append(b[1] - a[1])
+    return {n: statistics.median(g) for n, g in gaps.items()}
+
+
+def strictest(by_size: dict[int, float]) -> tuple[int, float] | None:
+    """(processes, step seconds) of the size whose steps cost the fewest node-seconds: the reference of the strict
+    efficiency (on this machine a smaller cluster is often faster per node: fewer processes share its cores)."""
+    return min(by_size.items(), key=lambda kv: kv[0] * kv[1]) if by_size else None
+
+
+def figures(steps: float, by_size: dict[int, float], peak: int, node_s: float) -> dict[str, Any]:
+    """The efficiency at the full cluster's per-node speed, and the strict one (at the best per-node speed
+    measured at any size), with what they were computed from."""
+    full = by_size.get(peak)
+    best = strictest(by_size)
+    return {
+        "gpu_time_efficiency": efficiency(steps, full, peak, node_s) if full else None,
+        "gpu_time_efficiency_strict": efficiency(steps, best[1], best[0], node_s) if best else None,
+        "node_seconds": node_s,
+        "peak_nodes": peak,
+        "full_cluster_step_seconds": full,
+        "step_seconds_by_size": by_size,
+    }

@@ -340,22 +340,18 @@ def restart_goodput(report: dict[str, Any], result: dict[str, Any]) -> dict[str,
     """GPU-time efficiency of a restart-path replay over its history's window (the useful-time share's): the
     steps trained, at the full cluster's measured step time (its attempts on the most nodes), against the
     node-seconds the trace gave."""
-    from benchmarks.goodput import efficiency, node_seconds, peak_nodes
+    from benchmarks.goodput import figures, node_seconds, peak_nodes
     from lightning_spot.observe.cost import world_of
 
     log = result["events"]
     start = report["started_epoch"] - result["epoch"]
-    node_s = node_seconds(log, start, start + report["wall_seconds"])
-    peak = peak_nodes(log)
-    full = [1.0 / a["steps_per_second"] for a in report["attempts"] if a["steps_per_second"] and world_of(a) == peak]
-    step_s = sum(full) / len(full) if full else None
+    per_world: dict[int, list[float]] = {}
+    for a in report["attempts"]:
+        if a["steps_per_second"]:
+            per_world.setdefault(world_of(a), []).append(1.0 / a["steps_per_second"])
+    by_size = {n: sum(v) / len(v) for n, v in per_world.items()}
     steps = report["attempts"][-1]["last_step"] or 0
-    return {
-        "gpu_time_efficiency": efficiency(steps, step_s, peak, node_s) if step_s else None,
-        "node_seconds": node_s,
-        "peak_nodes": peak,
-        "full_cluster_step_seconds": step_s,
-    }
+    return figures(steps, by_size, peak_nodes(log), node_seconds(log, start, start + report["wall_seconds"]))
 
 
 def restart_phases(report: dict[str, Any], events: list[dict[str, Any]], epoch: float) -> list[dict[str, Any]]:
@@ -436,10 +432,13 @@ def goodput_line(fig: dict[str, Any]) -> str:
             f"GPU-time efficiency: - (no step measured on the full cluster of {fig['peak_nodes']} nodes; "
             f"{fig['node_seconds']:.0f} node-seconds up)"
         )
+    strict = fig.get("gpu_time_efficiency_strict")
     return (
         f"GPU-time efficiency {eff:.1%}: samples trained / what {fig['node_seconds']:.0f} node-seconds up would train "
         f"at the full cluster's speed ({fig['peak_nodes']} nodes, {fig['full_cluster_step_seconds'] * 1000:.0f} ms "
-        f"per step)"
+        f"per step); {strict:.1%} at the best per-node speed measured at any size (steps: "
+        + ", ".join(f"{n} nodes {s * 1000:.0f} ms" for n, s in sorted(fig["step_seconds_by_size"].items()))
+        + ")"
     )
 
 

@@ -576,12 +576,16 @@ OOBLECK_BERT_SAMPLES_PER_S = (30, 368.2, 15, 192.3)
 BERT_LARGE_PARAMS = 340e6
 
 
-def oobleck_case(measured: Recovery, at: AtScale = AtScale()) -> dict[str, Any]:
-    """Our useful-time share in Oobleck's 10-minute failure case (every failure a kill without notice)."""
+def oobleck_case(measured: Recovery, at: AtScale = AtScale(), pipeline_nodes: int = 1) -> dict[str, Any]:
+    """Our useful-time share and GPU-time efficiency in Oobleck's 10-minute failure case (every failure a kill
+    without notice); ``pipeline_nodes``: torchft's pipelines span that many nodes (a lost node idles the others of
+    its pipeline; the restart path re-plans on every node left)."""
     hi, hi_sps, lo, lo_sps = OOBLECK_BERT_SAMPLES_PER_S
     batch = 8192
 
     def step_seconds(n: int) -> float | None:
+        if n < 1:
+            return None
         if n < lo:
             return batch / (lo_sps * n / lo)
         return batch / (lo_sps + (hi_sps - lo_sps) * (min(n, hi) - lo) / (hi - lo))
@@ -598,10 +602,13 @@ def oobleck_case(measured: Recovery, at: AtScale = AtScale()) -> dict[str, Any]:
         snapshot_every=1, checkpoint_every=20, notice="none", memory_survives_kills=hi - 1, snapshot_stall_s=copy
     )
     out = simulate(events, step_seconds, recovery, policy, until_s=duration)
-    ft_policy = Policy(snapshot_every=0, checkpoint_every=20, notice="none", fault_tolerant=True)
+    ft_policy = Policy(
+        snapshot_every=0, checkpoint_every=20, notice="none", fault_tolerant=True, pipeline_nodes=pipeline_nodes
+    )
     ft = simulate(events, step_seconds, recovery, ft_policy, until_s=duration)
     return {
-        "setting": "Oobleck's 10-minute case: BERT-large, 30 -> 15 nodes, one killed every 601.2 s, 2.5 h",
+        "setting": "Oobleck's 10-minute case: BERT-large, 30 -> 15 nodes, one killed every 601.2 s, 2.5 h"
+        + (f"; torchft's pipelines {pipeline_nodes} nodes deep" if pipeline_nodes > 1 else ""),
         "share": out.share,
         "share_torchft": ft.share,
         "gpu_time_efficiency": out.gpu_time_efficiency,
@@ -707,6 +714,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", action="append", help="large: shipped traces (default: Bamboo's two g4dn traces)")
     parser.add_argument("--nodes", type=int, default=64)
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument(
+        "--pipeline-nodes", type=int, default=1, help="oobleck: torchft's pipelines span this many nodes"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     replays = _load(args.replays)
@@ -726,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         print("measured on this machine (mean of the replays' restarts; nan: not measured):")
         _print_recovery(measured)
         if args.case == "oobleck":
-            result = oobleck_case(measured)
+            result = oobleck_case(measured, pipeline_nodes=args.pipeline_nodes)
             print(result["setting"])
             _print_recovery(Recovery(**result["recovery"]))
             restart_path = f"{result['share']:.1%}" if not math.isnan(measured.detect_s) else "(needs replays)"

@@ -59,9 +59,9 @@ def lighthouse() -> Iterator[str]:
         server.shutdown()
 
 
-def _reference(steps: int, model: str = "tiny") -> dict[str, Any]:
+def _reference(steps: int, model: str = "tiny", accumulate: int = 1) -> dict[str, Any]:
     if model == "finetune":
-        return reference_run(finetune_scenario(steps))
+        return reference_run(finetune_scenario(steps, accumulate))
     return reference_run(
         {"model": {"scheduler": True}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}}
     )
@@ -371,3 +371,50 @@ def test_optimizer_offload_under_torchft_survives_a_kill_and_heals_into_host_mas
     for name, got in results.items():
         assert got["global_step"] == steps, name
         assert_same_params(got["state_dict"], ref)
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(tmp_path: Path, lighthouse: str) -> None:
+    """accumulate_grad_batches=2 with fault_tolerance="torchft": two one-stage pipelines fine-tune a Llama on padded
+    batches whose labelled tokens vary from batch to batch (each batch's gradients must enter as its part of its own
+    batch's token mean, not the window's) and whose epochs end with a short batch. Pipeline 1 dies in the second
+    batch of a window (its first batch's weights were summed with pipeline 0's): pipeline 0 runs the whole window
+    again alone, its first batch included; a replacement joins at a window's boundary. Parameters, logged values
+    and epoch means equal one process accumulating the same batches."""
+    out = tmp_path / "out"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.05", "--model", "finetune", "--accumulate", "2"]
+    argv += ["--groups", "2", "--end-after-heal", "1:6"]
+    with ExitStack() as stack:
+        first = stack.enter_context(_running(1, argv, tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"}))[0]
+        dying = stack.enter_context(
+            _running(1, [*argv, "--die-at", "3"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
+        )[0]
+        deadline = time.monotonic() + 200
+        while dying.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dying.returncode == -9, "pipeline 1 was to kill itself in step 3"
+        replacement = stack.enter_context(_running(1, argv, tmp_path / "logs1b", {**env, "REPLICA_GROUP_ID": "1"}))[0]
+        for p in (first, replacement):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [first.returncode, replacement.returncode]
+        if codes != [0, 0]:
+            raise WorkerFailure(f"exit codes {codes}", [_logs(tmp_path / d, 1)[0] for d in ("logs0", "logs1b")])
+    results = _results(out)
+    steps = results["group0_rank0"]["global_step"]
+    assert steps > 5, "an epoch's short last batch (its 9th) must be among the batches trained"
+    assert results["group0_rank0"]["pid"] == first.pid
+    assert results["group0_rank0"]["discarded"] >= 1, "the window that lost its peer must have been run again"
+    assert (results["group1_rank0"]["healed_at"] or 0) >= 3, "the replacement must have taken pipeline 0's state"
+    ref = _reference(steps, "finetune", accumulate=2)
+    for name, got in results.items():
+        assert got["global_step"] == steps, name
+        assert_same_params(got["state_dict"], ref)
+        assert got["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], rel=1e-4), name
+        assert got["metrics"]["tokens_step"] == ref["metrics"]["tokens_step"], name
+    for key in ("train_loss_epoch", "tokens_epoch"):
+        means = [e[key] for e in results["group0_rank0"]["epoch_metrics"]]
+        want = [e[key] for e in ref["epoch_metrics"]]
+        assert len(means) == len(want) >= 1 and means == pytest.approx(want, rel=2e-5), (key, means, want)

@@ -18,6 +18,7 @@ every pipeline ends at that step.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
 ``--overlap``: ``TorchFT(overlap=True)`` (gradient buckets sent during the backward); ``--bucket-bytes N``: buckets
 of N bytes (the same on every pipeline: several on a tiny model).
+``--accumulate K``: ``Trainer(accumulate_grad_batches=K)``.
 ``--offload LEVEL``: ``SpotPipelineStrategy(offload=LEVEL)`` (``optimizer``: masters and Adam's state in host memory).
 ``--timeline DIR``: PipelineTimeline of every step into DIR (``trace.json``).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
@@ -53,8 +54,8 @@ FINETUNE_SAMPLES = 104
 GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
 
 
-def finetune_scenario(steps: int) -> dict[str, Any]:
-    """``--model finetune`` as a scenario of ``tests.parity.reference_run``."""
+def finetune_scenario(steps: int, accumulate: int = 1) -> dict[str, Any]:
+    """``--model finetune`` as a scenario of ``tests.parity.reference_run`` (``--accumulate``: its batches per step)."""
     return {
         "model": {
             "cls": "FineTune",
@@ -65,7 +66,7 @@ def finetune_scenario(steps: int) -> dict[str, Any]:
             "epoch_mean": True,
         },
         "loader": {"batch_size": BATCH, "n": FINETUNE_SAMPLES, "padded": "sft"},
-        "trainer": {"max_steps": steps},
+        "trainer": {"max_steps": steps, "accumulate_grad_batches": accumulate},
     }
 
 
@@ -178,6 +179,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="TorchFT(overlap=True)")
     parser.add_argument("--bucket-bytes", type=int, default=None, help="gradient buckets this small (every pipeline)")
     parser.add_argument("--offload", default=None, help="SpotPipelineStrategy(offload=...), e.g. optimizer")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     args = parser.parse_args()
     if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
         from lightning_spot.torchft import early_buckets
@@ -191,7 +193,7 @@ def main() -> None:
         group, rank, step = spec.split(":")
         die.append((group, int(rank), int(step)))
     if args.model == "finetune":
-        scenario = finetune_scenario(args.steps)
+        scenario = finetune_scenario(args.steps, args.accumulate)
         model, loader = make_model(**scenario["model"]), make_loader(**scenario["loader"])
     elif args.model == "gpt":  # the example GPT as its config trains it (batch 32, 64 bytes), on random bytes
         from examples.gpt.data import ByteWindows
@@ -215,6 +217,7 @@ def main() -> None:
             else TorchFT(timeout=args.ft_timeout, quorum_timeout=args.quorum_timeout, overlap=args.overlap),
         ),
         max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -6,6 +6,8 @@
     held.hold(logged, batch_size, shown)                 # (every rank) the rest of what the step logs
     riders = held.riders()                               # (last stage) summed over the quorum, in place, with the
                                                          # gradients (riders of the last bucket)
+    held.park()                                          # (accumulation) this batch's riders are summed: keep it
+                                                         # for the window's commit, hold the next batch
     held.replay()                                        # the step committed: logged once, on every rank
     held.drop()                                          # it did not: it logs nothing (it is run again)
 
@@ -58,10 +60,16 @@ class HeldLogs:
         #: each metric's states before the step in flight, by ``id`` (taken by the engine's ``keep_step``)
         self.before: dict[int, dict[str, Any]] = {}
         self._warned = False
+        #: (accumulation under torchft) the window's earlier batches, their riders summed, until the commit
+        self._parked: list[tuple[Any, ...]] = []
         self.drop()
 
     def drop(self) -> None:
-        """Forget the step in flight (it did not commit, or it was logged)."""
+        """Forget the step in flight and the batches parked before it (it did not commit, or it was logged)."""
+        self._parked = []
+        self._clear()
+
+    def _clear(self) -> None:
         self.packed: PackedLogs | None = None
         self._metrics: Logged = {}
         self._steps: list[_StepStates] = []
@@ -100,18 +108,32 @@ class HeldLogs:
         self._riders = torch.cat(parts) if parts and sum(p.numel() for p in parts) else None
         return self._riders
 
+    def park(self) -> None:
+        """(Accumulation under torchft) this batch's riders were summed over the quorum on their own: keep the batch
+        for the window's commit and hold the next one. Its metrics' quorum states are added at the replay, on top
+        of the states the earlier batches of the window left."""
+        self._parked.append(self._state())
+        self._clear()
+
+    def _state(self) -> tuple[Any, ...]:
+        return (self.packed, self._metrics, self._steps, self._riders, self._step)
+
     def replay(self) -> None:
-        """Log the committed step on this rank: its values, and the user's values summed over the quorum (sent
-        from the last stage to the others)."""
+        """Log the committed step on this rank (with accumulation: each batch of the window, in order): its values,
+        and the user's values summed over the quorum (sent from the last stage to the others)."""
+        batches = [*self._parked, self._state()]
+        for i, (self.packed, self._metrics, self._steps, self._riders, self._step) in enumerate(batches):
+            self._replay_one(after_earlier=i > 0)
+        self.drop()
+
+    def _replay_one(self, after_earlier: bool) -> None:
         step = self._step
         if step is None:
-            self.drop()
             return
         logged, batch_size, shown = step
         held = logged.pop(HELD, (0.0, {}))[0]
         if held:
-            logged = {**logged, **self.share.logged(self._summed() if self.holds_last else None)}
-        self.drop()
+            logged = {**logged, **self.share.logged(self._summed(after_earlier) if self.holds_last else None)}
         module: Any = self.module
         previous = module._current_fx_name
         module._current_fx_name = "training_step"  # (Lightning is inside the optimizer step by now)
@@ -120,9 +142,10 @@ class HeldLogs:
         finally:
             module._current_fx_name = previous
 
-    def _summed(self) -> Logged:
+    def _summed(self, after_earlier: bool = False) -> Logged:
         """(Last stage) the user's values and metrics over the quorum, from the summed riders; each summed
-        metric's epoch states become its states before the step plus the quorum's step states."""
+        metric's epoch states become its states before the step plus the quorum's step states (``after_earlier``: a
+        later batch of an accumulation window: the states the window's earlier batches left)."""
         flat, offset = self._riders, 0
         values: Logged = {}
         if self.packed is not None:
@@ -141,6 +164,8 @@ class HeldLogs:
                 summed[attr] = (part if state.is_floating_point() else part.round()).to(state.dtype)
                 offset += state.numel()
             before = self.before.get(id(step.metric))
+            if after_earlier and before is not None:
+                before = {attr: getattr(step.metric, attr) for attr in summed}
             if before is not None:
                 for attr, value in summed.items():
                     setattr(step.metric, attr, before[attr] + value)

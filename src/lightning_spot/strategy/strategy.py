@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Generator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -164,6 +165,8 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
         self.offload: Optional[OptimizerOffload] = None
         #: this pipeline's torchft replica group, or the null object that passes every call through
         self._replicas: Replicas = NoReplicas()
+        #: what the last training batch's gradients are multiplied by as they enter ``.grad`` (``Replicas.batch_done``)
+        self._batch_factor = 1.0
         self._sigterm: Optional[SigtermAgreement] = None
         #: the one per-step agreement of this process (Lightning's SIGTERM stop and SpotCheckpoint contribute)
         self.step_agreement = StepAgreement()
@@ -279,10 +282,24 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context(), self._watched("training_step"):
             engine, module = self._engine(), self.lightning_module
-            # (under torchft: this pipeline's rows of the global batch, among those in the quorum)
-            batch, size = self._replicas.begin_step(args[0], engine.microbatches, module.global_step if module else 0)
+            # (under torchft: this pipeline's rows of the global batch, among those in the quorum; ``again`` runs
+            # this batch again should its accumulation window not commit)
+            step = module.global_step if module else 0
+            again = partial(self._train_again, args, kwargs)
+            batch, size = self._replicas.begin_step(args[0], engine.microbatches, step, again)
             release = module is not None and zeroed_after_step(module.trainer, module)
-            return engine.train_step(batch, args[1:], kwargs, global_batch=size, release_grads=release)
+            output = engine.train_step(batch, args[1:], kwargs, global_batch=size, release_grads=release)
+            # (torchft, accumulating: this batch's part of the quorum's mean, once its weights are summed)
+            self._batch_factor = self._replicas.batch_done(engine.runner.loss_weights.items)
+            return output
+
+    def _train_again(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """(torchft) a batch of an accumulation window that did not commit, run again with the next quorum: its
+        step and its gradients into ``.grad``, as Lightning's closure did (its hooks are not called again)."""
+        self.training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        self._engine().restore_grads(scale=self._batch_factor / module.trainer.accumulate_grad_batches)
 
     @override
     @contextmanager
@@ -327,7 +344,7 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
-        self._engine().restore_grads(scale=1.0 / accumulate)
+        self._engine().restore_grads(scale=self._batch_factor / accumulate)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -39,11 +39,6 @@ def check_fits(grid: Layout, trainer: pl.Trainer, offloaded: tuple[str, ...] = (
             f"pipeline (WORLD_SIZE = its depth) and let the lighthouse join them; this process group of "
             f"{grid.world_size} ranks holds {grid} (`lightning-spot run --replica-groups N` starts them for you)"
         )
-    if trainer.accumulate_grad_batches != 1:
-        raise LayoutError(
-            "fault_tolerance='torchft' agrees on the pipelines once per optimizer step and splits the global batch "
-            "between them; accumulate_grad_batches > 1 is not supported with it: use a larger batch_size instead."
-        )
     if "parameters" in offloaded:
         raise LayoutError(
             "fault_tolerance='torchft' with offload='parameters' (weights streamed from host memory) is not supported "
@@ -87,6 +82,8 @@ def attach(
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
     group.held_logs = engine.held_logs  # (the engine holds the step's logged values until the commit)
+    group.accumulation = lambda: int(trainer.accumulate_grad_batches)  # (a callback may change it per epoch)
+    group.keep = engine.keep_step
     if group.healed_state is not None:
         _resume_from_peer(trainer)
     return group

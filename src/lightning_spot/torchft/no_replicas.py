@@ -2,6 +2,7 @@
 
     replicas = NoReplicas()                       # or a ReplicaGroup (fault_tolerance="torchft")
     batch, size = replicas.begin_step(batch, m, step)   # the whole global batch, its size not known here
+    factor = replicas.batch_done(weight)                # 1: the gradients enter .grad as they are
     closure = replicas.committed(closure, weight, keep) # the closure itself: every step counts
 
 The strategy calls the same methods either way, so it has no torchft branches.
@@ -19,7 +20,11 @@ class Replicas(Protocol):
     @property
     def participant_rank(self) -> int: ...
 
-    def begin_step(self, batch: Any, microbatches: int, global_step: int) -> tuple[Any, Optional[int]]: ...
+    def begin_step(
+        self, batch: Any, microbatches: int, global_step: int, again: Optional[Callable[[], None]] = None
+    ) -> tuple[Any, Optional[int]]: ...
+
+    def batch_done(self, weight: float) -> float: ...
 
     def committed(
         self, closure: Callable[[], Any], weight: Callable[[], float], keep: Callable[[], Callable[[], None]]
@@ -35,8 +40,13 @@ class NoReplicas:
 
     participant_rank = 0
 
-    def begin_step(self, batch: Any, microbatches: int, global_step: int) -> tuple[Any, Optional[int]]:
+    def begin_step(
+        self, batch: Any, microbatches: int, global_step: int, again: Optional[Callable[[], None]] = None
+    ) -> tuple[Any, Optional[int]]:
         return batch, None
+
+    def batch_done(self, weight: float) -> float:
+        return 1.0
 
     def committed(
         self, closure: Callable[[], Any], weight: Callable[[], float], keep: Callable[[], Callable[[], None]]

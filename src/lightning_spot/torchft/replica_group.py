@@ -3,7 +3,8 @@
     group = ReplicaGroup(settings, group_rank=pp_rank, group_size=P, state_dict=...)
     group.join()                                   # at setup: the first quorum; may take a peer's state
     group.overlap(params, tied, loss_weights)      # the gradients to average (sent during the backward if asked)
-    share, size = group.begin_step(batch, m, step) # training_step: this replica's rows of the global batch
+    share, size = group.begin_step(batch, m, step, again)  # training_step: this replica's rows of the global batch
+    factor = group.batch_done(weight)              # after its schedule: what its gradients are multiplied by
     closure = group.committed(closure, weight, keep)  # optimizer_step: the optimizer steps only on a commit
                                                    # (its logs are replayed then), and the next quorum is asked
                                                    # for (it overlaps the update)
@@ -13,6 +14,13 @@ Every rank of the pipeline has a torchft ``Manager`` (stage ``k`` of every pipel
 group); rank 0's manager talks to the lighthouse. Quorums are synchronous — asked for right after the commit, in
 a thread, and waited for when the next step starts: a joiner heals before that step (a peer hands its state over
 only at a step boundary) and trains its share of it like any other replica.
+
+With ``accumulate_grad_batches = k > 1`` a quorum holds for the window of ``k`` batches (a peer joins only at a
+window's boundary). Each batch's weight (samples, or items of a loss averaged over items) and logged sums are summed
+over the quorum right after its schedule (one small all-reduce per batch), so that its gradients enter ``.grad`` as
+its part of the whole batch's mean, whatever the other batches' sizes; the commit then sums ``.grad`` over the
+pipelines. A window that does not commit is run again whole with the next quorum: its earlier batches through the
+``again`` each one left (the strategy's step on the same batch), its last through Lightning's closure.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_spot.layout import LayoutError
@@ -71,6 +80,12 @@ class _RecordedClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _sum() -> Any:
+    from torch.distributed import ReduceOp
+
+    return ReduceOp.SUM
 
 
 class QuorumError(ConnectionError):
@@ -146,6 +161,15 @@ class ReplicaGroup:
         self.clock = clock
         #: seconds spent, over the run: in quorums, in the gradient all-reduce, in the commit vote
         self.seconds = {"quorum": 0.0, "all-reduce": 0.0, "commit": 0.0}
+        #: the batches per optimizer step (``accumulate_grad_batches``: Lightning's, read at each window's start)
+        self.accumulation: Callable[[], int] = lambda: 1
+        #: what a training step changes besides its gradients (``PipelineEngine.keep_step``), taken at a window's start
+        self.keep: Callable[[], Callable[[], None]] | None = None
+        #: (k > 1) how to run each batch of the open window again, and what undoes the window; None: no window open
+        self._window: list[Callable[[], None]] | None = None
+        self._window_undo: Callable[[], None] | None = None
+        #: the next window is one run again: its quorum admits no joiner (Lightning's loop is inside the window)
+        self._window_again = False
         #: SIGTERM (its torchrun stopping it, or a notice) makes the pipeline leave at once
         self._leave = LeaveOnSignal(self._stop_manager, who=f"pipeline {settings.replica_group} rank {group_rank}")
         self._leave.start()
@@ -231,7 +255,9 @@ class ReplicaGroup:
         self._next_quorum = threading.Thread(target=ask, name="lightning-spot-quorum", daemon=True)
         self._next_quorum.start()
 
-    def _quorum(self) -> None:
+    def _quorum(self, shrink_only: bool = False) -> None:
+        """A new quorum (``shrink_only``: of pipelines in the last one only: no joiner, whose state would be taken
+        in the middle of Lightning's accumulation window)."""
         started = time.monotonic()
         before = self.participants
         try:
@@ -239,7 +265,10 @@ class ReplicaGroup:
                 self._boundary.set()  # a peer that joins in this quorum may take this rank's state now
                 try:
                     if self._next_quorum is None:
-                        self.manager.start_quorum()
+                        if shrink_only:
+                            self.manager.start_quorum(shrink_only=True)
+                        else:
+                            self.manager.start_quorum()
                     else:
                         self._next_quorum.join()
                         if self._next_quorum_error is not None:
@@ -307,21 +336,58 @@ class ReplicaGroup:
             return weights.reference * microbatches
         return float(rows)
 
-    def begin_step(self, batch: Any, microbatches: int, global_step: int) -> tuple[Any, int]:
-        """Agree on this step's pipelines (a new quorum, unless the one of :meth:`join` is still unused) and
-        return this replica's rows of the global ``batch`` with the global batch's size."""
+    def begin_step(
+        self, batch: Any, microbatches: int, global_step: int, again: Callable[[], None] | None = None
+    ) -> tuple[Any, int]:
+        """Agree on this step's pipelines (a new quorum, unless the one of :meth:`join` is still unused, or an
+        accumulation window is open) and return this replica's rows of the global ``batch`` with the global batch's
+        size. ``again``: runs this batch again (the strategy's step on it), should its window not commit."""
         if self._first_step and self.step != global_step:  # resumed from a checkpoint: count from its step
             self.set_step(global_step)
         self._first_step = False
-        if self._unused_quorum:
-            self._unused_quorum = False
-        else:
-            self._quorum()
+        if self._window is None:
+            if self._unused_quorum:
+                self._unused_quorum = False
+            else:
+                self._quorum(shrink_only=self._window_again)
+            self._window_again = False
+            if self.accumulation() > 1:
+                if self.keep is None:
+                    raise RuntimeError("ReplicaGroup.keep (PipelineEngine.keep_step) is set at attach")
+                self._window, self._window_undo = [], self.keep()
+        if self._window is not None and again is not None:
+            self._window.append(again)
         size = batch_size_of(batch)
         rows = participant_rows(size, microbatches, self.participant_rank, self.participants)
         if self.buckets is not None:
-            self.buckets.arm(microbatches, self._early_scale(rows.stop - rows.start, microbatches))
+            # (accumulating: every batch's gradients are rescaled after its schedule; nothing goes out early)
+            scale = self._early_scale(rows.stop - rows.start, microbatches) if self._window is None else None
+            self.buckets.arm(microbatches, scale)
         return take_rows(batch, rows, size), size
+
+    @torch.no_grad()
+    def batch_done(self, weight: float) -> float:
+        """After a batch's schedule: what its gradients are multiplied by as they enter ``.grad``. 1 without
+        accumulation (the commit averages by ``weight``); in a window, ``P x weight / (the weights' sum over the
+        quorum)``, so that the commit's plain sum over the ``P`` pipelines, divided by ``P``, is the whole batch's
+        mean; the batch's logged sums ride in the same all-reduce and wait for the commit (``HeldLogs.park``)."""
+        if self._window is None:
+            return 1.0
+        held = self.held_logs
+        riders = held.riders() if held is not None else None
+        device = riders.device if riders is not None else torch.device("cpu")
+        parts = [torch.tensor([float(weight)], device=device)] + ([riders.flatten()] if riders is not None else [])
+        flat = torch.cat(parts)
+        with self._span("all-reduce"):
+            self.manager.allreduce(flat, reduce_op=_sum()).wait()
+            if held is not None and held.packed is not None:
+                held.packed.reduce_extremes(lambda t, op: self.manager.allreduce(t, reduce_op=op).wait())
+        if riders is not None:
+            riders.copy_(flat[1:].view_as(riders))
+        if held is not None:
+            held.park()
+        total = float(flat[0])
+        return self.participants * float(weight) / total if total > 0 else 0.0
 
     # ------------------------------------------------------------------ commit
     def reduce_and_commit(self, weight: float) -> bool:
@@ -359,15 +425,23 @@ class ReplicaGroup:
         what undoes it) and is run again with the quorum that follows."""
 
         def run() -> Any:
+            again: list[Callable[[], None]] = []
             while True:
-                undo = keep()
+                for batch in again:  # (a window run again: its earlier batches, which open it with a new quorum)
+                    batch()
+                undo = self._window_undo if self._window_undo is not None else keep()
                 result = closure()
-                if self.reduce_and_commit(weight()):
+                # (in a window each batch's gradients are its part of the quorum's mean already: a plain sum)
+                if self.reduce_and_commit(1.0 if self._window is not None else weight()):
+                    self._window = self._window_undo = None
                     self.prefetch()  # the next quorum's round trip overlaps the update
                     if self.held_logs is not None:
                         self.held_logs.replay()
                     return result
                 self.discarded += 1
+                again = (self._window or [])[:-1]  # (the last batch is Lightning's closure)
+                self._window = self._window_undo = None
+                self._window_again = bool(again)
                 undo()
                 self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
                 self._pg.abort()  # peers still inside this step's all-reduce with us fail now, not at a timeout
