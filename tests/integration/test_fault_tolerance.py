@@ -193,6 +193,12 @@ def test_survivors_keep_training_through_a_kill_and_a_replacement_heals(tmp_path
     # each pipeline's own history: the quorum changes and the step run again; the replacement resumed from a peer
     ft = build_report(Storage(str(checkpoints / "pipeline-0")))["fault_tolerance"]
     assert ft["steps_run_again"] >= 1 and ft["most_pipelines"] == 3 and ft["fewest_pipelines"] <= 2, ft
+    # the job's report over the three histories: every pipeline's GPU-seconds against the fullest quorum's pace
+    from lightning_spot.observe.job_report import build_job_report
+
+    job = build_job_report(Storage(str(checkpoints)))
+    assert sorted(job["pipelines"]) == ["pipeline-0", "pipeline-1", "pipeline-2"] and job["samples"] > 0
+    assert job["full_quorum"]["pipelines"] == 3 and 0 < job["gpu_time_efficiency"] < 1.5, job
     starts = [e for e in read_events(Storage(str(checkpoints / "pipeline-2"))) if e["kind"] == "start"]
     assert starts[-1]["resumed_from"] == "peer" and starts[-1]["restart_count"] == 0, starts
     # pipeline 0's timeline marks the quorum (all but its first step), the gradient all-reduce and the commit vote

@@ -226,7 +226,7 @@ def main() -> None:
         callbacks=[
             Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups, args.freeze, args.stop_file),
             *(
-                [SpotCheckpoint(args.checkpoint, every_n_train_steps=5, save_on_train_end=False)]
+                [SpotCheckpoint(args.checkpoint, every_n_train_steps=5, save_on_train_end=False, heartbeat_seconds=0.5)]
                 if args.checkpoint
                 else []
             ),

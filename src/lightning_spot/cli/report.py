@@ -15,7 +15,8 @@ from pathlib import Path
 
 from lightning_spot.checkpoint.durable.storage import Storage, StorageError
 from lightning_spot.observe.cost import Prices, format_cost, run_cost
-from lightning_spot.observe.run_report import build_report, format_report, render_run_timeline
+from lightning_spot.observe.job_report import build_job_report, format_job_report
+from lightning_spot.observe.run_report import build_report, format_report, pipeline_histories, render_run_timeline
 
 
 def main(argv: Sequence[str]) -> int:
@@ -36,7 +37,12 @@ def main(argv: Sequence[str]) -> int:
     try:
         storage = Storage(args.url, json.loads(args.storage_options) if args.storage_options else {})
         report = build_report(storage)
-    except (StorageError, FileNotFoundError) as err:
+    except FileNotFoundError as err:
+        if not pipeline_histories(storage):
+            print(f"lightning-spot report: {err}", file=sys.stderr)
+            return 1
+        return _job(storage, args)  # a fault-tolerant run: one history per pipeline
+    except StorageError as err:
         print(f"lightning-spot report: {err}", file=sys.stderr)
         return 1
     cost = None
@@ -64,4 +70,18 @@ def main(argv: Sequence[str]) -> int:
             return 1
         if not args.json:
             print(f"\ntimeline written to {args.png}")
+    return 0
+
+
+def _job(storage: Storage, args: argparse.Namespace) -> int:
+    """The report of a fault-tolerant run directory: each pipeline's line and the job's GPU-time efficiency."""
+    job = build_job_report(storage)
+    if args.png or args.cost or args.spot_price is not None or args.on_demand_price is not None:
+        print(
+            "lightning-spot report: --png and the cost section are per pipeline for a fault-tolerant run: "
+            f"lightning-spot report {storage.url.rstrip('/')}/{next(iter(job['pipelines']))} ...",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(job, indent=1) if args.json else format_job_report(job))
     return 0

@@ -136,7 +136,7 @@ def build_report(storage: Storage) -> dict[str, Any]:
         "committed_checkpoints": _run_of(storage).committed(),
         #: the intervals SpotCheckpoint chose (the newest choice; none when they were all given)
         "intervals": next((e for e in reversed(events) if e["kind"] == "cadence"), None),
-        "fault_tolerance": _quorums(events),
+        "fault_tolerance": _quorums(events, t0),
     }
 
 
@@ -146,30 +146,34 @@ def _is_pipeline_history(storage: Storage) -> bool:
     return storage.url.rstrip("/").rsplit("/", 1)[-1].startswith(PIPELINE_HISTORY)
 
 
-def _quorums(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _quorums(events: list[dict[str, Any]], t0: float) -> dict[str, Any] | None:
     """With ``fault_tolerance="torchft"`` (a pipeline's history): the quorum changes it saw, the steps it ran again
-    because a pipeline left during them, and the time it trained with fewer pipelines than the most it saw."""
+    because a pipeline left during them, the time it trained with fewer pipelines than the most it saw, and the
+    pipelines in its quorum over time (``[seconds since the history's start, pipelines]``, from the first change's
+    count before it)."""
     changes = [e for e in events if e["kind"] == "quorum"]
     again = [e for e in events if e["kind"] == "step_run_again"]
     if not changes and not again:
         return None
     widths = [e["was"] for e in changes[:1]] + [e["pipelines"] for e in changes]
-    most = max(widths)
+    most = max(widths, default=None)  # (steps run again without a change seen: the counts are not known)
     reduced, since = 0.0, None
     for e in changes:
-        if e["pipelines"] < most and since is None:
+        if most is not None and e["pipelines"] < most and since is None:
             since = e["time"]
-        elif e["pipelines"] >= most and since is not None:
+        elif most is not None and e["pipelines"] >= most and since is not None:
             reduced, since = reduced + e["time"] - since, None
     if since is not None:
         reduced += events[-1]["time"] - since
     return {
         "quorum_changes": len(changes),
-        "fewest_pipelines": min(widths),
+        "fewest_pipelines": min(widths, default=None),
         "most_pipelines": most,
         "steps_run_again": len(again),
         "seconds_with_fewer_pipelines": round(reduced, 3),
         "quorum_seconds_max": max((e.get("quorum_seconds", 0.0) for e in changes), default=0.0),
+        "pipelines_over_time": ([[0.0, widths[0]]] if widths else [])
+        + [[round(e["time"] - t0, 3), e["pipelines"]] for e in changes],
     }
 
 
@@ -231,8 +235,9 @@ def _efficiency_line(report: dict[str, Any]) -> str:
 def _fault_tolerance(ft: dict[str, Any] | None) -> list[str]:
     if not ft:
         return []
+    counts = f" ({ft['fewest_pipelines']}-{ft['most_pipelines']} pipelines)" if ft["most_pipelines"] else ""
     return [
-        f"torchft      {ft['quorum_changes']} quorum changes ({ft['fewest_pipelines']}-{ft['most_pipelines']} pipelines), "
+        f"torchft      {ft['quorum_changes']} quorum changes{counts}, "
         f"{ft['steps_run_again']} steps run again, {ft['seconds_with_fewer_pipelines']:.1f}s with fewer pipelines"
     ]
 

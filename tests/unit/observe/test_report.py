@@ -105,3 +105,51 @@ def test_report_counts_useful_time_and_cost(tmp_path: Path) -> None:
     assert tokens["trained"] == {"unit": "tokens", "count": 1600 * 128}
     text = format_cost(cost)
     assert "per 1M samples" in text and "spot saved" in text
+
+
+def _pipeline_history(storage: Storage, t: float, events: list[dict]) -> None:
+    for i, e in enumerate(events):
+        storage.write_json(f"{EVENTS}/{i:020d}-{e['kind']}.json", {**e, "time": t + e["time"]})
+
+
+def test_a_fault_tolerant_job_s_report_charges_every_pipeline_s_gpu_seconds(tmp_path: Path) -> None:
+    """Two one-stage pipelines of batches of 8: pipeline 0 trains steps 0-40 over 40 s, with pipeline 1 in its
+    quorum from 0 to 20 s (2 steps/s then, 16 samples/s on 2 GPUs: 8 per GPU-second), alone after (its pace drops);
+    pipeline 1 holds its GPU 19.9 s. 40 steps x 8 samples against 59.9 GPU-seconds at 8 samples per GPU-second."""
+    from lightning_spot.cli.report import main as report_main
+    from lightning_spot.observe.job_report import build_job_report, format_job_report
+
+    layout = {"pipeline_stages": 1, "data_parallel": 1, "world_size": 1}
+    t = 1_700_000_000.0
+    points = [{"kind": "progress", "time": float(s), "step": 2 * s, "global_batch": 8} for s in range(1, 11)]
+    points += [
+        {"kind": "progress", "time": float(s), "step": 20 + (s - 10) * 2 // 3, "global_batch": 8} for s in (25, 40)
+    ]
+    _pipeline_history(
+        Storage(str(tmp_path / "pipeline-0")),
+        t,
+        [
+            {"kind": "start", "time": 0.0, "step": 0, "layout": layout},
+            {"kind": "first_step", "time": 0.5, "step": 1, "global_batch": 8},
+            *points[:10],
+            {"kind": "quorum", "time": 20.0, "step": 20, "pipelines": 1, "was": 2},
+            *points[10:],
+            {"kind": "end", "time": 40.0, "step": 40},
+        ],
+    )
+    _pipeline_history(
+        Storage(str(tmp_path / "pipeline-1")),
+        t,
+        [
+            {"kind": "start", "time": 0.0, "step": 0, "layout": layout},
+            {"kind": "first_step", "time": 0.5, "step": 1, "global_batch": 8},
+            {"kind": "progress", "time": 19.9, "step": 19, "global_batch": 8},
+        ],
+    )
+    job = build_job_report(Storage(str(tmp_path)))
+    assert job["gpu_seconds"] == pytest.approx(40 + 19.9)
+    assert job["full_quorum"]["pipelines"] == 2 and job["full_quorum"]["samples_per_gpu_second"] == pytest.approx(8.0)
+    assert job["samples"] == 40 * 8
+    assert job["gpu_time_efficiency"] == pytest.approx(320 / (59.9 * 8.0))
+    assert "GPU time     66.8% efficiency" in format_job_report(job) and "pipeline-1" in format_job_report(job)
+    assert report_main([str(tmp_path)]) == 0 and report_main([str(tmp_path), "--png", str(tmp_path / "x.png")]) == 1
