@@ -424,3 +424,81 @@ def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(tmp_
         means = [e[key] for e in results["group0_rank0"]["epoch_metrics"]]
         want = [e[key] for e in ref["epoch_metrics"]]
         assert len(means) == len(want) >= 1 and means == pytest.approx(want, rel=2e-5), (key, means, want)
+
+
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_pipelines_of_different_depths_train_in_one_quorum_equal_to_one_process(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Pipelines [2, 1] from the start in one torchft quorum (min_replicas=2: the first quorum holds both):
+    pipeline 0 cut in two stages on two processes, pipeline 1 whole on one. Each parameter is averaged between its
+    two holders (pipeline 0's stage that holds it and pipeline 1's only rank), weighted by their rows, and the
+    logged loss is the whole batch's: both pipelines equal one process."""
+    out = tmp_path / "out"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [WORKER, str(out), "--steps", "12", "--min-replicas", "2", "--model", "finetune"]
+    with ExitStack() as stack:
+        deep = stack.enter_context(
+            _running(2, [*argv, "--stages", "2"], tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"})
+        )
+        whole = stack.enter_context(
+            _running(1, [*argv, "--stages", "1"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
+        )
+        deadline = time.monotonic() + 200
+        for p in [*deep, *whole]:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.returncode for p in [*deep, *whole]]
+        if codes != [0, 0, 0]:
+            raise WorkerFailure(f"exit codes {codes}", [*_logs(tmp_path / "logs0", 2), *_logs(tmp_path / "logs1", 1)])
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group0_rank1", "group1_rank0"]
+    ref = _reference(12, "finetune")
+    merged = {**results["group0_rank0"]["state_dict"], **results["group0_rank1"]["state_dict"]}
+    assert_same_params(merged, ref)
+    assert_same_params(results["group1_rank0"]["state_dict"], ref)
+    for name in ("group0_rank1", "group1_rank0"):  # (the last stages: their logged loss is the whole batch's)
+        got = results[name]["metrics"]["train_loss"]
+        assert got == pytest.approx(ref["metrics"]["train_loss"], rel=1e-4), name
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_a_deep_pipeline_trains_on_alone_when_a_pipeline_of_other_cuts_dies(tmp_path: Path, lighthouse: str) -> None:
+    """Pipelines [2, 1] in one quorum; pipeline 1 (whole, one process) dies in step 5, before its gradients reach
+    pipeline 0: pipeline 0 runs that step again alone, back on torchft's own per-stage groups, and trains on to the
+    end, equal to one process. (Pipeline 1 starts first and commits nothing alone: min_replicas=2 for it.)"""
+    from lightning_spot.torchft.running_quorum import read_running
+
+    out = tmp_path / "out"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [WORKER, str(out), "--steps", "12", "--step-sleep", "0.05", "--groups", "2"]
+    with ExitStack() as stack:
+        whole = stack.enter_context(
+            _running(
+                1,
+                [*argv, "--stages", "1", "--die-at", "5", "--min-replicas", "2"],
+                tmp_path / "logs1",
+                {**env, "REPLICA_GROUP_ID": "1"},
+            )
+        )[0]
+        deadline = time.monotonic() + 200
+        while not ((running := read_running(lighthouse, timeout=2)) and running.members):
+            assert time.monotonic() < deadline and whole.poll() is None, "pipeline 1 never reached the lighthouse"
+            time.sleep(0.2)
+        deep = stack.enter_context(
+            _running(2, [*argv, "--stages", "2"], tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"})
+        )
+        for p in deep:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        whole.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.returncode for p in deep]
+        if codes != [0, 0]:
+            raise WorkerFailure(f"exit codes {codes}", _logs(tmp_path / "logs0", 2))
+        assert whole.returncode == -9, "pipeline 1 was to kill itself in step 5"
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group0_rank1"]
+    assert results["group0_rank0"]["global_step"] == 12 and results["group0_rank0"]["discarded"] >= 1
+    merged = {**results["group0_rank0"]["state_dict"], **results["group0_rank1"]["state_dict"]}
+    assert_same_params(merged, _reference(12))

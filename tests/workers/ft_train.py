@@ -18,6 +18,7 @@ every pipeline ends at that step.
 ``--plain``: the same training without fault tolerance (one P x D job of all processes; for overhead figures).
 ``--overlap``: ``TorchFT(overlap=True)`` (gradient buckets sent during the backward); ``--bucket-bytes N``: buckets
 of N bytes (the same on every pipeline: several on a tiny model).
+``--min-replicas N``: ``TorchFT(min_replicas=N)`` (pipelines that must start together).
 ``--accumulate K``: ``Trainer(accumulate_grad_batches=K)``.
 ``--offload LEVEL``: ``SpotPipelineStrategy(offload=LEVEL)`` (``optimizer``: masters and Adam's state in host memory).
 ``--timeline DIR``: PipelineTimeline of every step into DIR (``trace.json``).
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=None, help="gradient buckets this small (every pipeline)")
     parser.add_argument("--offload", default=None, help="SpotPipelineStrategy(offload=...), e.g. optimizer")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--min-replicas", type=int, default=1, help="TorchFT(min_replicas=...): the first quorum waits")
     args = parser.parse_args()
     if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
         from lightning_spot.torchft import early_buckets
@@ -214,7 +216,12 @@ def main() -> None:
             offload=args.offload,
             fault_tolerance=None
             if args.plain
-            else TorchFT(timeout=args.ft_timeout, quorum_timeout=args.quorum_timeout, overlap=args.overlap),
+            else TorchFT(
+                timeout=args.ft_timeout,
+                quorum_timeout=args.quorum_timeout,
+                overlap=args.overlap,
+                min_replicas=args.min_replicas,
+            ),
         ),
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,

@@ -76,11 +76,13 @@ def attach(
         clock=engine.clock,
         layout=layout,
     )
-    _settle_heap()
-    group.join(latest_step=latest)
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
+    # (what pipelines of other cuts in the quorum need to find each parameter's holders)
+    group.model = (engine.module, engine.split, engine.plan, engine.ctx.pp_group)
+    _settle_heap()
+    group.join(latest_step=latest)
     group.held_logs = engine.held_logs  # (the engine holds the step's logged values until the commit)
     group.accumulation = lambda: int(trainer.accumulate_grad_batches)  # (a callback may change it per epoch)
     group.keep = engine.keep_step
@@ -100,7 +102,9 @@ def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine
             verdict = (None, 0)  # (no page to read: the quorum's own replica ids are checked at the join)
         else:
             group = settings.replica_group
-            verdict = (running.refusal(layout, group), running.latest_step(group))
+            latest = running.latest_step(group)
+            # (pipelines of other cuts train together only from the start: a joiner of other cuts cannot heal yet)
+            verdict = (running.refusal(layout, group) if latest > 0 else None, latest)
     refusal, latest = broadcast_object(verdict, group=engine.ctx.pp_group)
     if refusal is not None:
         raise LayoutError(refusal)

@@ -48,7 +48,9 @@ from lightning_spot.torchft.batch_split import participant_rows, take_rows
 from lightning_spot.torchft.config import TorchFT, check_reachable, require_torchft
 from lightning_spot.torchft.early_buckets import EarlyBuckets
 from lightning_spot.torchft.leave import LeaveOnSignal
-from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, replica_id
+from lightning_spot.torchft.mixed_quorum import HolderReduce, quorum_plans
+from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, parse_replica_id, replica_id
+from lightning_spot.utils.distributed import broadcast_object
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +63,24 @@ class _RecordedClient:
     """torchft's manager client with the last quorum it got kept (its members' replica ids, which the manager does
     not keep): a stand-in for ``Manager._client`` that passes every call through."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, seen: Callable[[Any], None] = lambda result: None) -> None:
         self._inner = inner
         self.last: Any = None
+        self._seen = seen
 
     @classmethod
-    def install(cls, manager: Any) -> _RecordedClient | None:
+    def install(cls, manager: Any, seen: Callable[[Any], None] = lambda result: None) -> _RecordedClient | None:
+        """``seen``: called with each quorum result before the manager acts on it (configures its group)."""
         inner = getattr(manager, "_client", None)
         if inner is None:  # (another torchft: the layouts are then checked on the lighthouse's page only)
             return None
-        recorded = cls(inner)
+        recorded = cls(inner, seen)
         manager._client = recorded
         return recorded
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         self.last = self._inner._quorum(*args, **kwargs)
+        self._seen(self.last)
         return self.last
 
     def __getattr__(self, name: str) -> Any:
@@ -86,6 +91,23 @@ def _sum() -> Any:
     from torch.distributed import ReduceOp
 
     return ReduceOp.SUM
+
+
+class _StagePG:
+    """torchft's per-stage process group for the manager, left unconfigured for a quorum whose pipelines cut the
+    model differently (stage ``k`` of one is not stage ``k`` of another; ``mixed_quorum.HolderReduce`` reduces
+    those): every other call passes through."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.mixed = False
+
+    def configure(self, *args: Any, **kwargs: Any) -> None:
+        if not self.mixed:
+            self._inner.configure(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class QuorumError(ConnectionError):
@@ -113,7 +135,8 @@ class ReplicaGroup:
         if group_rank == 0:
             check_reachable(settings.lighthouse, settings.connect_timeout)
         self.settings = settings
-        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout))
+        self.manager_rank = group_rank
+        self._pg = _StagePG(ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout)))
         self.manager = Manager(
             pg=self._pg,
             load_state_dict=self._keep_state,
@@ -133,7 +156,7 @@ class ReplicaGroup:
         #: this pipeline's stages and cuts (``running_quorum.layout_tag``), carried by its replica id
         self.layout = layout
         #: the last quorum torchft's client got (its members' replica ids carry their layouts)
-        self._client = _RecordedClient.install(self.manager)
+        self._client = _RecordedClient.install(self.manager, self._seen_quorum)
         #: set while this rank waits at a step boundary (its state is whole then: a peer may take it)
         self._boundary = threading.Event()
         #: the next step's quorum, asked for right after the commit (see :meth:`prefetch`)
@@ -170,9 +193,64 @@ class ReplicaGroup:
         self._window_undo: Callable[[], None] | None = None
         #: the next window is one run again: its quorum admits no joiner (Lightning's loop is inside the window)
         self._window_again = False
+        #: (pipelines of other cuts in the quorum) what this rank's stage is (the module, the model's split, its
+        #: stage in its pipeline), set at attach, and the reduction among each parameter's holders, per quorum
+        self.model: tuple[Any, Any, Any, Any] | None = None
+        self._mixed: HolderReduce | None = None
+        self._mixed_quorum = -1
+        self._tied: list[Tensor] = []
         #: SIGTERM (its torchrun stopping it, or a notice) makes the pipeline leave at once
         self._leave = LeaveOnSignal(self._stop_manager, who=f"pipeline {settings.replica_group} rank {group_rank}")
         self._leave.start()
+
+    def _seen_quorum(self, result: Any) -> None:
+        """(torchft's quorum thread, before its manager configures its group) a quorum of pipelines that cut the
+        model differently leaves torchft's per-stage group unconfigured."""
+        tags = {parsed[1] for parsed in map(parse_replica_id, getattr(result, "replica_ids", []) or []) if parsed}
+        self._pg.mixed = len(tags) > 1
+
+    def _use_mixed(self) -> None:
+        """After a quorum: with pipelines of other cuts in it, reduce each parameter among its holders (groups made
+        once per quorum, from its store); else torchft's per-stage group."""
+        result = self._client.last if self._client is not None else None
+        plans = quorum_plans(result.replica_ids, self.model[1]) if result is not None and self.model else None
+        if plans is None:
+            if self._mixed is not None:
+                self._mixed.abort()
+            self._mixed, self._mixed_quorum = None, -1
+            return
+        assert result is not None
+        if self._mixed is not None and self._mixed_quorum == result.quorum_id:
+            return
+        if self._mixed is not None:
+            self._mixed.abort()
+        assert self.model is not None and self.buckets is not None
+        module, split, plan, pp_group = self.model
+        if plan.num_stages != plan.pp_size:
+            raise LayoutError(
+                f"pipeline {self.settings.replica_group} runs {plan.num_stages} stages on {plan.pp_size} processes; "
+                f"pipelines of other cuts in one torchft quorum need one stage per process (a looped schedule is not "
+                f"supported with them yet)"
+            )
+        pp_rank = self.manager_rank  # (one stage per process: its stage)
+        timeout = timedelta(seconds=self.settings.timeout)
+        # torchft spreads its stores over the quorum by stage (stage k's is member k's): every rank takes the one
+        # its pipeline's first rank was given, member 0's, so that the holders of every group meet in one store
+        store = broadcast_object(result.store_address if self.manager_rank == 0 else None, group=pp_group)
+        prefix = f"{store}/lightning-spot/{result.quorum_id}"
+
+        def group(key: str, rank: int, size: int) -> Any:
+            from torchft import ProcessGroupGloo
+
+            made = ProcessGroupGloo(timeout=timeout)
+            made.configure(f"{prefix}/{key}", str(self.settings.replica_group), rank, size)
+            return made
+
+        self._mixed = HolderReduce(
+            module, self.buckets.params, split, plans, me=(self.participant_rank, pp_rank), pg=group,
+            tied=self._tied,
+        )  # fmt: skip
+        self._mixed_quorum = result.quorum_id
 
     def _keep_state(self, state: Any) -> None:
         self.healed_state = state
@@ -229,7 +307,11 @@ class ReplicaGroup:
         )
 
     def _refuse_other_layouts(self) -> None:
-        """Leave at once (no heartbeat that holds the others up) when the quorum holds pipelines of other layouts."""
+        """Leave at once (no heartbeat that holds the others up) when the quorum holds pipelines of other layouts
+        and this one took a peer's state: torchft heals stage ``k`` from stage ``k`` of a peer, which holds other
+        layers under other cuts. Pipelines of other cuts that start together (nothing to heal) train together."""
+        if self.healed_state is None and self.step == 0:
+            return
         result = self._client.last if self._client is not None else None
         ids = getattr(result, "replica_ids", None) or []
         refusal = layouts_refusal(layouts_in(ids), self.layout, str(self.settings.replica_group))
@@ -287,6 +369,8 @@ class ReplicaGroup:
         rank = self.manager.participating_rank()
         self.participants = self.manager.num_participants()
         self.participant_rank = rank if rank is not None else 0
+        if self.model is not None:
+            self._use_mixed()
         self.last_quorum_seconds = time.monotonic() - started
         if before and self.participants != before:
             self.quorum_changes += 1
@@ -315,6 +399,7 @@ class ReplicaGroup:
         means over (the scale of an early bucket)."""
         from torch.distributed import ReduceOp
 
+        self._tied = list(tied)
         self.buckets = EarlyBuckets(
             params,
             tied=tied,
@@ -361,7 +446,8 @@ class ReplicaGroup:
         rows = participant_rows(size, microbatches, self.participant_rank, self.participants)
         if self.buckets is not None:
             # (accumulating: every batch's gradients are rescaled after its schedule; nothing goes out early)
-            scale = self._early_scale(rows.stop - rows.start, microbatches) if self._window is None else None
+            early = self._window is None and self._mixed is None
+            scale = self._early_scale(rows.stop - rows.start, microbatches) if early else None
             self.buckets.arm(microbatches, scale)
         return take_rows(batch, rows, size), size
 
@@ -379,9 +465,17 @@ class ReplicaGroup:
         parts = [torch.tensor([float(weight)], device=device)] + ([riders.flatten()] if riders is not None else [])
         flat = torch.cat(parts)
         with self._span("all-reduce"):
-            self.manager.allreduce(flat, reduce_op=_sum()).wait()
-            if held is not None and held.packed is not None:
-                held.packed.reduce_extremes(lambda t, op: self.manager.allreduce(t, reduce_op=op).wait())
+            try:
+                if self._mixed is None:
+                    self.manager.allreduce(flat, reduce_op=_sum()).wait()
+                else:  # (the weight over one rank of each pipeline, the logged sums over their last stages)
+                    self._mixed.allreduce_small(flat[:1])
+                    if riders is not None:
+                        self._mixed.allreduce_small(flat[1:], riders=True)
+                if held is not None and held.packed is not None:
+                    held.packed.reduce_extremes(self._reduce_extremes)
+            except Exception as err:  # (a peer lost: the window does not commit)
+                self.manager.report_error(err)
         if riders is not None:
             riders.copy_(flat[1:].view_as(riders))
         if held is not None:
@@ -399,11 +493,25 @@ class ReplicaGroup:
         held = self.held_logs
         with self._span("all-reduce"):  # (the buckets that went out during the backward are waited for here)
             # the step's logged sums ride with the gradients (the last stage's; the others have none)
-            self.buckets.reduce(weight, held.riders() if held is not None else None)
+            riders = held.riders() if held is not None else None
+            if self._mixed is None:
+                self.buckets.reduce(weight, riders)
+            else:  # (pipelines of other cuts: each parameter among its holders)
+                try:
+                    self._mixed.reduce(weight, riders)
+                except Exception as err:  # (a peer lost: the step does not commit)
+                    self.manager.report_error(err)
             if held is not None and held.packed is not None:
-                held.packed.reduce_extremes(lambda t, op: self.manager.allreduce(t, reduce_op=op).wait())
+                held.packed.reduce_extremes(self._reduce_extremes)
         with self._span("commit"):
             return bool(self.manager.should_commit())
+
+    def _reduce_extremes(self, t: Tensor, op: Any) -> None:
+        """The logged values' largest and smallest over the quorum (the last stages)."""
+        if self._mixed is None:
+            self.manager.allreduce(t, reduce_op=op).wait()
+        else:
+            self._mixed.allreduce_small(t, op, riders=True)
 
     @contextlib.contextmanager
     def _span(self, name: str) -> Iterator[None]:
@@ -445,6 +553,9 @@ class ReplicaGroup:
                 undo()
                 self._events.append({"kind": "step_run_again", "step": self.manager.current_step()})
                 self._pg.abort()  # peers still inside this step's all-reduce with us fail now, not at a timeout
+                if self._mixed is not None:
+                    self._mixed.abort()
+                    self._mixed, self._mixed_quorum = None, -1
                 for p in self.buckets.params if self.buckets is not None else ():
                     p.grad = None
                 log.warning(

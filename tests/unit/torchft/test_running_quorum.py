@@ -153,8 +153,16 @@ def test_a_quorum_that_never_holds_the_live_pipelines_ends_the_join_with_the_rea
 
 
 def test_a_quorum_holding_a_pipeline_of_another_layout_is_refused_at_the_join(fake_torchft: type[_Manager]) -> None:
-    """What the status page could not tell (read before another pipeline joined): the quorum's own replica ids."""
+    """What the status page could not tell (read before another pipeline joined): the quorum's own replica ids. A
+    pipeline that would take the state of a peer of other cuts is refused; pipelines of other cuts that start
+    together (step 0, nothing to take) train together."""
     group = _group([(["s1c_pipeline_0:x"], 0, False)], fake_torchft)
+    try:
+        group.join()
+        assert not group.manager.stopped and group.participants == 1
+    finally:
+        group.shutdown()
+    group = _group([(["s1c_pipeline_0:x"], 8, True)], fake_torchft)
     try:
         with pytest.raises(LayoutError, match=r"pipeline 1 would train 2 stage\(s\) cut at layers \[2\].*pipeline 0\)"):
             group.join()

@@ -1,0 +1,163 @@
+"""Pipelines of different depths and cuts in one torchft quorum: each parameter averaged among exactly its holders.
+
+    plans = quorum_plans(replica_ids, split)              # each pipeline's cuts, from its replica id (None: alike)
+    reduce = HolderReduce(module, params, split, plans, me=(index, pp_rank), pg=make_pg)   # per quorum
+    reduce.reduce(weight, riders)                          # like EarlyBuckets.reduce: .grad = the weighted mean
+
+torchft gives the ranks of stage ``k`` of every pipeline one process group, which assumes every pipeline cuts the
+model alike. With other cuts (a pipeline re-formed at another depth, ``[2, 1]`` from the start), a parameter is
+held by one rank in every pipeline, and which ranks follows from its name and the pipelines' cuts, the same on
+every rank (``runtime.cross_pipeline.holders_of``, as the restart path's mixed depths use it). Each set of holders
+gets a process group of its own for the quorum, configured from the quorum's store (``pg(key, rank, size)``); a
+rank in several sets (a shallow pipeline's stage spans several of a deep one's) reduces in each. Every holder
+contributes its pipeline's weight times its mean gradient, with the weight riding in the bucket: the quorum's
+weighted mean per parameter, as one process on the whole batch gets it. The step's logged sums ride with the group
+of the pipelines' last stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_spot.layout import Layout, LayoutError
+from lightning_spot.partition.cuts import StagePlan
+from lightning_spot.partition.discovery import ModelSplit
+from lightning_spot.runtime.cross_pipeline import holders_of
+from lightning_spot.torchft.running_quorum import parse_replica_id, parse_tag
+
+#: (name of the group, this rank's place in it, its size) -> a configured process group (torchft's, reconfigurable)
+GroupFactory = Callable[[str, int, int], Any]
+
+
+def quorum_plans(replica_ids: Sequence[str], split: ModelSplit) -> list[StagePlan] | None:
+    """Each quorum member's stage plan (one stage per rank), in the quorum's order; None when they all cut alike
+    (torchft's own per-stage groups serve them) or a member's layout cannot be read."""
+    tags = []
+    for replica in replica_ids:
+        parsed = parse_replica_id(replica)
+        if parsed is None:
+            return None
+        tags.append(parsed[1])
+    if len(set(tags)) <= 1:
+        return None
+    plans = []
+    for tag in tags:
+        stages, cuts = parse_tag(tag) or (0, [])
+        if stages < 1:
+            return None
+        plans.append(StagePlan(bounds=(0, *cuts, split.num_layers), pp_size=stages))
+    return plans
+
+
+class HolderReduce:
+    """This rank's trainable parameters grouped by the ranks of the quorum that hold them; one all-reduce (sum)
+    per group per step, over a process group of the group's ranks."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: Sequence[Tensor],
+        split: ModelSplit,
+        plans: Sequence[StagePlan],
+        *,
+        me: tuple[int, int],
+        pg: GroupFactory,
+        tied: Sequence[Tensor] = (),
+    ) -> None:
+        if tied:
+            raise LayoutError(
+                "pipelines of different depths in one torchft quorum with parameters tied across stages (a shared "
+                "embedding) are not supported yet: untie them, or give every pipeline the same layout"
+            )
+        grid = Layout.of_depths([p.pp_size for p in plans])
+        rank = grid.rank_of(*me)
+        self.params = list(params)
+        wanted = {id(p) for p in self.params}
+        by_holders: dict[tuple[int, ...], list[Tensor]] = {}
+        for name, p in module.named_parameters():
+            if id(p) not in wanted:
+                continue
+            holders = holders_of(name, split, grid, plans)
+            if holders is None or rank not in holders:
+                raise LayoutError(
+                    f"parameter {name} is not held by one stage of each pipeline (it sits outside the layer "
+                    f"sequence and its first and last modules): pipelines of different depths cannot average it"
+                )
+            by_holders.setdefault(holders, []).append(p)
+        last = tuple(sorted(grid.rank_of(i, p.rank_of_stage(p.num_stages - 1)) for i, p in enumerate(plans)))
+        self._riders_key = last if rank in last else None
+        if self._riders_key is not None:
+            by_holders.setdefault(last, [])
+        #: (holders, this rank's parameters in them, the group) in one order on every rank: by holders
+        self.groups: list[tuple[tuple[int, ...], list[Tensor], Any]] = []
+        for holders in sorted(by_holders):
+            key = "-".join(map(str, holders))
+            group = pg(key, holders.index(rank), len(holders)) if len(holders) > 1 else None
+            self.groups.append((holders, by_holders[holders], group))
+        self.launched_early = 0  # (nothing goes out during the backward: kept for EarlyBuckets' callers)
+
+    def arm(self, microbatches: int, scale: float | None) -> None:
+        """(EarlyBuckets' interface) nothing is sent during the backward."""
+
+    def _allreduce(self, group: Any, flat: Tensor, op: Any = None) -> None:
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        if group is None:
+            return
+        opts = AllreduceOptions()
+        opts.reduceOp = op if op is not None else ReduceOp.SUM  # type: ignore[assignment]
+        group.allreduce([flat], opts).wait()
+
+    @torch.no_grad()
+    def reduce(self, weight: float, riders: Tensor | None = None) -> float:
+        """Every ``.grad`` becomes the weighted mean over its holders (``weight``: what this pipeline's gradient is
+        a mean over); ``riders`` (the last stage's logged sums) are summed with the last stages' group. Returns the
+        weights' sum."""
+        summed = float(weight)
+        for holders, params, group in self.groups:
+            grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in params]
+            device = grads[0].device if grads else (riders.device if riders is not None else torch.device("cpu"))
+            tail = [torch.tensor([float(weight)], device=device)]
+            extra = riders if holders == self._riders_key and riders is not None else None
+            if extra is not None:
+                tail.append(extra.detach().float().flatten().to(device))
+            flat = _flatten_dense_tensors([*grads, *tail]) if grads else torch.cat(tail)
+            count = sum(g.numel() for g in grads)
+            if grads:
+                flat[:count].mul_(float(weight))
+            self._allreduce(group, flat)
+            summed = float(flat[count])
+            if extra is not None and riders is not None:
+                riders.copy_(flat[count + 1 :].view_as(riders))
+            if grads and summed > 0:
+                means = _unflatten_dense_tensors(flat[:count].div_(summed), grads)
+                for p, mean in zip(params, means):
+                    p.grad = mean.to(p.dtype)
+        return summed
+
+    @torch.no_grad()
+    def allreduce_small(self, t: Tensor, op: Any = None, riders: bool = False) -> None:
+        """Sum (or ``op``) ``t`` in place over one rank of every pipeline: with ``riders`` over the last stages'
+        group (on the ranks in it), else over each of this rank's groups in turn (each holds one rank of every
+        pipeline, so each gives the same result, and every member of a group reduces in it once)."""
+        kept = t.clone()
+        for holders, _, group in self.groups:
+            if riders and holders != self._riders_key:
+                continue
+            part = kept.clone()
+            self._allreduce(group, part, op)
+            t.copy_(part)
+
+    def abort(self) -> None:
+        """After a step that did not commit: peers still inside an all-reduce with this rank fail now."""
+        for _, _, group in self.groups:
+            if group is not None:
+                try:
+                    group.abort()
+                except Exception:  # (already broken)
+                    pass
