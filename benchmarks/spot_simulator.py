@@ -64,6 +64,8 @@ from benchmarks.spot_traces import Trace, load_trace  # noqa: E402
 #: node that started beside a fault-tolerant run is ready to join it
 Event = tuple[float, int, "bool | str | None"]
 JOINED = "joined"
+#: (fault-tolerant, ``Policy(reform_s=...)``) a broken pipeline's survivors have re-formed at a smaller depth
+REFORMED = "reformed"
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,9 @@ class Policy:
     fault_tolerant: bool = False  # survivors keep training (see the module's docstring)
     #: fault-tolerant: nodes per pipeline (a lost node idles the other nodes of its pipeline)
     pipeline_nodes: int = 1
+    #: fault-tolerant: seconds after which a broken pipeline's survivors train again, re-formed at a smaller depth
+    #: (issue 62's re-form; None: they wait for a node to come back); a node that comes back trains after its start-up
+    reform_s: float | None = None
 
 
 @dataclass
@@ -162,7 +167,8 @@ def simulate(
     ready = 0.0 if step_seconds(nodes) is not None else math.inf
     horizon = until_s if until_s is not None else math.inf
     depth = max(1, policy.pipeline_nodes) if policy.fault_tolerant else 1
-    spare = nodes % depth  # nodes of broken pipelines (fault-tolerant, pipelines ``depth`` nodes deep)
+    reform = policy.reform_s is not None and depth > 1  # (nodes left over form a shallower pipeline)
+    spare = 0 if reform else nodes % depth  # nodes of broken pipelines (fault-tolerant, pipelines ``depth`` deep)
     out.peak_nodes = _peak(events)
     out.peak_step_s = step_seconds(out.peak_nodes) or 0.0
     counted = 0.0  # the node-seconds are counted up to this time
@@ -249,9 +255,16 @@ def simulate(
         if ended != math.inf:
             break
         training = clock >= ready
-        # survivors can go on: the nodes left in whole pipelines hold the model
+        if notice == REFORMED:  # survivors of broken pipelines train again at a smaller depth
+            if spare:
+                spare = max(0, spare - change)
+                out.quorum_changes += 1
+                ready = max(ready, at + recovery.ft_join_s)
+            continue
+        # survivors can go on: the nodes left in whole pipelines hold the model (or re-formed ones will)
         broken = _broken_after(nodes, spare, change, depth) if change < 0 else spare
-        rides_through = change > 0 or step_seconds(nodes + change - broken) is not None
+        left = nodes + change - (0 if reform else broken)
+        rides_through = change > 0 or step_seconds(left) is not None
         if policy.fault_tolerant and training and rides_through:
             if change > 0 and notice != JOINED:  # the new node starts beside the run and joins when it is ready
                 ready_at = at + recovery.join_restart_s + recovery.setup_s + recovery.restore_memory_s
@@ -262,7 +275,13 @@ def simulate(
                 joining -= change
             whole_before = nodes - spare
             nodes += change
-            spare = broken if change < 0 else (spare + change) % depth
+            if change < 0 and reform and broken > spare:  # the newly broken pipelines' survivors re-form
+                assert policy.reform_s is not None
+                pending = sorted([*pending, (at + policy.reform_s, broken - spare, REFORMED)], key=lambda e: e[0])
+            spare = broken if change < 0 else (spare if reform else (spare + change) % depth)
+            if nodes - spare < 1 or step_seconds(nodes - spare) is None:  # nothing whole trains until they re-form
+                ready = math.inf if not reform else max(ready, at + (policy.reform_s or 0.0))
+                continue
             if nodes - spare != whole_before:  # the quorum changes (a node that completes no pipeline idles)
                 out.quorum_changes += 1
                 stall = recovery.ft_join_s if change > 0 else recovery.ft_leave_s + (per_step(whole_before) or 0.0) / 2
@@ -271,7 +290,7 @@ def simulate(
         if notice == JOINED:  # (a joiner ready while the others restart: it joins their restart)
             joining -= change
         nodes += change
-        spare = nodes % depth  # (restarted: whole pipelines re-form; the torchrun of a broken one waits)
+        spare = 0 if reform else nodes % depth  # (restarted: whole pipelines re-form; a broken one's torchrun waits)
         if change > 0:
             cost = (recovery.stop_s if training else 0.0) + recovery.join_restart_s
             restart(at, cost, tier())
@@ -576,10 +595,12 @@ OOBLECK_BERT_SAMPLES_PER_S = (30, 368.2, 15, 192.3)
 BERT_LARGE_PARAMS = 340e6
 
 
-def oobleck_case(measured: Recovery, at: AtScale = AtScale(), pipeline_nodes: int = 1) -> dict[str, Any]:
+def oobleck_case(
+    measured: Recovery, at: AtScale = AtScale(), pipeline_nodes: int = 1, reform_s: float | None = None
+) -> dict[str, Any]:
     """Our useful-time share and GPU-time efficiency in Oobleck's 10-minute failure case (every failure a kill
     without notice); ``pipeline_nodes``: torchft's pipelines span that many nodes (a lost node idles the others of
-    its pipeline; the restart path re-plans on every node left)."""
+    its pipeline; the restart path re-plans on every node left); ``reform_s``: their survivors re-form after it."""
     hi, hi_sps, lo, lo_sps = OOBLECK_BERT_SAMPLES_PER_S
     batch = 8192
 
@@ -603,12 +624,18 @@ def oobleck_case(measured: Recovery, at: AtScale = AtScale(), pipeline_nodes: in
     )
     out = simulate(events, step_seconds, recovery, policy, until_s=duration)
     ft_policy = Policy(
-        snapshot_every=0, checkpoint_every=20, notice="none", fault_tolerant=True, pipeline_nodes=pipeline_nodes
+        snapshot_every=0,
+        checkpoint_every=20,
+        notice="none",
+        fault_tolerant=True,
+        pipeline_nodes=pipeline_nodes,
+        reform_s=reform_s,
     )
     ft = simulate(events, step_seconds, recovery, ft_policy, until_s=duration)
     return {
         "setting": "Oobleck's 10-minute case: BERT-large, 30 -> 15 nodes, one killed every 601.2 s, 2.5 h"
-        + (f"; torchft's pipelines {pipeline_nodes} nodes deep" if pipeline_nodes > 1 else ""),
+        + (f"; torchft's pipelines {pipeline_nodes} nodes deep" if pipeline_nodes > 1 else "")
+        + (f", re-formed on their survivors after {reform_s:g} s (assumed)" if reform_s is not None else ""),
         "share": out.share,
         "share_torchft": ft.share,
         "gpu_time_efficiency": out.gpu_time_efficiency,
@@ -717,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pipeline-nodes", type=int, default=1, help="oobleck: torchft's pipelines span this many nodes"
     )
+    parser.add_argument(
+        "--reform-seconds", type=float, help="oobleck: a broken pipeline's survivors re-form after this (assumed)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     replays = _load(args.replays)
@@ -736,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         print("measured on this machine (mean of the replays' restarts; nan: not measured):")
         _print_recovery(measured)
         if args.case == "oobleck":
-            result = oobleck_case(measured, pipeline_nodes=args.pipeline_nodes)
+            result = oobleck_case(measured, pipeline_nodes=args.pipeline_nodes, reform_s=args.reform_seconds)
             print(result["setting"])
             _print_recovery(Recovery(**result["recovery"]))
             restart_path = f"{result['share']:.1%}" if not math.isnan(measured.detect_s) else "(needs replays)"

@@ -203,3 +203,15 @@ def test_gpu_time_efficiency_charges_the_nodes_up_that_do_not_train() -> None:
     )
     assert back.quorum_changes == 2 and back.node_s == pytest.approx(8 * 10 + 7 * 40 + 8 * 50)
     assert back.gpu_time_efficiency > deep.gpu_time_efficiency
+
+
+def test_survivors_that_re_form_train_again_after_the_re_form() -> None:
+    """Policy(reform_s=5): the 3 survivors of a broken 4-node pipeline idle 5 s, then train at a smaller depth (all
+    7 nodes train); without it they idle to the end."""
+    events = [(0.0, 8, None), (10.0, -1, False)]
+    ft = {"snapshot_every": 0, "fault_tolerant": True, "pipeline_nodes": 4}
+    waiting = simulate(events, linear, RECOVERY, Policy(**ft), until_s=100)
+    reformed = simulate(events, linear, RECOVERY, Policy(**ft, reform_s=5.0), until_s=100)
+    assert reformed.idle_node_s == pytest.approx(3 * 5.0) and waiting.idle_node_s == pytest.approx(3 * 90)
+    assert reformed.quorum_changes == 2 and reformed.per_nodes.keys() == {8, 4, 7}
+    assert waiting.gpu_time_efficiency < 0.65 < 0.95 < reformed.gpu_time_efficiency
