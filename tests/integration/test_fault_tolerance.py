@@ -434,7 +434,11 @@ def test_pipelines_of_different_depths_train_in_one_quorum_equal_to_one_process(
     """Pipelines [2, 1] from the start in one torchft quorum (min_replicas=2: the first quorum holds both):
     pipeline 0 cut in two stages on two processes, pipeline 1 whole on one. Each parameter is averaged between its
     two holders (pipeline 0's stage that holds it and pipeline 1's only rank), weighted by their rows, and the
-    logged loss is the whole batch's: both pipelines equal one process."""
+    logged loss is the whole batch's: both pipelines equal one process. Every 10 commits the pipelines' speeds (rows
+    per second of their last schedule, summed over the last stages) set the next shares: both hold the same speeds,
+    and each trains its proportional part (whole micro-batches)."""
+    from lightning_spot.torchft.batch_split import proportional_units
+
     out = tmp_path / "out"
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
     argv = [WORKER, str(out), "--steps", "12", "--min-replicas", "2", "--model", "finetune"]
@@ -460,6 +464,11 @@ def test_pipelines_of_different_depths_train_in_one_quorum_equal_to_one_process(
     for name in ("group0_rank1", "group1_rank0"):  # (the last stages: their logged loss is the whole batch's)
         got = results[name]["metrics"]["train_loss"]
         assert got == pytest.approx(ref["metrics"]["train_loss"], rel=1e-4), name
+    speeds = [results[n]["shares"] for n in ("group0_rank0", "group0_rank1", "group1_rank0")]
+    assert speeds[0] is not None and speeds[0] == speeds[1] == speeds[2], speeds  # (agreed at step 10)
+    units = proportional_units(BATCH // 2, speeds[0][0])  # (12 rows in micro-batch pairs: 6 units)
+    for name in ("group0_rank0", "group1_rank0"):  # (step 12's rows: the finetune data's batches are all full there)
+        assert results[name]["rows"] == 2 * units[results[name]["participant_rank"]], (name, speeds, units)
 
 
 @pytest.mark.slow

@@ -142,6 +142,10 @@ class Report(L.Callback):
                 "ft_seconds": dict(replicas.seconds) if replicas else {},
                 "launched_early": replicas.buckets.launched_early if replicas and replicas.buckets else 0,
                 "healed_at": healed.get("step") if healed.get("tier") == "peer" else None,
+                # the speeds the batch shares followed last (each pipeline's, agreed), its place and its rows
+                "shares": replicas.shares if replicas else None,
+                "participant_rank": replicas.participant_rank if replicas else 0,
+                "rows": replicas.rows if replicas else 0,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "epoch_metrics": self.epochs,
             },

@@ -81,6 +81,7 @@ def attach(
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
     # (what pipelines of other cuts in the quorum need to find each parameter's holders)
     group.model = (engine.module, engine.split, engine.plan, engine.ctx.pp_group)
+    group.pace = lambda: engine.last_step_seconds  # (its schedule's seconds: the pipeline's speed on its last stage)
     _settle_heap()
     group.join(latest_step=latest)
     group.held_logs = engine.held_logs  # (the engine holds the step's logged values until the commit)

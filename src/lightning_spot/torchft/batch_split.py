@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
@@ -11,11 +12,15 @@ from lightning_spot.data.sharded import replica_slice
 from lightning_spot.layout import LayoutError
 
 
-def participant_rows(size: int, microbatches: int, rank: int, count: int) -> slice:
+def participant_rows(
+    size: int, microbatches: int, rank: int, count: int, speeds: Sequence[float] | None = None
+) -> slice:
     """The rows of a global batch of ``size`` samples that participant ``rank`` of ``count`` trains.
 
     Shares are whole multiples of ``microbatches`` (each pipeline runs that many equal micro-batches), so that
-    the replicas' gradients, weighted by their samples, add up to the gradient of the whole batch."""
+    the replicas' gradients, weighted by their samples, add up to the gradient of the whole batch; as equal as they
+    can be, or with ``speeds`` (one per participant, the same on every rank) in proportion to them, at least one
+    group of micro-batches each."""
     if size % microbatches:
         raise LayoutError(
             f"a global batch of {size} samples cannot be cut into micro-batches of equal size for microbatches="
@@ -28,8 +33,26 @@ def participant_rows(size: int, microbatches: int, rank: int, count: int) -> sli
             f"microbatches={microbatches}: use a batch_size of at least {count * microbatches}, or drop_last=True if "
             f"only the last batch is this short"
         )
-    part = replica_slice(units, rank, count)
-    return slice(part.start * microbatches, part.stop * microbatches)
+    if speeds is None or len(speeds) != count or min(speeds) <= 0:
+        part = replica_slice(units, rank, count)
+        return slice(part.start * microbatches, part.stop * microbatches)
+    shares = proportional_units(units, speeds)
+    start = sum(shares[:rank])
+    return slice(start * microbatches, (start + shares[rank]) * microbatches)
+
+
+def proportional_units(units: int, speeds: Sequence[float]) -> list[int]:
+    """``units`` split in proportion to ``speeds``, at least one each (largest remainders; ties to the lower index)."""
+    count = len(speeds)
+    spare = units - count  # (one each first)
+    total = float(sum(speeds))
+    exact = [spare * s / total for s in speeds]
+    shares = [1 + int(e) for e in exact]
+    left = units - sum(shares)
+    order = sorted(range(count), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in order[:left]:
+        shares[i] += 1
+    return shares
 
 
 def take_rows(batch: Any, rows: slice, size: int) -> Any:

@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 #: seconds between the quorums a joining pipeline asks for while live pipelines ahead of it are not in its quorum
 JOIN_RETRY_SECONDS = 0.5
+#: commits between the re-measured batch shares: each pipeline's rows in proportion to its speed (rows per second of
+#: its last schedule), agreed over the last stages and sent to the rest of each pipeline at these steps
+SHARES_EVERY = 10
 
 
 class _RecordedClient:
@@ -199,6 +202,13 @@ class ReplicaGroup:
         self._mixed: HolderReduce | None = None
         self._mixed_quorum = -1
         self._tied: list[Tensor] = []
+        #: seconds of this rank's last schedule (``PipelineEngine.last_step_seconds``), set at attach: its speed
+        self.pace: Callable[[], float] | None = None
+        #: each pipeline's speed as the last stages summed it at the last commit, with the quorum it was measured in;
+        #: the speeds the shares follow now (the same on every rank of every pipeline), and this pipeline's rows
+        self._measured: tuple[list[float], int] | None = None
+        self.shares: tuple[list[float], int] | None = None
+        self.rows = 0
         #: SIGTERM (its torchrun stopping it, or a notice) makes the pipeline leave at once
         self._leave = LeaveOnSignal(self._stop_manager, who=f"pipeline {settings.replica_group} rank {group_rank}")
         self._leave.start()
@@ -443,13 +453,44 @@ class ReplicaGroup:
         if self._window is not None and again is not None:
             self._window.append(again)
         size = batch_size_of(batch)
-        rows = participant_rows(size, microbatches, self.participant_rank, self.participants)
+        rows = participant_rows(size, microbatches, self.participant_rank, self.participants, self._speeds())
+        self.rows = rows.stop - rows.start
         if self.buckets is not None:
             # (accumulating: every batch's gradients are rescaled after its schedule; nothing goes out early)
             early = self._window is None and self._mixed is None
             scale = self._early_scale(rows.stop - rows.start, microbatches) if early else None
             self.buckets.arm(microbatches, scale)
         return take_rows(batch, rows, size), size
+
+    def _quorum_id(self) -> int | None:
+        result = self._client.last if self._client is not None else None
+        return getattr(result, "quorum_id", None)
+
+    def _speeds(self) -> list[float] | None:
+        """The speeds this step's shares follow: re-agreed every ``SHARES_EVERY`` commits (each pipeline's last stage
+        sends what the last stages summed to the rest of its pipeline), valid in the quorum they were measured in."""
+        if self.model is not None and self._window is not None and len(self._window) > 1:
+            pass  # (inside an accumulation window: the shares of its first batch)
+        elif self.model is not None and self.step % SHARES_EVERY == 0:
+            plan, group = self.model[2], self.model[3]
+            last = plan.rank_of_stage(plan.num_stages - 1)
+            self.shares = broadcast_object(self._measured if self.manager_rank == last else None, group, last)
+        if self.shares is None or self.shares[1] != self._quorum_id() or len(self.shares[0]) != self.participants:
+            return None
+        return self.shares[0]
+
+    def _speed_vector(self, device: torch.device) -> Tensor | None:
+        """(This pipeline's last stage) its speed at its place among the quorum's pipelines, zeros elsewhere."""
+        if self.model is None or self.pace is None:
+            return None
+        plan = self.model[2]
+        if self.manager_rank != plan.rank_of_stage(plan.num_stages - 1):
+            return None
+        seconds = self.pace()
+        speeds = torch.zeros(self.participants, device=device)
+        if seconds > 0 and self.rows > 0:
+            speeds[self.participant_rank] = self.rows / seconds
+        return speeds
 
     @torch.no_grad()
     def batch_done(self, weight: float) -> float:
@@ -492,19 +533,33 @@ class ReplicaGroup:
             raise RuntimeError("ReplicaGroup.overlap() gives the gradients to reduce; it was not called")
         held = self.held_logs
         with self._span("all-reduce"):  # (the buckets that went out during the backward are waited for here)
-            # the step's logged sums ride with the gradients (the last stage's; the others have none)
+            # the step's logged sums ride with the gradients (the last stage's; the others have none), and so does
+            # each pipeline's speed (the batch shares follow them)
             riders = held.riders() if held is not None else None
+            speeds = self._speed_vector(riders.device if riders is not None else torch.device("cpu"))
+            carried = (
+                speeds
+                if riders is None
+                else (riders.flatten() if speeds is None else torch.cat([riders.flatten(), speeds]))
+            )
             if self._mixed is None:
-                self.buckets.reduce(weight, riders)
+                self.buckets.reduce(weight, carried)
             else:  # (pipelines of other cuts: each parameter among its holders)
                 try:
-                    self._mixed.reduce(weight, riders)
+                    self._mixed.reduce(weight, carried)
                 except Exception as err:  # (a peer lost: the step does not commit)
                     self.manager.report_error(err)
+            if carried is not None and riders is not None:
+                riders.copy_(carried[: riders.numel()].view_as(riders))
             if held is not None and held.packed is not None:
                 held.packed.reduce_extremes(self._reduce_extremes)
         with self._span("commit"):
-            return bool(self.manager.should_commit())
+            committed = bool(self.manager.should_commit())
+        if committed and speeds is not None and carried is not None:  # (what every last stage summed alike)
+            quorum = self._quorum_id()
+            measured = carried[carried.numel() - speeds.numel() :].tolist()
+            self._measured = (measured, quorum) if quorum is not None else None
+        return committed
 
     def _reduce_extremes(self, t: Tensor, op: Any) -> None:
         """The logged values' largest and smallest over the quorum (the last stages)."""
