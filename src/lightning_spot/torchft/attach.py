@@ -22,7 +22,7 @@ from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.torchft.replica_group import ReplicaGroup
-from lightning_spot.torchft.running_quorum import layout_tag, read_running
+from lightning_spot.torchft.running_quorum import layout_tag, parse_tag, read_running
 from lightning_spot.utils.distributed import broadcast_object
 
 __all__ = ["HEAL_URL", "ReplicaGroup", "attach", "check_fits", "healed_checkpoint"]
@@ -104,8 +104,11 @@ def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine
         else:
             group = settings.replica_group
             latest = running.latest_step(group)
-            # (pipelines of other cuts train together only from the start: a joiner of other cuts cannot heal yet)
-            verdict = (running.refusal(layout, group) if latest > 0 else None, latest)
+            # a joiner heals from a live pipeline's ranks (heal_across): one at most as deep as every live one can;
+            # pipelines of any cuts that start together train together
+            mine = (parse_tag(layout) or (1, []))[0]
+            deeper = any((parse_tag(m.layout) or (mine, []))[0] < mine for m in running.others(group))
+            verdict = (running.refusal(layout, group) if latest > 0 and deeper else None, latest)
     refusal, latest = broadcast_object(verdict, group=engine.ctx.pp_group)
     if refusal is not None:
         raise LayoutError(refusal)

@@ -47,6 +47,7 @@ from lightning_spot.runtime.step_runner import batch_size_of
 from lightning_spot.torchft.batch_split import participant_rows, take_rows
 from lightning_spot.torchft.config import TorchFT, check_reachable, require_torchft
 from lightning_spot.torchft.early_buckets import EarlyBuckets
+from lightning_spot.torchft.heal_across import healed_across
 from lightning_spot.torchft.leave import LeaveOnSignal
 from lightning_spot.torchft.mixed_quorum import HolderReduce, quorum_plans
 from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, parse_replica_id, replica_id
@@ -263,14 +264,46 @@ class ReplicaGroup:
         self._mixed_quorum = result.quorum_id
 
     def _keep_state(self, state: Any) -> None:
+        """A peer's state, torchft's heal of this stage; from a peer cut otherwise, completed with what its other
+        ranks hold of this rank's layers (``heal_across``)."""
+        if self.model is not None and isinstance(state, dict) and state.get("layout") not in (None, self.layout):
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            module, split = self.model[0], self.model[1]
+            state = healed_across(
+                state,
+                layout=self.layout,
+                rank=self.manager_rank,
+                names=list(get_model_state_dict(module)),
+                split=split,
+                fetch=self._fetch_peer_rank,
+            )
         self.healed_state = state
+
+    def _fetch_peer_rank(self, rank: int) -> Any:
+        """The state rank ``rank`` of the peer this pipeline heals from serves at this quorum's step."""
+        from torchft._torchft import ManagerClient
+
+        result = self._client.last if self._client is not None else None
+        if result is None:
+            raise RuntimeError("no quorum result to heal from: torchft's client was not recorded")
+        timeout = timedelta(seconds=self.settings.timeout)
+        client = ManagerClient(
+            result.recover_src_manager_address, connect_timeout=timedelta(seconds=self.settings.connect_timeout)
+        )
+        metadata = client._checkpoint_metadata(rank, timeout=timeout)
+        full = self.manager._checkpoint_transport.recv_checkpoint(
+            src_rank=result.recover_src_replica_rank, metadata=metadata, step=result.max_step, timeout=timeout
+        )
+        return full["user"]["default"]
 
     def _state_at_boundary(self) -> Any:
         """This rank's state for a joining peer, taken only at a step boundary (a prefetched quorum asks for it
         while the optimizer, the schedulers or the loops may still be moving)."""
         if not self._boundary.wait(timeout=self.settings.timeout):
             raise TimeoutError(f"no step boundary within {self.settings.timeout:.0f} s to hand this stage's state over")
-        return self._state_dict()
+        state = self._state_dict()
+        return {**state, "layout": self.layout} if isinstance(state, dict) else state
 
     # ------------------------------------------------------------------ quorum
     def join(self, latest_step: int = 0) -> None:
@@ -322,6 +355,8 @@ class ReplicaGroup:
         layers under other cuts. Pipelines of other cuts that start together (nothing to heal) train together."""
         if self.healed_state is None and self.step == 0:
             return
+        if isinstance(self.healed_state, dict) and self.healed_state.get("layout") == self.layout:
+            return  # (healed, from its own layout or across: heal_across completed the state)
         result = self._client.last if self._client is not None else None
         ids = getattr(result, "replica_ids", None) or []
         refusal = layouts_refusal(layouts_in(ids), self.layout, str(self.settings.replica_group))

@@ -1,0 +1,69 @@
+"""A joining pipeline takes its state from a peer that cuts the model differently: layer ranges from several ranks.
+
+    ranks = source_ranks(names, split, "s2c2")          # the peer's ranks holding what this rank needs
+    state = merged(own, [fetch(r) for r in others])     # one stage state over the layers this rank now holds
+
+torchft heals stage ``k`` of a joiner from stage ``k`` of a live peer. When the peer is cut otherwise (a pipeline
+re-formed at a smaller depth joins deeper ones), that stage holds only part of this rank's layers: the rest is
+fetched from the peer's other ranks, which serve their state at the same step (every rank of the peer got the
+joiner in its quorum), through torchft's own checkpoint transport. Tensors are merged by their stored names, and so
+are the optimizer's other values; random state and Lightning's loops come from the stage torchft healed from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lightning_spot.checkpoint.jsonstate import decode, encode
+from lightning_spot.partition.cuts import StagePlan
+from lightning_spot.partition.discovery import ModelSplit
+from lightning_spot.partition.placement import stage_of_parameter
+from lightning_spot.torchft.running_quorum import parse_tag
+
+
+def source_ranks(names: Iterable[str], split: ModelSplit, layout: str) -> set[int]:
+    """The ranks of a pipeline training ``layout`` (a layout tag) that hold the parameters and buffers ``names``."""
+    parsed = parse_tag(layout)
+    if parsed is None:
+        raise ValueError(f"cannot read the layout {layout!r} of the pipeline a joiner heals from")
+    stages, cuts = parsed
+    plan = StagePlan(bounds=(0, *cuts, split.num_layers), pp_size=stages)
+    ranks = set()
+    for name in names:
+        stage = stage_of_parameter(name, split, plan)
+        if stage is not None:
+            ranks.add(plan.rank_of_stage(stage))
+    return ranks
+
+
+def merged(own: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
+    """One stage state (``heal.stage_state``'s) of ``own`` with the tensors and optimizer values of ``others``
+    added under their stored names; random state and Lightning's part stay ``own``'s."""
+    tensors = {group: dict(named) for group, named in own["tensors"].items()}
+    values = [decode(v) for v in own["optimizer_values"]]
+    for other in others:
+        for group, named in other["tensors"].items():
+            tensors.setdefault(group, {}).update({k: v for k, v in named.items() if k not in tensors[group]})
+        for i, v in enumerate(other["optimizer_values"]):
+            values[i] = {**decode(v), **values[i]}
+    return {**own, "tensors": tensors, "optimizer_values": [encode(v, f"optimizer_{i}") for i, v in enumerate(values)]}
+
+
+def healed_across(
+    state: dict[str, Any],
+    *,
+    layout: str,
+    rank: int,
+    names: Iterable[str],
+    split: ModelSplit,
+    fetch: Callable[[int], Any],
+) -> dict[str, Any]:
+    """``state`` (what torchft healed this rank with, from rank ``rank`` of a peer) completed with what the peer's
+    other ranks hold of ``names`` when the peer trains another ``layout`` than this pipeline."""
+    source = state.get("layout")
+    if source is None or source == layout:
+        return state
+    wanted = source_ranks(names, split, source) - {rank}
+    others = [fetch(r)["stage"] for r in sorted(wanted)]
+    return {**state, "stage": merged(state["stage"], others), "layout": layout}
