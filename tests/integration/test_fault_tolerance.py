@@ -374,6 +374,27 @@ def test_a_pipeline_that_loses_a_node_re_forms_at_depth_one_in_the_same_quorum(t
     )
 
 
+def _kill_and_replace(tmp_path: Path, argv: list[str], env: dict[str, str], die_at: int) -> int:
+    """Pipelines 0 and 1 of one rank each; pipeline 1 kills itself in step ``die_at`` (SIGKILL), then a replacement
+    of it starts; both that and pipeline 0 must end with 0. Returns pipeline 0's process id."""
+    with ExitStack() as stack:
+        first = stack.enter_context(_running(1, argv, tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"}))[0]
+        dying = stack.enter_context(
+            _running(1, [*argv, "--die-at", str(die_at)], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
+        )[0]
+        deadline = time.monotonic() + 200
+        while dying.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert dying.returncode == -9, f"pipeline 1 was to kill itself in step {die_at}"
+        replacement = stack.enter_context(_running(1, argv, tmp_path / "logs1b", {**env, "REPLICA_GROUP_ID": "1"}))[0]
+        for p in (first, replacement):
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [first.returncode, replacement.returncode]
+        if codes != [0, 0]:
+            raise WorkerFailure(f"exit codes {codes}", [_logs(tmp_path / d, 1)[0] for d in ("logs0", "logs1b")])
+        return first.pid
+
+
 @pytest.mark.slow
 @needs_hostname
 @pytest.mark.timeout(300)
@@ -388,24 +409,10 @@ def test_optimizer_offload_under_torchft_survives_a_kill_and_heals_into_host_mas
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
     argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--offload", "optimizer", "--groups", "2"]
     argv += ["--end-after-heal", "1:6"]
-    with ExitStack() as stack:
-        first = stack.enter_context(_running(1, argv, tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"}))[0]
-        dying = stack.enter_context(
-            _running(1, [*argv, "--die-at", "4"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
-        )[0]
-        deadline = time.monotonic() + 200
-        while dying.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert dying.returncode == -9, "pipeline 1 was to kill itself in step 4"
-        replacement = stack.enter_context(_running(1, argv, tmp_path / "logs1b", {**env, "REPLICA_GROUP_ID": "1"}))[0]
-        for p in (first, replacement):
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        codes = [first.returncode, replacement.returncode]
-        if codes != [0, 0]:
-            raise WorkerFailure(f"exit codes {codes}", [_logs(tmp_path / d, 1)[0] for d in ("logs0", "logs1b")])
+    first_pid = _kill_and_replace(tmp_path, argv, env, die_at=4)
     results = _results(out)
     steps = results["group0_rank0"]["global_step"]
-    assert steps > 4 and results["group0_rank0"]["pid"] == first.pid
+    assert steps > 4 and results["group0_rank0"]["pid"] == first_pid
     assert results["group0_rank0"]["discarded"] >= 1, "the step that lost its peer must have been run again"
     assert (results["group1_rank0"]["healed_at"] or 0) >= 4, "the replacement must have taken pipeline 0's state"
     ref = _reference(steps)
@@ -428,25 +435,11 @@ def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(tmp_
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
     argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.05", "--model", "finetune", "--accumulate", "2"]
     argv += ["--groups", "2", "--end-after-heal", "1:6"]
-    with ExitStack() as stack:
-        first = stack.enter_context(_running(1, argv, tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"}))[0]
-        dying = stack.enter_context(
-            _running(1, [*argv, "--die-at", "3"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
-        )[0]
-        deadline = time.monotonic() + 200
-        while dying.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert dying.returncode == -9, "pipeline 1 was to kill itself in step 3"
-        replacement = stack.enter_context(_running(1, argv, tmp_path / "logs1b", {**env, "REPLICA_GROUP_ID": "1"}))[0]
-        for p in (first, replacement):
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        codes = [first.returncode, replacement.returncode]
-        if codes != [0, 0]:
-            raise WorkerFailure(f"exit codes {codes}", [_logs(tmp_path / d, 1)[0] for d in ("logs0", "logs1b")])
+    first_pid = _kill_and_replace(tmp_path, argv, env, die_at=3)
     results = _results(out)
     steps = results["group0_rank0"]["global_step"]
     assert steps > 5, "an epoch's short last batch (its 9th) must be among the batches trained"
-    assert results["group0_rank0"]["pid"] == first.pid
+    assert results["group0_rank0"]["pid"] == first_pid
     assert results["group0_rank0"]["discarded"] >= 1, "the window that lost its peer must have been run again"
     assert (results["group1_rank0"]["healed_at"] or 0) >= 3, "the replacement must have taken pipeline 0's state"
     ref = _reference(steps, "finetune", accumulate=2)

@@ -122,7 +122,7 @@ def build_report(storage: Storage) -> dict[str, Any]:
         "wall_seconds": round(wall, 3),
         "useful_time_share": useful_seconds(attempts) / wall if wall > 0 else None,
         #: samples trained / what the GPUs held would train at the most GPUs' measured speed (torchft: see below)
-        "gpu_time_efficiency": None if _is_pipeline_history(storage) else gpu_time_efficiency(attempts),
+        "gpu_time_efficiency": None if _is_pipeline_history(storage.url) else gpu_time_efficiency(attempts),
         "attempts": attempts,
         "restarts": totals["restarts"],
         "recovery_phase_seconds": phase_totals(totals["restarts"]),
@@ -140,10 +140,10 @@ def build_report(storage: Storage) -> dict[str, Any]:
     }
 
 
-def _is_pipeline_history(storage: Storage) -> bool:
-    """Whether this is one torchft pipeline's history (``<run>/pipeline-<id>``): its steps are the quorum's
+def _is_pipeline_history(url: str) -> bool:
+    """Whether ``url`` is one torchft pipeline's history (``<run>/pipeline-<id>``): its steps are the quorum's
     samples, not its own GPUs'."""
-    return storage.url.rstrip("/").rsplit("/", 1)[-1].startswith(PIPELINE_HISTORY)
+    return url.rstrip("/").rsplit("/", 1)[-1].startswith(PIPELINE_HISTORY)
 
 
 def _quorums(events: list[dict[str, Any]], t0: float) -> dict[str, Any] | None:
@@ -227,7 +227,7 @@ def _efficiency_line(report: dict[str, Any]) -> str:
             f"GPU time     {_share(value)} efficiency: samples trained / what the GPU-seconds held would train at "
             f"the largest layout's measured speed"
         )
-    if _is_pipeline_history(Storage(report["run"])):
+    if _is_pipeline_history(report["run"]):
         return "GPU time     - (one torchft pipeline's history: its steps are the quorum's; spot_replay.py measures the job's)"
     return "GPU time     - (no speed measured on the largest layout)"
 

@@ -21,7 +21,7 @@ from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
-from lightning_spot.torchft.replica_group import ReplicaGroup
+from lightning_spot.torchft.replica_group import ReplicaGroup, StageModel
 from lightning_spot.torchft.running_quorum import layout_tag, parse_tag, read_running
 from lightning_spot.utils.distributed import broadcast_object
 
@@ -80,7 +80,7 @@ def attach(
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
     # (what pipelines of other cuts in the quorum need to find each parameter's holders)
-    group.model = (engine.module, engine.split, engine.plan, engine.ctx.pp_group)
+    group.model = StageModel(engine.module, engine.split, engine.plan, engine.ctx.pp_group)
     group.pace = lambda: engine.last_step_seconds  # (its schedule's seconds: the pipeline's speed on its last stage)
     _settle_heap()
     group.join(latest_step=latest)

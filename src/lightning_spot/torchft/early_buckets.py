@@ -113,7 +113,7 @@ class EarlyBuckets:
         """Send ``scale`` times the bucket's gradients; with ``weight``, that number rides along as one more
         element (the weights' sum then needs no all-reduce of its own), and ``riders`` after it."""
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in bucket.params]
-        tail = _tail(weight, riders, grads[0].device if grads else torch.device("cpu"))
+        tail = weight_tail(weight, riders, grads[0].device if grads else torch.device("cpu"))
         if tail is not None:
             grads.append(tail)
         # (out of place: a bucket of one tensor flattens to a view of its .grad, which the step changes afterwards)
@@ -142,7 +142,7 @@ class EarlyBuckets:
             assert last.flat is not None
             tail = last.flat[-1 - extra :]
         else:  # a stage without trainable parameters
-            alone = _tail(float(weight), riders, riders.device if riders is not None else torch.device("cpu"))
+            alone = weight_tail(float(weight), riders, riders.device if riders is not None else torch.device("cpu"))
             assert alone is not None
             self._allreduce(alone).wait()
             tail = alone
@@ -161,7 +161,7 @@ class EarlyBuckets:
         return summed
 
 
-def _tail(weight: float | None, riders: Tensor | None, device: torch.device) -> Tensor | None:
+def weight_tail(weight: float | None, riders: Tensor | None, device: torch.device) -> Tensor | None:
     """What the last bucket carries after the gradients: the weight, then the riders."""
     if weight is None:
         return None

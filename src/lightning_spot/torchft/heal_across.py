@@ -16,19 +16,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning_spot.checkpoint.jsonstate import decode, encode
-from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import stage_of_parameter
-from lightning_spot.torchft.running_quorum import parse_tag
+from lightning_spot.torchft.mixed_quorum import plan_of
 
 
 def source_ranks(names: Iterable[str], split: ModelSplit, layout: str) -> set[int]:
     """The ranks of a pipeline training ``layout`` (a layout tag) that hold the parameters and buffers ``names``."""
-    parsed = parse_tag(layout)
-    if parsed is None:
+    plan = plan_of(layout, split)
+    if plan is None:
         raise ValueError(f"cannot read the layout {layout!r} of the pipeline a joiner heals from")
-    stages, cuts = parsed
-    plan = StagePlan(bounds=(0, *cuts, split.num_layers), pp_size=stages)
     ranks = set()
     for name in names:
         stage = stage_of_parameter(name, split, plan)

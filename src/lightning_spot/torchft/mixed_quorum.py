@@ -28,6 +28,7 @@ from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.partition.cuts import StagePlan
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.runtime.cross_pipeline import holders_of
+from lightning_spot.torchft.early_buckets import weight_tail
 from lightning_spot.torchft.running_quorum import parse_replica_id, parse_tag
 
 #: (name of the group, this rank's place in it, its size) -> a configured process group (torchft's, reconfigurable)
@@ -45,13 +46,15 @@ def quorum_plans(replica_ids: Sequence[str], split: ModelSplit) -> list[StagePla
         tags.append(parsed[1])
     if len(set(tags)) <= 1:
         return None
-    plans = []
-    for tag in tags:
-        stages, cuts = parse_tag(tag) or (0, [])
-        if stages < 1:
-            return None
-        plans.append(StagePlan(bounds=(0, *cuts, split.num_layers), pp_size=stages))
-    return plans
+    plans = [plan_of(tag, split) for tag in tags]
+    return None if any(p is None for p in plans) else plans  # type: ignore[return-value]
+
+
+def plan_of(tag: str, split: ModelSplit) -> StagePlan | None:
+    """The stage plan (one stage per rank) of a pipeline training the layout ``tag`` (``running_quorum.layout_tag``);
+    None if it cannot be read."""
+    stages, cuts = parse_tag(tag) or (0, [])
+    return StagePlan(bounds=(0, *cuts, split.num_layers), pp_size=stages) if stages >= 1 else None
 
 
 class HolderReduce:
@@ -122,11 +125,10 @@ class HolderReduce:
         for holders, params, group in self.groups:
             grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in params]
             device = grads[0].device if grads else (riders.device if riders is not None else torch.device("cpu"))
-            tail = [torch.tensor([float(weight)], device=device)]
-            extra = riders if holders == self._riders_key and riders is not None else None
-            if extra is not None:
-                tail.append(extra.detach().float().flatten().to(device))
-            flat = _flatten_dense_tensors([*grads, *tail]) if grads else torch.cat(tail)
+            extra = riders if holders == self._riders_key else None
+            tail = weight_tail(float(weight), extra, device)
+            assert tail is not None  # (a weight is given)
+            flat = _flatten_dense_tensors([*grads, tail]) if grads else tail
             count = sum(g.numel() for g in grads)
             if grads:
                 flat[:count].mul_(float(weight))

@@ -33,10 +33,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed import ReduceOp
 
 from lightning_spot.layout import LayoutError
 from lightning_spot.preemption import PREEMPTED_EXIT_CODE
@@ -91,12 +92,6 @@ class _RecordedClient:
         return getattr(self._inner, name)
 
 
-def _sum() -> Any:
-    from torch.distributed import ReduceOp
-
-    return ReduceOp.SUM
-
-
 class _StagePG:
     """torchft's per-stage process group for the manager, left unconfigured for a quorum whose pipelines cut the
     model differently (stage ``k`` of one is not stage ``k`` of another; ``mixed_quorum.HolderReduce`` reduces
@@ -112,6 +107,16 @@ class _StagePG:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class StageModel(NamedTuple):
+    """What this rank trains, for quorums of pipelines cut otherwise (set at attach): the module, the model's split,
+    this pipeline's stage plan and its process group."""
+
+    module: Any
+    split: Any
+    plan: Any
+    group: Any
 
 
 class QuorumError(ConnectionError):
@@ -199,7 +204,7 @@ class ReplicaGroup:
         self._window_again = False
         #: (pipelines of other cuts in the quorum) what this rank's stage is (the module, the model's split, its
         #: stage in its pipeline), set at attach, and the reduction among each parameter's holders, per quorum
-        self.model: tuple[Any, Any, Any, Any] | None = None
+        self.model: StageModel | None = None
         self._mixed: HolderReduce | None = None
         self._mixed_quorum = -1
         self._tied: list[Tensor] = []
@@ -224,7 +229,7 @@ class ReplicaGroup:
         """After a quorum: with pipelines of other cuts in it, reduce each parameter among its holders (groups made
         once per quorum, from its store); else torchft's per-stage group."""
         result = self._client.last if self._client is not None else None
-        plans = quorum_plans(result.replica_ids, self.model[1]) if result is not None and self.model else None
+        plans = quorum_plans(result.replica_ids, self.model.split) if result is not None and self.model else None
         if plans is None:
             if self._mixed is not None:
                 self._mixed.abort()
@@ -269,13 +274,12 @@ class ReplicaGroup:
         if self.model is not None and isinstance(state, dict) and state.get("layout") not in (None, self.layout):
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            module, split = self.model[0], self.model[1]
             state = healed_across(
                 state,
                 layout=self.layout,
                 rank=self.manager_rank,
-                names=list(get_model_state_dict(module)),
-                split=split,
+                names=list(get_model_state_dict(self.model.module)),
+                split=self.model.split,
                 fetch=self._fetch_peer_rank,
             )
         self.healed_state = state
@@ -442,8 +446,6 @@ class ReplicaGroup:
         has finished it (not ``tied`` copies, whose gradients are whole only after the step; none with
         ``early=False``: ``TorchFT(overlap=False)``, the default, or fp16); ``loss_weights``: what the losses are
         means over (the scale of an early bucket)."""
-        from torch.distributed import ReduceOp
-
         self._tied = list(tied)
         self.buckets = EarlyBuckets(
             params,
@@ -507,9 +509,11 @@ class ReplicaGroup:
         if self.model is not None and self._window is not None and len(self._window) > 1:
             pass  # (inside an accumulation window: the shares of its first batch)
         elif self.model is not None and self.step % SHARES_EVERY == 0:
-            plan, group = self.model[2], self.model[3]
+            plan = self.model.plan
             last = plan.rank_of_stage(plan.num_stages - 1)
-            self.shares = broadcast_object(self._measured if self.manager_rank == last else None, group, last)
+            self.shares = broadcast_object(
+                self._measured if self.manager_rank == last else None, self.model.group, last
+            )
         if self.shares is None or self.shares[1] != self._quorum_id() or len(self.shares[0]) != self.participants:
             return None
         return self.shares[0]
@@ -518,7 +522,7 @@ class ReplicaGroup:
         """(This pipeline's last stage) its speed at its place among the quorum's pipelines, zeros elsewhere."""
         if self.model is None or self.pace is None:
             return None
-        plan = self.model[2]
+        plan = self.model.plan
         if self.manager_rank != plan.rank_of_stage(plan.num_stages - 1):
             return None
         seconds = self.pace()
@@ -543,7 +547,7 @@ class ReplicaGroup:
         with self._span("all-reduce"):
             try:
                 if self._mixed is None:
-                    self.manager.allreduce(flat, reduce_op=_sum()).wait()
+                    self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
                 else:  # (the weight over one rank of each pipeline, the logged sums over their last stages)
                     self._mixed.allreduce_small(flat[:1])
                     if riders is not None:
