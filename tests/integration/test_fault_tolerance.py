@@ -59,9 +59,9 @@ def lighthouse() -> Iterator[str]:
         server.shutdown()
 
 
-def _reference(steps: int, model: str = "tiny", accumulate: int = 1) -> dict[str, Any]:
+def _reference(steps: int, model: str = "tiny", accumulate: int = 1, family: str = "llama") -> dict[str, Any]:
     if model == "finetune":
-        return reference_run(finetune_scenario(steps, accumulate))
+        return reference_run(finetune_scenario(steps, accumulate, family))
     return reference_run(
         {"model": {"scheduler": True}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}}
     )
@@ -424,8 +424,12 @@ def test_optimizer_offload_under_torchft_survives_a_kill_and_heals_into_host_mas
 @pytest.mark.slow
 @needs_hostname
 @pytest.mark.timeout(300)
-def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(tmp_path: Path, lighthouse: str) -> None:
-    """accumulate_grad_batches=2 with fault_tolerance="torchft": two one-stage pipelines fine-tune a Llama on padded
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(
+    tmp_path: Path, lighthouse: str, family: str
+) -> None:
+    """accumulate_grad_batches=2 with fault_tolerance="torchft": two one-stage pipelines fine-tune a Llama (and a
+    GPT-2, whose embedding is tied to its head) on padded
     batches whose labelled tokens vary from batch to batch (each batch's gradients must enter as its part of its own
     batch's token mean, not the window's) and whose epochs end with a short batch. Pipeline 1 dies in the second
     batch of a window (its first batch's weights were summed with pipeline 0's): pipeline 0 runs the whole window
@@ -434,7 +438,7 @@ def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(tmp_
     out = tmp_path / "out"
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
     argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.05", "--model", "finetune", "--accumulate", "2"]
-    argv += ["--groups", "2", "--end-after-heal", "1:6"]
+    argv += ["--groups", "2", "--end-after-heal", "1:6", "--family", family]
     first_pid = _kill_and_replace(tmp_path, argv, env, die_at=3)
     results = _results(out)
     steps = results["group0_rank0"]["global_step"]
@@ -442,7 +446,7 @@ def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(tmp_
     assert results["group0_rank0"]["pid"] == first_pid
     assert results["group0_rank0"]["discarded"] >= 1, "the window that lost its peer must have been run again"
     assert (results["group1_rank0"]["healed_at"] or 0) >= 3, "the replacement must have taken pipeline 0's state"
-    ref = _reference(steps, "finetune", accumulate=2)
+    ref = _reference(steps, "finetune", accumulate=2, family=family)
     for name, got in results.items():
         assert got["global_step"] == steps, name
         assert_same_params(got["state_dict"], ref)

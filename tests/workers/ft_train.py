@@ -55,12 +55,12 @@ FINETUNE_SAMPLES = 104
 GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
 
 
-def finetune_scenario(steps: int, accumulate: int = 1) -> dict[str, Any]:
+def finetune_scenario(steps: int, accumulate: int = 1, family: str = "llama") -> dict[str, Any]:
     """``--model finetune`` as a scenario of ``tests.parity.reference_run`` (``--accumulate``: its batches per step)."""
     return {
         "model": {
             "cls": "FineTune",
-            "family": "llama",
+            "family": family,
             "kind": "causal",
             "lr": 1e-3,
             "scheduler": True,
@@ -185,6 +185,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=None, help="gradient buckets this small (every pipeline)")
     parser.add_argument("--offload", default=None, help="SpotPipelineStrategy(offload=...), e.g. optimizer")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--family", default="llama", help="--model finetune: the transformers family (llama, gpt2)")
     parser.add_argument("--min-replicas", type=int, default=1, help="TorchFT(min_replicas=...): the first quorum waits")
     args = parser.parse_args()
     if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
@@ -199,7 +200,7 @@ def main() -> None:
         group, rank, step = spec.split(":")
         die.append((group, int(rank), int(step)))
     if args.model == "finetune":
-        scenario = finetune_scenario(args.steps, args.accumulate)
+        scenario = finetune_scenario(args.steps, args.accumulate, args.family)
         model, loader = make_model(**scenario["model"]), make_loader(**scenario["loader"])
     elif args.model == "gpt":  # the example GPT as its config trains it (batch 32, 64 bytes), on random bytes
         from examples.gpt.data import ByteWindows
