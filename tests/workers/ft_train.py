@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--offload", default=None, help="SpotPipelineStrategy(offload=...), e.g. optimizer")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--family", default="llama", help="--model finetune: the transformers family (llama, gpt2)")
+    parser.add_argument("--device-memory", type=float, default=None, help="SpotPipelineStrategy(device_memory=...)")
     parser.add_argument("--min-replicas", type=int, default=1, help="TorchFT(min_replicas=...): the first quorum waits")
     args = parser.parse_args()
     if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
@@ -219,6 +220,7 @@ def main() -> None:
             pipeline_stages=args.stages or int(os.environ["WORLD_SIZE"]),
             microbatches=4 if args.model == "gpt" else 2,
             offload=args.offload,
+            device_memory=args.device_memory,
             fault_tolerance=None
             if args.plain
             else TorchFT(

@@ -258,6 +258,7 @@ class SpotPipelineStrategy(CompiledModule, ProcessHooks, DataHooks, CheckpointHo
                     group_size=self.world_size,
                     offloaded=self._offloaded(),
                     offload=self.offload,
+                    device_memory=self.settings.requested.device_memory,
                 )
 
     def _stage_grads_final(self, stage: int) -> None:

@@ -23,6 +23,7 @@ from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.torchft.replica_group import ReplicaGroup, StageModel
 from lightning_spot.torchft.running_quorum import layout_tag, parse_tag, read_running
+from lightning_spot.torchft.stage_memory import memory_shortfall, wait_for_nodes
 from lightning_spot.utils.distributed import broadcast_object
 
 __all__ = ["HEAL_URL", "ReplicaGroup", "attach", "check_fits", "healed_checkpoint"]
@@ -54,10 +55,12 @@ def attach(
     group_size: int,
     offloaded: tuple[str, ...] = (),
     offload: OptimizerOffload | None = None,
+    device_memory: float | None = None,
 ) -> ReplicaGroup:
     """The pipeline's replica group after its first quorum; a joiner's state is restored as a checkpoint.
     ``offloaded``: the run's offload levels; ``offload``: the host masters of ``offload="optimizer"`` (a peer
-    is handed those, not the device copies)."""
+    is handed those, not the device copies); ``device_memory``: per device, for the check of its stages (default:
+    what the device reports). A pipeline whose stages do not fit waits for its nodes while others train, else fails."""
     check_fits(engine.layout.grid, trainer, offloaded)
 
     def state() -> dict[str, Any]:
@@ -68,6 +71,7 @@ def attach(
     settings = settings.resolved()
     layout = layout_tag(engine.plan.num_stages, engine.plan.cuts)
     latest = _check_running_quorum(settings, layout, engine)
+    _check_memory(settings, engine, device_memory, offloaded, others_train=latest > 0)
     group = ReplicaGroup(
         settings,
         group_rank=engine.ctx.pp_rank,
@@ -113,6 +117,27 @@ def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine
     if refusal is not None:
         raise LayoutError(refusal)
     return int(latest)
+
+
+def _check_memory(
+    settings: TorchFT,
+    engine: PipelineEngine,
+    device_memory: float | None,
+    offloaded: tuple[str, ...],
+    others_train: bool,
+) -> None:
+    """Stages that cannot hold their training state: wait for the nodes to return while other pipelines train (a
+    pipeline re-formed on too few nodes), else fail with the fix."""
+    short = memory_shortfall(engine, device_memory, offloaded)
+    if short is None:
+        return
+    who = f"pipeline {settings.replica_group}"
+    if others_train:
+        wait_for_nodes(short, who, first_rank=engine.ctx.pp_rank == 0)
+    raise LayoutError(
+        f"{who} does not fit its devices: {short}. Give it more nodes or processes (deeper stages hold less), "
+        f"offload='optimizer', or set device_memory= if the devices hold more than reported."
+    )
 
 
 def _settle_heap() -> None:
