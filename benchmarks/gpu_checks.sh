@@ -18,7 +18,8 @@
 # 10. the MLP table of pipeline_throughput.py on the host's CPUs (gloo, no GPU): once on two cores (taskset), as on
 #    the development machine, where four ranks share two cores and every rank's fixed cost adds up; once on all
 #    cores, a core or more per rank, as on a GPU host (issue 26's goal of 1.10x for P2xD2 and P4xD1; about three
-#    minutes each: ONLY=mlp_all runs the second alone).
+#    minutes each: ONLY=mlp_all runs the second alone);
+# 11. torchft's traffic between pipelines over NCCL, and over gloo, one pipeline on the GPU (benchmarks/ft_nccl.py).
 # Each check has its own time limit; one that fails is reported and the next one runs. ONLY='regex' runs the
 # checks whose names match; PROFILE=1 also writes a cProfile of each check. Each check's whole output lands in
 # OUT_DIR/logs.tgz (NAME.txt), the summary in OUT_DIR/gpu_checks.log.
@@ -46,7 +47,7 @@ check() {  # check NAME SECONDS COMMAND...
         echo "=== $name: FAILED (exit $?) in $((SECONDS - start)) s" | tee -a "$log"
         failed=$((failed + 1))
     fi
-    grep -E "gpu_smoke:|gpu_host_copy:|throughput|resumed from|resuming from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$logs/$name.txt" | tail -n 16 | tee -a "$log"
+    grep -E "gpu_smoke:|gpu_host_copy:|ft_nccl:|throughput|resumed from|resuming from|done: layout|SpotCheckpoint: [0-9s]|Error|error:" "$logs/$name.txt" | tail -n 16 | tee -a "$log"
 }
 
 {
@@ -98,6 +99,18 @@ hf=(env PYTHONPATH="$PYTHONPATH${hf_path:+:$hf_path}" python3 examples/hf_llama/
     --block-size 512 --batch-size 16 --val-every 1000 --root "$root/hf_llama")
 check hf_llama 180 "${hf[@]}" --max-steps 40 --checkpoint-every 20
 check hf_llama_resume 120 "${hf[@]}" --max-steps 60 --checkpoint-every 20
+# 11. torchft on the GPU (issue 62): one pipeline whose traffic between pipelines goes over NCCL
+#    (ProcessGroupBabyNCCL), then the same over gloo (copies through host memory). torchft comes from .whl/ft when the
+#    image lacks it (`pip download --only-binary=:all: --no-deps --python-version 3.12 --platform
+#    manylinux_2_28_x86_64 -d .whl/ft torchft==0.2.0`).
+ft_path=
+if ! python3 -c "import torchft" 2>/dev/null && compgen -G ".whl/ft/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$root/ft" .whl/ft/*.whl &&
+        ft_path="$root/ft"
+fi
+ft=(env PYTHONPATH="$PYTHONPATH${ft_path:+:$ft_path}" python3 benchmarks/ft_nccl.py --steps 30)
+check ft_nccl 150 "${ft[@]}"
+check ft_gloo 150 "${ft[@]}" --group gloo
 # 10. (CPU only) four ranks on two cores, then on all of them
 mlp=(python3 benchmarks/pipeline_throughput.py --model mlp --layouts P2xD2,P4xD1 --steps 200 --repeats 3)
 if command -v taskset >/dev/null; then

@@ -79,6 +79,7 @@ def attach(
         state_dict=state,
         clock=engine.clock,
         layout=layout,
+        device=engine.ctx.device,
     )
     # fp16: the gradients seen during the backward carry the loss scale; they all go out after the step then
     early = settings.overlap and engine.runner.scaler is None

@@ -57,8 +57,11 @@ class EarlyBuckets:
         allreduce: Callable[[Tensor], Any],
         bucket_bytes: int | None = None,
         during_backward: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         self._allreduce = allreduce
+        #: where a stage without trainable parameters makes what it sends (the process group's device)
+        self.device = device or torch.device("cpu")
         self.params = list(params)
         tied_ids = {id(p) for p in tied}
         ordered = list(reversed(params))  # the backward reaches the last parameters first
@@ -113,7 +116,7 @@ class EarlyBuckets:
         """Send ``scale`` times the bucket's gradients; with ``weight``, that number rides along as one more
         element (the weights' sum then needs no all-reduce of its own), and ``riders`` after it."""
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in bucket.params]
-        tail = weight_tail(weight, riders, grads[0].device if grads else torch.device("cpu"))
+        tail = weight_tail(weight, riders, grads[0].device if grads else self.device)
         if tail is not None:
             grads.append(tail)
         # (out of place: a bucket of one tensor flattens to a view of its .grad, which the step changes afterwards)
@@ -142,7 +145,7 @@ class EarlyBuckets:
             assert last.flat is not None
             tail = last.flat[-1 - extra :]
         else:  # a stage without trainable parameters
-            alone = weight_tail(float(weight), riders, riders.device if riders is not None else torch.device("cpu"))
+            alone = weight_tail(float(weight), riders, self.device)
             assert alone is not None
             self._allreduce(alone).wait()
             tail = alone

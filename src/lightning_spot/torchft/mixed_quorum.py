@@ -71,7 +71,10 @@ class HolderReduce:
         me: tuple[int, int],
         pg: GroupFactory,
         tied: Sequence[Tensor] = (),
+        device: torch.device | None = None,
     ) -> None:
+        #: where a group without this rank's parameters makes what it sends (the process groups' device)
+        self.device = device or torch.device("cpu")
         if tied:
             raise LayoutError(
                 "pipelines of different depths in one torchft quorum with parameters tied across stages (a shared "
@@ -124,7 +127,7 @@ class HolderReduce:
         summed = float(weight)
         for holders, params, group in self.groups:
             grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in params]
-            device = grads[0].device if grads else (riders.device if riders is not None else torch.device("cpu"))
+            device = grads[0].device if grads else self.device
             extra = riders if holders == self._riders_key else None
             tail = weight_tail(float(weight), extra, device)
             assert tail is not None  # (a weight is given)

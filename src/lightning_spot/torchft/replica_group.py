@@ -51,6 +51,7 @@ from lightning_spot.torchft.early_buckets import EarlyBuckets
 from lightning_spot.torchft.heal_across import healed_across
 from lightning_spot.torchft.leave import LeaveOnSignal
 from lightning_spot.torchft.mixed_quorum import HolderReduce, quorum_plans
+from lightning_spot.torchft.process_groups import cross_pipeline_group
 from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, parse_replica_id, replica_id
 from lightning_spot.utils.distributed import broadcast_object
 
@@ -135,9 +136,10 @@ class ReplicaGroup:
         state_dict: Callable[[], Any],
         clock: StepClock | None = None,
         layout: str = "",
+        device: torch.device | None = None,
     ) -> None:
         require_torchft()
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
 
         settings = settings.resolved()
         assert settings.lighthouse is not None
@@ -145,7 +147,9 @@ class ReplicaGroup:
             check_reachable(settings.lighthouse, settings.connect_timeout)
         self.settings = settings
         self.manager_rank = group_rank
-        self._pg = _StagePG(ProcessGroupGloo(timeout=timedelta(seconds=settings.timeout)))
+        #: where the tensors between pipelines live (their process groups: NCCL on CUDA, gloo elsewhere)
+        self.device = device or torch.device("cpu")
+        self._pg = _StagePG(cross_pipeline_group(self.device, timedelta(seconds=settings.timeout)))
         self.manager = Manager(
             pg=self._pg,
             load_state_dict=self._keep_state,
@@ -256,15 +260,13 @@ class ReplicaGroup:
         prefix = f"{store}/lightning-spot/{result.quorum_id}"
 
         def group(key: str, rank: int, size: int) -> Any:
-            from torchft import ProcessGroupGloo
-
-            made = ProcessGroupGloo(timeout=timeout)
+            made = cross_pipeline_group(self.device, timeout)
             made.configure(f"{prefix}/{key}", str(self.settings.replica_group), rank, size)
             return made
 
         self._mixed = HolderReduce(
             module, self.buckets.params, split, plans, me=(self.participant_rank, pp_rank), pg=group,
-            tied=self._tied,
+            tied=self._tied, device=self.device,
         )  # fmt: skip
         self._mixed_quorum = result.quorum_id
 
@@ -452,6 +454,7 @@ class ReplicaGroup:
             tied=tied,
             allreduce=lambda t: self.manager.allreduce(t, reduce_op=ReduceOp.SUM),
             during_backward=early,
+            device=self.device,
         )
         self._loss_weights = loss_weights if early else None
 
@@ -541,8 +544,7 @@ class ReplicaGroup:
             return 1.0
         held = self.held_logs
         riders = held.riders() if held is not None else None
-        device = riders.device if riders is not None else torch.device("cpu")
-        parts = [torch.tensor([float(weight)], device=device)] + ([riders.flatten()] if riders is not None else [])
+        parts = [torch.tensor([float(weight)], device=self.device)] + ([riders.flatten()] if riders is not None else [])
         flat = torch.cat(parts)
         with self._span("all-reduce"):
             try:
@@ -575,7 +577,7 @@ class ReplicaGroup:
             # the step's logged sums ride with the gradients (the last stage's; the others have none), and so does
             # each pipeline's speed (the batch shares follow them)
             riders = held.riders() if held is not None else None
-            speeds = self._speed_vector(riders.device if riders is not None else torch.device("cpu"))
+            speeds = self._speed_vector(self.device)
             carried = (
                 speeds
                 if riders is None

@@ -70,3 +70,16 @@ def test_survivors_that_wait_say_so_and_leave_at_once_when_their_agent_stops_the
             proc.wait()
     assert line.startswith("lightning-spot: pipeline 1 waits for its nodes to return: at depth 1, rank 0 needs 2 GiB.")
     assert "the other pipelines train on" in line
+
+
+def test_a_pipeline_that_does_not_fit_with_no_other_training_fails_with_the_fix() -> None:
+    from lightning_spot.layout import LayoutError
+    from lightning_spot.torchft import TorchFT
+    from lightning_spot.torchft.attach import _check_memory
+
+    settings = TorchFT(lighthouse="http://127.0.0.1:1", replica_group="3")
+    with pytest.raises(LayoutError) as err:
+        _check_memory(settings, _engine(nn.Linear(100, 50)), 5e4, (), others_train=False)  # type: ignore[arg-type]
+    assert str(err.value).startswith("pipeline 3 does not fit its devices: at depth 1, rank 0 of this pipeline needs")
+    assert "more nodes or processes" in str(err.value) and "offload='optimizer'" in str(err.value)
+    _check_memory(settings, _engine(nn.Linear(100, 50)), 1e6, (), others_train=False)  # type: ignore[arg-type]
