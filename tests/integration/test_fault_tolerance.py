@@ -26,6 +26,7 @@ from lightning_spot.checkpoint.durable.journal import read_events
 from lightning_spot.checkpoint.durable.storage import Storage, step_dirname
 from lightning_spot.checkpoint.tools.consolidate import load_full_state_dict
 from lightning_spot.observe.run_report import build_report
+from lightning_spot.preemption import PREEMPTED_EXIT_CODE
 from tests.distributed import REPO, WorkerFailure, _logs, _running, free_port
 from tests.parity import assert_same_params, reference_run
 from tests.workers.ft_train import BATCH, FINETUNE_SAMPLES, SAMPLES, finetune_scenario
@@ -452,6 +453,63 @@ def test_survivors_that_cannot_hold_the_model_wait_for_their_node_and_grow_back(
         assert steps > min(h["step"] for h in grown) and results[f"group{g}_rank1"]["global_step"] == steps
         merged = {**results[f"group{g}_rank0"]["state_dict"], **results[f"group{g}_rank1"]["state_dict"]}
         assert_same_params(merged, _reference(steps))
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_every_pipeline_restarted_resumes_from_its_own_snapshots_and_a_laggard_takes_the_newest(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Two one-stage pipelines keep snapshots in host memory every step (each apart from the other's), durable
+    checkpoints every 5. Both are killed in step 12. Pipeline 1's newest snapshot is then lost, and both start again:
+    each resumes from its own memory, pipeline 1 a step behind pipeline 0; they do not train together from those
+    different states: at the first step pipeline 1 is handed pipeline 0's newer state, leaves, and rejoins with it
+    (as its torchrun would restart it). Both end equal to one process."""
+    from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
+
+    out, checkpoints = tmp_path / "out", tmp_path / "ckpt"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--checkpoint", str(checkpoints)]
+    argv += ["--snapshot-every", "1"]
+
+    def start(stack: ExitStack, group: int, extra: list[str], tag: str) -> subprocess.Popen:
+        logs, group_env = tmp_path / f"{tag}{group}", {**env, "REPLICA_GROUP_ID": str(group)}
+        return stack.enter_context(_running(1, [*argv, *extra], logs, group_env))[0]
+
+    with ExitStack() as stack:
+        first = [start(stack, g, ["--die", "0:0:12,1:0:12"], "first") for g in (0, 1)]
+        assert [p.wait(timeout=200) for p in first] == [-9, -9]
+    stores = [SnapshotStore.for_run(str(checkpoints), str(out / "snapshots"), str(g)) for g in range(2)]
+    held = [sorted(store.shares()) for store in stores]
+    assert held[0] and held[1] and held[0][-1] > 10, ("each pipeline's own snapshots, newer than step 10's save", held)
+    # pipeline 1's newest snapshots are lost: it holds an older step than pipeline 0 (whose newest may be a step
+    # older than pipeline 1's: a snapshot is written in the background, and the kill may come first)
+    behind = max(step for step in held[1] if step < held[0][-1])
+    stores[1].drop_after(behind)
+    starts = out / "starts.jsonl"
+    before = len(starts.read_text().splitlines())
+    again = ["--end-after-heal", "1:4"]  # (both end 4 steps after pipeline 1 rejoined with pipeline 0's state)
+    with ExitStack() as stack:
+        second = [start(stack, g, again, "second") for g in (0, 1)]
+        assert second[1].wait(timeout=200) == PREEMPTED_EXIT_CODE, "pipeline 1, behind, must leave to take the state"
+        third = start(stack, 1, again, "third")  # (as its torchrun restarts it)
+        codes = [second[0].wait(timeout=200), third.wait(timeout=200)]
+        if codes != [0, 0]:
+            raise WorkerFailure(f"exit codes {codes}", [_logs(tmp_path / d, 1)[0] for d in ("second0", "third1")])
+    resumed = [json.loads(line) for line in starts.read_text().splitlines()[before:]]
+    assert [(r["group"], r["tier"]) for r in resumed[:2]] in (
+        [("0", "memory"), ("1", "memory")], [("1", "memory"), ("0", "memory")]
+    ), resumed  # fmt: skip
+    step_of = {r["group"]: r["step"] for r in resumed[:2]}
+    assert step_of == {"0": held[0][-1], "1": behind}, (resumed, held)
+    assert resumed[2]["group"] == "1" and resumed[2]["tier"] == "peer" and resumed[2]["step"] >= step_of["0"], resumed
+    results = _results(out)
+    steps = results["group0_rank0"]["global_step"]
+    ref = _reference(steps)
+    for name, got in results.items():
+        assert got["global_step"] == steps, name
+        assert_same_params(got["state_dict"], ref)
 
 
 def _kill_and_replace(tmp_path: Path, argv: list[str], env: dict[str, str], die_at: int) -> int:

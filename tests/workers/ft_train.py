@@ -7,7 +7,8 @@ Environment: TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID and the process-group variable
 reach the others (the survivors' all-reduce of that step fails and the step is run again without it).
 ``--die GROUP:RANK:STEP[,...]``: that rank of that pipeline kills itself the same way (at the first step >= STEP at
 which ``--groups`` pipelines are in the quorum), once each (a marker in
-OUT_DIR keeps its restart alive). A process that took a peer's state adds a line to ``OUT_DIR/heals.jsonl``. Every process writes ``OUT_DIR/started/group{G}_rank{R}_{pid}`` when it starts.
+OUT_DIR keeps its restart alive). A process that took a peer's state adds a line to ``OUT_DIR/heals.jsonl``; every process, what it resumed from
+to ``OUT_DIR/starts.jsonl``. Every process writes ``OUT_DIR/started/group{G}_rank{R}_{pid}`` when it starts.
 ``--end-after-heal GROUP:K``: train until K steps after a replacement of pipeline GROUP (started after one of its
 processes was killed) took a peer's state (at most ``--steps``), so that it joins mid-run however slowly it starts;
 every pipeline ends at that step.
@@ -122,6 +123,9 @@ class Report(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         healed = trainer.strategy.restored_manifest or {}  # type: ignore[attr-defined]
+        start = {"group": GROUP, "rank": trainer.global_rank, "pid": os.getpid(), "step": trainer.global_step}
+        with open(self.out / "starts.jsonl", "a") as f:  # (what each process resumed from)
+            f.write(json.dumps({**start, "tier": healed.get("tier")}) + "\n")
         if healed.get("tier") == "peer":
             line = {"group": GROUP, "rank": trainer.global_rank, "time": time.time(), **healed}
             with open(self.out / "heals.jsonl", "a") as f:
@@ -186,6 +190,7 @@ def main() -> None:
     parser.add_argument("--offload", default=None, help="SpotPipelineStrategy(offload=...), e.g. optimizer")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--family", default="llama", help="--model finetune: the transformers family (llama, gpt2)")
+    parser.add_argument("--snapshot-every", type=int, default=None, help="SpotCheckpoint(snapshot_every_n_train_steps)")
     parser.add_argument("--device-memory", type=float, default=None, help="SpotPipelineStrategy(device_memory=...)")
     parser.add_argument("--min-replicas", type=int, default=1, help="TorchFT(min_replicas=...): the first quorum waits")
     args = parser.parse_args()
@@ -240,7 +245,16 @@ def main() -> None:
         callbacks=[
             Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups, args.freeze, args.stop_file),
             *(
-                [SpotCheckpoint(args.checkpoint, every_n_train_steps=5, save_on_train_end=False, heartbeat_seconds=0.5)]
+                [
+                    SpotCheckpoint(
+                        args.checkpoint,
+                        every_n_train_steps=5,
+                        save_on_train_end=False,
+                        heartbeat_seconds=0.5,
+                        snapshot_every_n_train_steps=args.snapshot_every,
+                        snapshot_dir=str(args.out / "snapshots"),
+                    )
+                ]
                 if args.checkpoint
                 else []
             ),

@@ -183,7 +183,8 @@ class SpotCheckpoint(L.Callback):
             self.cadence.snapshots = False
         if self.cadence.snapshots:
             asked = bool(self.snapshot_every_n_train_steps or self.snapshot_every_n_seconds)  # (else by default)
-            self.snapshots = open_snapshots(url, self.snapshot_dir, explicit=asked)
+            # (torchft: each pipeline keeps its own, apart from the other pipelines' on the node)
+            self.snapshots = open_snapshots(url, self.snapshot_dir, explicit=asked, part=self.rules.history_id)
             self.cadence.snapshots = self.snapshots is not None
         self.policy.snapshots = self.snapshots is not None
         host.use_checkpoint_storage(self.storage_options, url, self.snapshots)

@@ -21,10 +21,13 @@ from lightning_spot.utils.distributed import all_gather_object, is_initialized
 log = logging.getLogger(__name__)
 
 
-def open_snapshots(url: str, snapshot_dir: Optional[str], explicit: bool) -> Optional[SnapshotStore]:
-    """The node's snapshot store; a missing or read-only tmpfs fails here, before training, when snapshots were
-    asked for by an interval (``explicit``), and turns them off (every rank alike) when they are on by default."""
-    store = SnapshotStore.for_run(url, snapshot_dir)
+def open_snapshots(
+    url: str, snapshot_dir: Optional[str], explicit: bool, part: Optional[str] = None
+) -> Optional[SnapshotStore]:
+    """The node's snapshot store (``part``: this process group's among several that train the run); a missing or
+    read-only tmpfs fails here, before training, when snapshots were asked for by an interval (``explicit``), and
+    turns them off (every rank alike) when they are on by default."""
+    store = SnapshotStore.for_run(url, snapshot_dir, part)
     problem = None
     try:
         store.check()

@@ -70,7 +70,7 @@ def attach(
 
     settings = settings.resolved()
     layout = layout_tag(engine.plan.num_stages, engine.plan.cuts)
-    latest = _check_running_quorum(settings, layout, engine)
+    latest, holders = _check_running_quorum(settings, layout, engine)
     _check_memory(settings, engine, device_memory, offloaded, others_train=latest > 0)
     group = ReplicaGroup(
         settings,
@@ -88,7 +88,7 @@ def attach(
     group.model = StageModel(engine.module, engine.split, engine.plan, engine.ctx.pp_group)
     group.pace = lambda: engine.last_step_seconds  # (its schedule's seconds: the pipeline's speed on its last stage)
     _settle_heap()
-    group.join(latest_step=latest)
+    group.join(latest_step=latest, still_held=lambda: _still_live(settings, holders, engine))
     group.held_logs = engine.held_logs  # (the engine holds the step's logged values until the commit)
     group.accumulation = lambda: int(trainer.accumulate_grad_batches)  # (a callback may change it per epoch)
     group.keep = engine.keep_step
@@ -97,15 +97,16 @@ def attach(
     return group
 
 
-def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine) -> int:
+def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine) -> tuple[int, list[str]]:
     """Before this pipeline joins: refuse it, on every one of its ranks, when the live pipelines train another
-    layout; else return the latest step they hold (read once, on its first rank, from the lighthouse's page)."""
-    verdict: tuple[str | None, int] | None = None
+    layout; else return the latest step they hold and their replica ids (read once, on its first rank, from the
+    lighthouse's page)."""
+    verdict: tuple[str | None, int, list[str]] | None = None
     if engine.ctx.pp_rank == 0:
         assert settings.lighthouse is not None and settings.replica_group is not None
         running = read_running(settings.lighthouse, timeout=settings.connect_timeout)
         if running is None:
-            verdict = (None, 0)  # (no page to read: the quorum's own replica ids are checked at the join)
+            verdict = (None, 0, [])  # (no page to read: the quorum's own replica ids are checked at the join)
         else:
             group = settings.replica_group
             latest = running.latest_step(group)
@@ -113,11 +114,23 @@ def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine
             # pipelines of any cuts that start together train together
             mine = (parse_tag(layout) or (1, []))[0]
             deeper = any((parse_tag(m.layout) or (mine, []))[0] < mine for m in running.others(group))
-            verdict = (running.refusal(layout, group) if latest > 0 and deeper else None, latest)
-    refusal, latest = broadcast_object(verdict, group=engine.ctx.pp_group)
+            refusal = running.refusal(layout, group) if latest > 0 and deeper else None
+            verdict = (refusal, latest, running.holders(group))
+    refusal, latest, holders = broadcast_object(verdict, group=engine.ctx.pp_group)
     if refusal is not None:
         raise LayoutError(refusal)
-    return int(latest)
+    return int(latest), list(holders)
+
+
+def _still_live(settings: TorchFT, holders: list[str], engine: PipelineEngine) -> bool:
+    """(Collective over the pipeline) whether a pipeline that held the latest step when this one came still
+    heartbeats; those killed with it (a restart of every pipeline) stop within seconds."""
+    alive = None
+    if engine.ctx.pp_rank == 0:
+        assert settings.lighthouse is not None
+        running = read_running(settings.lighthouse, timeout=settings.connect_timeout)
+        alive = running is None or running.any_live(holders)
+    return bool(broadcast_object(alive, group=engine.ctx.pp_group))
 
 
 def _check_memory(

@@ -2,9 +2,12 @@
 
     rules = ReplicatedCheckpoints("s2c2_pipeline_1", lambda: strategy.replicas_now)
 
-The other pipelines of the quorum hold this one's state (a joiner heals from them): no snapshots in host memory.
-The first pipeline of the quorum writes the durable checkpoints (the same state on every pipeline); each pipeline
-keeps its own run history (its restarts, the quorums it saw), fed by its replica group's events.
+A joiner heals from the live pipelines of the quorum; when every pipeline starts again (a full restart), each
+resumes from its own newest state, its snapshots in host memory (kept apart from the other pipelines' on a node, by
+replica group) or the durable checkpoints, and the pipelines that resumed an older step than another take its state
+at their first step (``ReplicaGroup.begin_step``). The first pipeline of the quorum writes the durable checkpoints
+(the same state on every pipeline); each pipeline keeps its own run history (its restarts, the quorums it saw), fed
+by its replica group's events.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class ReplicatedCheckpoints:
 
     history_id: str
     replicas: Callable[[], Replicas]
-    keeps_snapshots: bool = False
+    keeps_snapshots: bool = True
 
     def writes(self) -> bool:
         return self.replicas().participant_rank == 0

@@ -312,14 +312,16 @@ class ReplicaGroup:
         return {**state, "layout": self.layout} if isinstance(state, dict) else state
 
     # ------------------------------------------------------------------ quorum
-    def join(self, latest_step: int = 0) -> None:
+    def join(self, latest_step: int = 0, still_held: Callable[[], bool] | None = None) -> None:
         """The first quorum (at setup, before Lightning restores anything): a pipeline that is behind the others
         takes a peer's state here (``load_state_dict`` is called).
 
         ``latest_step``: the step the live pipelines held before this one joined. A quorum of this pipeline alone
         behind it (the others were still inside a step that lost a peer) would start the run over beside them:
         the quorum is asked for again until they are in it (and their state is taken), for up to
-        ``quorum_timeout``. A quorum with pipelines of another layout is refused (see ``running_quorum``)."""
+        ``quorum_timeout``, while they live (``still_held``, collective: a restart of every pipeline at once sees
+        the killed ones on the lighthouse's page for a few seconds). A quorum with pipelines of another layout is
+        refused (see ``running_quorum``)."""
         self._joining = True
         try:
             self._quorum()
@@ -327,6 +329,14 @@ class ReplicaGroup:
             tries = max(1, int(self.settings.quorum_timeout / JOIN_RETRY_SECONDS))
             for _ in range(tries):
                 if self.healed_state is not None or self.step >= latest_step:
+                    break
+                if still_held is not None and not still_held():
+                    log.warning(
+                        "lightning-spot: pipeline %s: the pipelines that held step %d are gone; it joins at step %d",
+                        self.settings.replica_group,
+                        latest_step,
+                        self.step,
+                    )
                     break
                 log.warning(
                     "lightning-spot: pipeline %s got a quorum at step %d while live pipelines hold step %d: "
@@ -479,6 +489,9 @@ class ReplicaGroup:
         size. ``again``: runs this batch again (the strategy's step on it), should its window not commit."""
         if self._first_step and self.step != global_step:  # resumed from a checkpoint: count from its step
             self.set_step(global_step)
+            # (a new quorum, not the join's, where every pipeline was at step 0: pipelines that resumed from different
+            # steps (each its own snapshots) must not train together; torchft hands those behind the newest state)
+            self._unused_quorum = False
         self._first_step = False
         if self._window is None:
             if self._unused_quorum:

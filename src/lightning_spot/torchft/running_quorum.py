@@ -3,6 +3,8 @@
     running = read_running("http://lighthouse:29510", timeout=5.0)   # None: the page could not be read
     error = running.refusal(layout=layout_tag(2, [2]), group="1")     # None, or why this pipeline may not join
     step = running.latest_step(group="1")                             # the step the live pipelines hold
+    holders = running.holders(group="1")                              # their replica ids
+    read_running(...).any_live(holders)                               # later: still heartbeating?
 
 torchft heals a joining pipeline from the *same stage* of a running one, so every pipeline of a quorum must have
 the same stages and cuts; and a pipeline that gets a quorum of its own while others hold a later step would start
@@ -18,7 +20,7 @@ import html
 import re
 import urllib.request
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: a member heartbeating less long ago than this is live (torchft's lighthouse gives up on one after 5 s by default)
 LIVE_SECONDS = 5.0
@@ -75,13 +77,17 @@ class Member:
     step: int
     world_size: int
     live: bool
+    #: torchft's replica id (``s2c2_pipeline_1:uuid``): this process group's, a restart of it has another
+    replica_id: str = ""
 
 
 @dataclass(frozen=True)
 class RunningQuorum:
-    """The members of the lighthouse's latest quorum (made by this project's replica ids)."""
+    """The members of the lighthouse's latest quorum (made by this project's replica ids), and the age in seconds
+    of every replica's last heartbeat."""
 
     members: tuple[Member, ...]
+    heartbeats: dict[str, float] = field(default_factory=dict)
 
     def others(self, group: str) -> list[Member]:
         """The live members of other replica groups than ``group``."""
@@ -90,6 +96,15 @@ class RunningQuorum:
     def latest_step(self, group: str) -> int:
         """The latest step a live pipeline of another group holds (0: none)."""
         return max((m.step for m in self.others(group)), default=0)
+
+    def holders(self, group: str) -> list[str]:
+        """The replica ids of the live pipelines of other groups that hold :meth:`latest_step`."""
+        latest = self.latest_step(group)
+        return [m.replica_id for m in self.others(group) if m.step == latest and latest > 0]
+
+    def any_live(self, replica_ids: Iterable[str]) -> bool:
+        """Whether any of ``replica_ids`` still heartbeats (its last beat less than :data:`LIVE_SECONDS` ago)."""
+        return any(self.heartbeats.get(r, LIVE_SECONDS) < LIVE_SECONDS for r in replica_ids)
 
     def refusal(self, layout: str, group: str) -> str | None:
         """Why pipeline ``group``, training ``layout``, may not join the live pipelines (``None``: it may)."""
@@ -141,9 +156,10 @@ def parse_status(page: str) -> RunningQuorum:
                 step=int(match["step"]),
                 world_size=int(match["world"]),
                 live=age is not None and age < LIVE_SECONDS,
+                replica_id=match["id"].strip(),
             )
         )
-    return RunningQuorum(tuple(members))
+    return RunningQuorum(tuple(members), ages)
 
 
 def read_running(lighthouse: str, timeout: float) -> RunningQuorum | None:

@@ -62,6 +62,18 @@ def test_the_status_page_gives_the_live_pipelines_steps_and_layouts() -> None:
     assert parse_status("<html>a page of another torchft</html>").members == ()
 
 
+def test_a_joiner_waits_only_for_the_pipelines_that_held_the_latest_step_while_they_heartbeat() -> None:
+    """Every pipeline started again at once: the killed ones stay on the page for a few seconds (still "live");
+    a joiner stops waiting for their step once their own replica ids no longer heartbeat."""
+    holders = parse_status(PAGE).holders("1")
+    assert holders == ["s2c2_pipeline_0:71db80fc-0a04-4e4b-9940-67fe8c98181c"]
+    assert parse_status(PAGE).any_live(holders)
+    later = PAGE.replace("seen 82.5ms ago", "seen 5.2s ago")
+    assert not parse_status(later).any_live(holders)
+    restarted = PAGE.replace("71db80fc", "9999aaaa")  # (a new process of pipeline 0: another replica id)
+    assert not parse_status(restarted).any_live(holders) and parse_status(PAGE).holders("0") == []
+
+
 def test_a_replica_id_carries_the_layout_and_ends_with_the_group_torchft_reads() -> None:
     from torchft.manager import extract_trailing_digits
 

@@ -117,8 +117,11 @@ class SnapshotStore:
         self.maps = FileMaps()  # this process's spare and share files, mapped
 
     @classmethod
-    def for_run(cls, run_url: str, root: str | None = None) -> SnapshotStore:
-        key = hashlib.sha1(run_url.rstrip("/").encode()).hexdigest()[:16]
+    def for_run(cls, run_url: str, root: str | None = None, part: str | None = None) -> SnapshotStore:
+        """The store of run ``run_url`` on this node; ``part``: one of several process groups that train the run
+        and keep snapshots apart (a torchft job's pipelines, by replica group)."""
+        named = run_url.rstrip("/") + (f"#{part}" if part else "")
+        key = hashlib.sha1(named.encode()).hexdigest()[:16]
         return cls(Path(root or default_root()) / key)
 
     @property
