@@ -27,10 +27,11 @@ def test_a_pipeline_alone_writes_every_checkpoint_and_keeps_snapshots() -> None:
     assert rules.history_id is None and rules.events() == []
 
 
-def test_replicated_pipelines_write_from_the_first_of_the_quorum_and_keep_no_snapshots() -> None:
+def test_replicated_pipelines_write_from_the_first_of_the_quorum_and_keep_their_own_snapshots() -> None:
     group: list[Any] = [NoReplicas()]  # before fit attaches the replica group: the null object
     rules = ReplicatedCheckpoints("1", lambda: group[0])
-    assert not rules.keeps_snapshots and rules.history_id == "1"
+    # (each its own: the snapshot store is keyed by the history id, the replica group)
+    assert rules.keeps_snapshots and rules.history_id == "1"
     assert rules.writes() and rules.events() == []
     group[0] = FakeReplicas(1, [{"kind": "quorum", "step": 4}])  # attached: the second pipeline of the quorum
     assert not rules.writes()

@@ -306,3 +306,11 @@ def test_the_closing_line_gives_the_first_saves_stall_the_later_median_and_the_w
     )
     assert _per_save(saves[:2]) == "; per save: the first 4.70s, then a median 0.10s"
     assert _per_save(saves[:1]) == "; per save: the first 4.70s"
+
+
+def test_process_groups_of_one_run_keep_their_snapshots_apart(tmp_path: Path) -> None:
+    """torchft's pipelines of one run on one node: one store each (keyed by replica group), not one between them."""
+    run = SnapshotStore.for_run("s3://bucket/run", str(tmp_path))
+    zero, one = (SnapshotStore.for_run("s3://bucket/run", str(tmp_path), part) for part in ("0", "1"))
+    assert len({run.path, zero.path, one.path}) == 3
+    assert SnapshotStore.for_run("s3://bucket/run/", str(tmp_path), "1").path == one.path
