@@ -36,6 +36,7 @@ class Agent:
         env: dict[str, str] | None = None,
         max_restarts: int = 3,
         rdzv_conf: str = RDZV_CONF,
+        rdzv_id: str = "spot-test",
     ) -> None:
         self.name = name
         self.log_path = log
@@ -60,7 +61,7 @@ class Agent:
                 f"--max-restarts={max_restarts}",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=spot-test",
+                f"--rdzv-id={rdzv_id}",
                 f"--rdzv-conf={rdzv_conf}",
                 "--monitor-interval=0.5",
                 *script_args,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
+from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters, rendezvous_handler_registry
 
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 BACKEND = "lightning-spot-c10d"
 
 _handlers: list[RendezvousHandler] = []
+#: how long an agent rides through an unreachable rendezvous store (a coordinator restarting) before it fails
+OUTAGE_S = 120.0
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
@@ -31,8 +35,78 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     backend, store = create_backend(params)
     handler = create_handler(store, backend, params)
     handler.get_backend = lambda: BACKEND  # type: ignore[method-assign]  # the registry checks the name it asked for
+    if params.get_as_bool("is_host") is False:  # (the store is a coordinator's: it may restart under us)
+        survive_store_restarts(backend, handler, params)
     _handlers.append(handler)
     return handler
+
+
+def survive_store_restarts(backend: Any, handler: Any, params: RendezvousParameters, outage: float = OUTAGE_S) -> None:
+    """Let a rendezvous whose store lives elsewhere (``lightning-spot coordinator``) ride through a restart of it.
+
+    torch's agent reads the rendezvous state every monitor interval (are nodes waiting to join?) and fails the
+    whole node at the first store error. Here a failed store call connects again and is retried; a store found empty
+    (restarted) is given back the last state this agent saw, so that the round, its members and its waiting list
+    survive (the first agent back writes it; the others find it). While the store cannot be reached, reads answer
+    with that last state and writes fail as a lost race does, for up to ``outage`` seconds; after that the error is
+    raised as before."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    host, _, port = params.endpoint.rpartition(":")
+    call = backend._call_store
+    last: dict[str, Any] = {"value": backend._NULL_SENTINEL.encode(), "since": None}
+
+    def connect() -> None:
+        store = TCPStore(host, int(port), is_master=False, multi_tenant=True, timeout=timedelta(seconds=2))
+        store.set_timeout(timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60)))
+        # a restarted store holds nothing: put back the last state seen (whoever comes first; the others read it)
+        store.compare_set(backend._key, "", _heartbeats_now(last["value"], backend._NULL_SENTINEL).decode())
+        backend._store = handler._store = store
+        log.warning("lightning-spot: reconnected to the rendezvous store at %s", params.endpoint)
+
+    def resilient(store_op: str, *args: Any, **kwargs: Any) -> Any:
+        for attempt in (0, 1):
+            try:
+                value = call(store_op, *args, **kwargs)
+            except RendezvousConnectionError:
+                if attempt == 0:
+                    try:
+                        connect()
+                        continue
+                    except (RuntimeError, ValueError, TimeoutError):
+                        pass
+                since = last["since"] = last["since"] or time.monotonic()
+                if time.monotonic() - since > outage:
+                    raise
+                log.warning(
+                    "lightning-spot: the rendezvous store at %s is unreachable; keeping the last state", params.endpoint
+                )
+                # (a read sees the last state, its heartbeats fresh: torch would otherwise find every node dead,
+                # itself included, and stop its heartbeats for good; a compare_set sees a lost race)
+                return _heartbeats_now(last["value"], backend._NULL_SENTINEL)
+            last["since"] = None
+            if store_op in ("get", "compare_set") and args and args[0] == backend._key:
+                last["value"] = value
+            return value
+        raise AssertionError("unreachable")
+
+    backend._call_store = resilient
+
+
+def _heartbeats_now(encoded: bytes, sentinel: str) -> bytes:
+    """A rendezvous state as the c10d backend stores it (base64 of a pickle) with every node's last heartbeat set to
+    now: a state kept through a store outage must not make the nodes look dead when it is read or written back."""
+    import base64
+    import pickle
+    from datetime import datetime, timezone
+
+    if encoded == sentinel.encode():
+        return encoded
+    state = pickle.loads(base64.b64decode(encoded))
+    now = datetime.now(timezone.utc)
+    state.last_heartbeats = dict.fromkeys(state.last_heartbeats, now)
+    return base64.b64encode(pickle.dumps(state))
 
 
 def register() -> str:

@@ -23,6 +23,7 @@ USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.ya
        lightning-spot report RUN_URL [--png RUN.png] [--json] [--storage-options JSON]
        lightning-spot timeline DIR [--no-png] [--storage-options JSON]
        lightning-spot run [--nnodes MIN:MAX] [--nproc-per-node N] [--rdzv-endpoint HOST:PORT] SCRIPT [ARGS]
+       lightning-spot coordinator [--rdzv-port 29400] [--lighthouse-port 29510] [--no-lighthouse]
 
 fit/validate/test/predict: PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a
 SpotPipelineStrategy class_path) works in the YAML. `lightning-spot fit --help` lists every option.
@@ -31,6 +32,7 @@ plan: profile a model and print the layout (P x D, micro-batches, schedule, cuts
 report: what happened to a run (layouts, preemptions, time lost, checkpoint stall, throughput).
 timeline: merge the per-rank traces of a stopped run and draw its Gantt chart.
 run: launch SCRIPT with torchrun, set up for elastic restarts after preemptions.
+coordinator: the rendezvous store and torchft lighthouse of a spot job, one process on a node that stays.
 """
 
 
@@ -65,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_spot.cli.run import main as run_main
 
         return run_main(args[1:])
+    if args[0] == "coordinator":
+        from lightning_spot.cli.coordinator import main as coordinator_main
+
+        return coordinator_main(args[1:])
     if args[0] == "timeline":
         from lightning_spot.cli.timeline import main as timeline_main
 

@@ -39,12 +39,31 @@ KEEP_ALIVE_MANY_NODES_SECONDS = 5
 MANY_NODES = 64
 #: how long a rendezvous round waits for more nodes after the last arrival (restarted nodes arrive within ~1 s)
 LAST_CALL_SECONDS = 2
+DEFAULT_RDZV_ID = "lightning-spot"
 
 
-def rendezvous_conf(keep_alive: int = KEEP_ALIVE_SECONDS, last_call: int = LAST_CALL_SECONDS) -> str:
+def rendezvous_conf(
+    keep_alive: int = KEEP_ALIVE_SECONDS, last_call: int = LAST_CALL_SECONDS, external_store: bool = False
+) -> str:
     """torchrun's ``--rdzv-conf`` value: heartbeats every ``keep_alive`` s (3 missed: given up), rounds that close
-    ``last_call`` s after their last arrival."""
-    return f"keep_alive_interval={keep_alive},keep_alive_max_attempt=3,last_call_timeout={last_call}"
+    ``last_call`` s after their last arrival; ``external_store``: the store is the coordinator's, no agent hosts
+    it."""
+    conf = f"keep_alive_interval={keep_alive},keep_alive_max_attempt=3,last_call_timeout={last_call}"
+    return conf + (",is_host=false" if external_store else "")
+
+
+def apply_coordinator(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """``--coordinator HOST[:PORT]``: the rendezvous on its store (each pipeline under its own id when
+    ``REPLICA_GROUP_ID`` is set) and, unless ``TORCHFT_LIGHTHOUSE`` is set, its lighthouse; the environment to add."""
+    from lightning_spot.cli.coordinator import LIGHTHOUSE_PORT, RDZV_PORT
+
+    host, _, port = args.coordinator.rpartition(":") if ":" in args.coordinator else (args.coordinator, "", "")
+    args.rdzv_endpoint = f"{host}:{port or RDZV_PORT}"
+    group = env.get("REPLICA_GROUP_ID")
+    if group is not None and args.rdzv_id == DEFAULT_RDZV_ID:
+        args.rdzv_id = f"{DEFAULT_RDZV_ID}-pipeline-{group}"
+    lighthouse = f"http://{host}:{args.lighthouse_port or LIGHTHOUSE_PORT}"
+    return {} if "TORCHFT_LIGHTHOUSE" in env else {"TORCHFT_LIGHTHOUSE": lighthouse}
 
 
 def keep_alive_for(nnodes: str) -> int:
@@ -74,7 +93,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
-            f"--rdzv-conf={rendezvous_conf(args.keep_alive or keep_alive_for(args.nnodes), args.last_call)}",
+            "--rdzv-conf="
+            + rendezvous_conf(args.keep_alive or keep_alive_for(args.nnodes), args.last_call, bool(args.coordinator)),
         ]
     if args.preload:
         cmd.append(f"--preload={args.preload}")
@@ -130,7 +150,13 @@ def main(argv: Sequence[str]) -> int:
         "--nproc-per-node", default="gpu", help="workers per node: a number, 'gpu' or 'cpu' (default gpu)"
     )
     parser.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (needed for several nodes)")
-    parser.add_argument("--rdzv-id", default="lightning-spot", help="job id shared by all nodes")
+    parser.add_argument("--rdzv-id", default=DEFAULT_RDZV_ID, help="job id shared by all nodes")
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST[:PORT] of `lightning-spot coordinator`: the rendezvous on its store (per pipeline with "
+        "REPLICA_GROUP_ID) and its torchft lighthouse; replaces --rdzv-endpoint",
+    )
     parser.add_argument(
         "--max-restarts", type=int, default=100, help="restarts after preemptions, lost peers and killed workers"
     )
@@ -173,22 +199,30 @@ def main(argv: Sequence[str]) -> int:
         default=None,
         help="one machine, fault_tolerance='torchft': start a lighthouse and this many pipelines, one torchrun each",
     )
-    parser.add_argument("--lighthouse-port", type=int, default=29510, help="the embedded lighthouse's port (0: any)")
+    parser.add_argument(
+        "--lighthouse-port",
+        type=int,
+        default=29510,
+        help="the embedded lighthouse's port (0: any), or the coordinator's with --coordinator",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = parser.parse_args(list(argv))
-    if args.replica_groups is not None and (args.replica_groups < 1 or args.rdzv_endpoint or args.nnodes != "1"):
+    if args.replica_groups is not None and (
+        args.replica_groups < 1 or args.rdzv_endpoint or args.coordinator or args.nnodes != "1"
+    ):
         raise SystemExit(
             "lightning-spot run: --replica-groups N starts N pipelines on this machine; on several machines start "
             "one lightning-spot run per pipeline with REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE set "
             "(docs/launch-and-preemption.md)"
         )
+    extra_env = apply_coordinator(args, dict(os.environ)) if args.coordinator else {}
     cmd = torchrun_command(args)
     if args.replica_groups is not None and not args.dry_run:
         return run_replica_groups(args, cmd)
-    env_text = " ".join(f"{k}={v}" for k, v in ELASTIC_ENV.items())
+    env_text = " ".join(f"{k}={v}" for k, v in {**ELASTIC_ENV, **extra_env}.items())
     print(f"lightning-spot run: {env_text} {shlex.join(cmd)}", flush=True)
     if args.dry_run:
         return 0
-    return subprocess.call(cmd, env={**os.environ, **ELASTIC_ENV})
+    return subprocess.call(cmd, env={**os.environ, **ELASTIC_ENV, **extra_env})

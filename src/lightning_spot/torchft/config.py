@@ -28,7 +28,12 @@ class TorchFT:
         timeout: seconds a gradient all-reduce or a commit vote may take before the step is given up (and run
             again with the pipelines that are left).
         quorum_timeout: seconds a step waits for the lighthouse to form a quorum before the job fails.
-        connect_timeout: seconds to reach the lighthouse and the peers' managers.
+        connect_timeout: seconds to reach the lighthouse and the peers' managers. torchft's reconnects back off
+            (x1.5 from 0.1 s) up to it before starting over: 3 s keeps a restarted lighthouse's heartbeats within
+            about a second (10 s left gaps of 2-3 s, longer than its 1 s heartbeat timeout).
+        quorum_retries: how many times a quorum the lighthouse did not answer is asked again within
+            ``quorum_timeout`` (evenly spaced): a lighthouse that restarts (a coordinator under a supervisor) within
+            it loses no pipeline. 0: the first failure ends the job, after ``quorum_timeout``.
         overlap: send each gradient bucket to the other pipelines during the backward, as soon as it is final
             (faster steps), instead of after it. Off by default: in about one run in fifteen of the survivors
             test with it on, a pipeline lost while a bucket was in flight held the others until ``timeout``
@@ -41,7 +46,8 @@ class TorchFT:
     min_replicas: int = 1
     timeout: float = 30.0
     quorum_timeout: float = 60.0
-    connect_timeout: float = 10.0
+    connect_timeout: float = 3.0
+    quorum_retries: int = 20
     overlap: bool = False
 
     def resolved(self) -> TorchFT:

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 #: seconds between the quorums a joining pipeline asks for while live pipelines ahead of it are not in its quorum
 JOIN_RETRY_SECONDS = 0.5
+#: after a restart of the lighthouse, how long a quorum of fewer pipelines than the last is asked again
+LIGHTHOUSE_RESTART_WAIT_S = 5.0
 #: commits between the re-measured batch shares: each pipeline's rows in proportion to its speed (rows per second of
 #: its last schedule), agreed over the last stages and sent to the rest of each pipeline at these steps
 SHARES_EVERY = 10
@@ -101,10 +103,13 @@ class _StagePG:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.mixed = False
+        #: the quorum's step, added to the store prefix torchft gives (``s12``): a restarted lighthouse numbers its
+        #: quorums from 1 again, and the keys an earlier quorum of that number left in the store must not be read
+        self.epoch = ""
 
-    def configure(self, *args: Any, **kwargs: Any) -> None:
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
         if not self.mixed:
-            self._inner.configure(*args, **kwargs)
+            self._inner.configure(f"{store_addr}/{self.epoch}" if self.epoch else store_addr, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -159,6 +164,9 @@ class ReplicaGroup:
             timeout=timedelta(seconds=settings.timeout),
             quorum_timeout=timedelta(seconds=settings.quorum_timeout),
             connect_timeout=timedelta(seconds=settings.connect_timeout),
+            # a lighthouse that restarts (``lightning-spot coordinator`` under a supervisor) is asked again, every
+            # quorum_timeout / (retries + 1) s, rather than failing the step
+            quorum_retries=settings.quorum_retries,
             rank=group_rank,
             world_size=group_size,
             lighthouse_addr=settings.lighthouse,
@@ -211,6 +219,8 @@ class ReplicaGroup:
         self.model: StageModel | None = None
         self._mixed: HolderReduce | None = None
         self._mixed_quorum = -1
+        #: the last quorum's id (a lower one next: the lighthouse restarted)
+        self._last_quorum_id: int | None = None
         self._tied: list[Tensor] = []
         #: seconds of this rank's last schedule (``PipelineEngine.last_step_seconds``), set at attach: its speed
         self.pace: Callable[[], float] | None = None
@@ -228,6 +238,7 @@ class ReplicaGroup:
         model differently leaves torchft's per-stage group unconfigured."""
         tags = {parsed[1] for parsed in map(parse_replica_id, getattr(result, "replica_ids", []) or []) if parsed}
         self._pg.mixed = len(tags) > 1
+        self._pg.epoch = f"s{getattr(result, 'max_step', 0)}"
 
     def _use_mixed(self) -> None:
         """After a quorum: with pipelines of other cuts in it, reduce each parameter among its holders (groups made
@@ -257,7 +268,7 @@ class ReplicaGroup:
         # torchft spreads its stores over the quorum by stage (stage k's is member k's): every rank takes the one
         # its pipeline's first rank was given, member 0's, so that the holders of every group meet in one store
         store = broadcast_object(result.store_address if self.manager_rank == 0 else None, group=pp_group)
-        prefix = f"{store}/lightning-spot/{result.quorum_id}"
+        prefix = f"{store}/lightning-spot/{result.quorum_id}/s{result.max_step}"  # (see _StagePG.epoch)
 
         def group(key: str, rank: int, size: int) -> Any:
             made = cross_pipeline_group(self.device, timeout)
@@ -425,6 +436,10 @@ class ReplicaGroup:
                 f"{self.settings.quorum_timeout:.0f} s ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
                 f"Restart the lighthouse (or the launch) and the pipelines resume from the durable checkpoints."
             ) from err
+        quorum_id = self._quorum_id()
+        if quorum_id is not None and self._last_quorum_id is not None and quorum_id < self._last_quorum_id:
+            self._await_peers_after_restart(before)
+        self._last_quorum_id = self._quorum_id()
         if self.healed_state is not None and not self._joining:
             self._fell_behind()
         rank = self.manager.participating_rank()
@@ -450,6 +465,31 @@ class ReplicaGroup:
                 self.manager.current_step(),
                 before,
             )
+
+    def _await_peers_after_restart(self, before: int) -> None:
+        """The lighthouse restarted (its quorum ids count from 1 again; ``lightning-spot coordinator`` under a
+        supervisor): its first quorum holds the pipelines whose managers reached it first. One that trained in it
+        would commit steps the others do not have, and they would restart to take its state; so while the quorum
+        holds fewer pipelines than the last one (``before``), it is asked again, for up to
+        :data:`LIGHTHOUSE_RESTART_WAIT_S` (a pipeline lost meanwhile costs the others that long)."""
+        started = time.monotonic()
+        log.warning(
+            "lightning-spot: pipeline %s: the torchft lighthouse restarted; waiting up to %.0f s for the %d pipelines of "
+            "the last quorum",
+            self.settings.replica_group,
+            LIGHTHOUSE_RESTART_WAIT_S,
+            before,
+        )
+        while self.manager.num_participants() < before and time.monotonic() - started < LIGHTHOUSE_RESTART_WAIT_S:
+            time.sleep(0.2)
+            self._boundary.set()
+            try:
+                self.manager.start_quorum()
+            finally:
+                self._boundary.clear()
+        self._events.append(
+            {"kind": "lighthouse_restart", "step": self.manager.current_step(), "waited": time.monotonic() - started}
+        )
 
     def overlap(
         self, params: Sequence[Tensor], tied: Sequence[Tensor], loss_weights: LossWeights, early: bool = True

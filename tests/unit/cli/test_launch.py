@@ -79,3 +79,22 @@ def test_heartbeat_default_follows_the_node_count(capsys: pytest.CaptureFixture[
         assert f"keep_alive_interval={beat}," in capsys.readouterr().out
     assert main(["run", "--dry-run", "--nnodes", "1:128", "--keep-alive", "2", "--rdzv-endpoint", "h:1", "x.py"]) == 0
     assert "keep_alive_interval=2," in capsys.readouterr().out, "an explicit value wins"
+
+
+def test_run_with_a_coordinator_meets_on_its_store_and_lighthouse(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--coordinator HOST`: the rendezvous on the coordinator's store (no agent hosts it: is_host=false), one
+    rendezvous id per pipeline, and its lighthouse unless TORCHFT_LIGHTHOUSE says otherwise."""
+    from lightning_spot.cli import main
+
+    monkeypatch.setenv("REPLICA_GROUP_ID", "3")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    assert main(["run", "--dry-run", "--coordinator", "head", "--nnodes", "1:2", "train.py"]) == 0
+    line = capsys.readouterr().out
+    assert "TORCHFT_LIGHTHOUSE=http://head:29510" in line and "--rdzv-endpoint=head:29400" in line
+    assert "--rdzv-id=lightning-spot-pipeline-3" in line and ",is_host=false" in line
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://other:1")
+    assert main(["run", "--dry-run", "--coordinator", "head:7000", "--nnodes", "1:2", "--rdzv-id", "mine", "x.py"]) == 0
+    line = capsys.readouterr().out
+    assert "TORCHFT_LIGHTHOUSE" not in line and "--rdzv-endpoint=head:7000" in line and "--rdzv-id=mine" in line

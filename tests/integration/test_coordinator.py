@@ -1,0 +1,113 @@
+"""`lightning-spot coordinator`: the rendezvous store and the torchft lighthouse of a spot job in one process; a
+restart of it within the timeouts stops no pipeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed import REPO, free_port
+from tests.integration.test_fault_tolerance import WORKER, _reference, _results, needs_hostname
+from tests.parity import assert_same_params
+
+
+def _coordinator(rdzv_port: int, lighthouse_port: int, log: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "lightning_spot.cli", "coordinator", "--rdzv-port", str(rdzv_port)]
+    argv += ["--lighthouse-port", str(lighthouse_port), "--log-every", "0.5"]
+    with open(log, "a") as f:
+        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        return subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: Path) -> None:
+    """Pipeline 0 on two nodes, pipeline 1 on one (an agent per node, `--nnodes 1:2`) meet on one coordinator:
+    their rendezvous (one id each) on its store, their quorum on its lighthouse. The coordinator is killed (SIGKILL)
+    and started again on the same ports: both pipelines train on in the same processes (the agents ride through the
+    store's outage and give the new store their rendezvous state; torchft asks the new lighthouse for quorums).
+    Then a node joins pipeline 1's rendezvous on the new store: pipeline 1 grows to depth 2 and takes pipeline 0's
+    state. Both end equal to one process."""
+    from lightning_spot.torchft.running_quorum import read_running
+    from tests.elastic import RDZV_CONF, Agent, agents_cleanup, port_open, wait_for
+
+    rdzv_port, lighthouse_port = free_port(), free_port()
+    lighthouse = f"http://127.0.0.1:{lighthouse_port}"
+    log = tmp_path / "coordinator.log"
+    coordinator = _coordinator(rdzv_port, lighthouse_port, log)
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
+    conf = f"{RDZV_CONF},is_host=false"  # (what `lightning-spot run --coordinator` passes)
+
+    def node(group: int, name: str) -> Agent:
+        env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
+        log = tmp_path / f"pipeline{group}{name}.log"
+        return Agent(
+            f"{group}{name}", rdzv_port, 1, argv, log, nnodes="1:2", env=env, rdzv_conf=conf, rdzv_id=f"p{group}"
+        )
+
+    def steps() -> dict[str, int]:
+        running = read_running(lighthouse, timeout=2)
+        return {m.group: m.step for m in running.members if m.live} if running else {}
+
+    heals = out / "heals.jsonl"
+    try:
+        wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
+        with agents_cleanup([]) as agents:
+            agents += [node(0, "a"), node(0, "b")]
+            wait_for(lambda: len(steps()) == 1, 200, "pipeline 0 training", agents)
+            agents.append(node(1, "a"))
+            wait_for(lambda: len(steps()) == 2 and min(steps().values()) >= 5, 200, "both pipelines at step 5", agents)
+            coordinator.kill()
+            coordinator.wait()
+            killed = time.time()
+            time.sleep(2.0)
+            coordinator = _coordinator(rdzv_port, lighthouse_port, log)
+            wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator back", agents)
+            back = time.time()
+            wait_for(lambda: len(steps()) == 2, 60, "both pipelines in a quorum of the new lighthouse", agents)
+            resumed = time.time()
+            first = steps()
+            time.sleep(3.0)
+            assert all(steps()[g] > first[g] for g in "01"), "both pipelines train on after the restart"
+            joined = time.time()
+            agents.append(node(1, "b"))
+
+            def grown() -> set[int]:
+                lines = heals.read_text().splitlines() if heals.exists() else []
+                return {h["rank"] for h in map(json.loads, lines) if h["group"] == "1" and h["time"] > joined}
+
+            wait_for(lambda: grown() == {0, 1}, 120, "pipeline 1 grown to depth 2 on the new store", agents)
+            time.sleep(2.0)
+            stop.touch()
+            wait_for(lambda: all(a.proc.poll() is not None for a in agents), 120, "the pipelines to end", agents)
+            codes = [a.proc.returncode for a in agents]
+            assert codes == [0, 0, 0, 0], (codes, agents[2].output()[-5000:])
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+    started = sorted(p.name.rsplit("_", 1)[0] for p in (out / "started").iterdir())
+    assert started.count("group0_rank0") == started.count("group0_rank1") == 1, "pipeline 0 was restarted"
+    assert started.count("group1_rank0") == 2 and started.count("group1_rank1") == 1, started  # (only to grow)
+    results = _results(out)
+    for group in (0, 1):
+        steps_done = results[f"group{group}_rank0"]["global_step"]
+        got: dict[str, Any] = {
+            **results[f"group{group}_rank0"]["state_dict"],
+            **results[f"group{group}_rank1"]["state_dict"],
+        }
+        assert_same_params(got, _reference(steps_done))
+    text = log.read_text()
+    assert "2 live: pipeline 0" in text, text[-3000:]  # (the coordinator logs the membership)
+    print(
+        f"\ncoordinator restart: down {back - killed:.1f} s (a new process importing torch), both pipelines in a "
+        f"quorum of the new lighthouse {resumed - back:.1f} s after it was back"
+    )
