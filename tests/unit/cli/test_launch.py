@@ -98,3 +98,55 @@ def test_run_with_a_coordinator_meets_on_its_store_and_lighthouse(
     assert main(["run", "--dry-run", "--coordinator", "head:7000", "--nnodes", "1:2", "--rdzv-id", "mine", "x.py"]) == 0
     line = capsys.readouterr().out
     assert "TORCHFT_LIGHTHOUSE" not in line and "--rdzv-endpoint=head:7000" in line and "--rdzv-id=mine" in line
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_on_a_coordinators_store_rides_through_its_restart() -> None:
+    """A node's rendezvous on a store it does not host (is_host=false): the store goes away (its process restarts)
+    and comes back empty on the same port. Meanwhile the agent's reads answer the last state with this node alive
+    (not an error that fails the node); then the new store is given that state back: the round, complete, with
+    this node in it, and its heartbeats going on."""
+    import base64
+    import pickle
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from lightning_spot_launch import rendezvous
+
+    port = free_port()
+
+    def store() -> TCPStore:
+        return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
+
+    def state_in(server: TCPStore) -> object:
+        client = TCPStore("127.0.0.1", port, is_master=False, multi_tenant=True, timeout=timedelta(seconds=5))
+        return pickle.loads(base64.b64decode(client.get("torch.rendezvous.coordinated")))
+
+    server = store()
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="coordinated", min_nodes=1, max_nodes=2, is_host=False,
+        join_timeout="10", last_call_timeout="1", keep_alive_interval="1", keep_alive_max_attempt="3",
+    )  # fmt: skip
+    node = rendezvous._create(params)
+    try:
+        assert node.next_rendezvous().world_size == 1
+        del server
+        gc.collect()  # (the store's server stops with it)
+        down = time.monotonic()
+        while time.monotonic() - down < 4.0:  # (longer than 3 missed heartbeats; a read may take a connect's 2-4 s)
+            assert node.num_nodes_waiting() == 0
+            time.sleep(0.5)
+        server = store()
+        assert node.num_nodes_waiting() == 0  # (connects again, gives the state back)
+        time.sleep(1.5)  # (a heartbeat goes into the new store)
+        state = state_in(server)
+        assert state.complete and len(state.participants) == 1, state  # type: ignore[attr-defined]
+        beats = list(state.last_heartbeats.values())  # type: ignore[attr-defined]
+        assert len(beats) == 1 and (time.time() - beats[0].timestamp()) < 3, "this node must look alive"
+    finally:
+        node._stop_heartbeats()  # type: ignore[attr-defined]
+        rendezvous._handlers.clear()
+        del node
+        gc.collect()
