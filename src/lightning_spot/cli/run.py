@@ -96,6 +96,10 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             "--rdzv-conf="
             + rendezvous_conf(args.keep_alive or keep_alive_for(args.nnodes), args.last_call, bool(args.coordinator)),
         ]
+    if args.shutdown_timeout is not None:
+        cmd.append(f"--shutdown-timeout={args.shutdown_timeout}")
+    if args.signals_to_handle:
+        cmd.append(f"--signals-to-handle={args.signals_to_handle}")
     if args.preload:
         cmd.append(f"--preload={args.preload}")
     if args.fresh_processes:
@@ -186,6 +190,19 @@ def main(argv: Sequence[str]) -> int:
         default=LAST_CALL_SECONDS,
         help=f"seconds a rendezvous round waits for more nodes after the last one arrived (default "
         f"{LAST_CALL_SECONDS}; torchrun's is 30): part of every restart",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=None,
+        help="seconds the agent waits for its workers after forwarding a SIGTERM before it kills them (torchrun's "
+        "default 30): more than the coordinated stop's durable save takes, less than the scheduler's grace period",
+    )
+    parser.add_argument(
+        "--signals-to-handle",
+        default=None,
+        help="signals the agent forwards to its workers (torchrun's default SIGTERM,SIGINT,SIGHUP,SIGQUIT; add SIGUSR1 "
+        "for Slurm's --signal=USR1@SECONDS, and give the workers PreemptionWatcher(signals=('SIGTERM', 'SIGUSR1')))",
     )
     parser.add_argument("--preload", default="", help="more modules for the workers' fork server (e.g. transformers)")
     parser.add_argument(

@@ -70,6 +70,22 @@ def test_run_passes_the_launcher_flags(flag: str | None, capsys: pytest.CaptureF
     assert "-m lightning_spot_launch" in line and (flag or "--preload=transformers") in line
 
 
+def test_run_passes_the_shutdown_timeout_and_the_signals_to_forward(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a scheduler's grace period and notice signal need: torchrun's own flags, passed through (and parsed by
+    our agent, which takes torchrun's parser)."""
+    from torch.distributed.run import get_args_parser
+
+    from lightning_spot.cli import main
+
+    assert main(["run", "--dry-run", "--shutdown-timeout", "80", "--signals-to-handle", "SIGTERM,SIGUSR1", "x.py"]) == 0
+    line = capsys.readouterr().out
+    assert "--shutdown-timeout=80" in line and "--signals-to-handle=SIGTERM,SIGUSR1" in line
+    parsed = get_args_parser().parse_args(["--shutdown-timeout=80", "--signals-to-handle=SIGTERM,SIGUSR1", "x.py"])
+    assert parsed.shutdown_timeout == 80 and parsed.signals_to_handle == "SIGTERM,SIGUSR1"
+    assert main(["run", "--dry-run", "x.py"]) == 0
+    assert "--shutdown-timeout" not in capsys.readouterr().out  # (torchrun's default unless asked)
+
+
 def test_heartbeat_default_follows_the_node_count(capsys: pytest.CaptureFixture[str]) -> None:
     """1 s beats up to 64 nodes (a dead node given up after 3 s); beyond, torchrun's 5 s spare the store."""
     from lightning_spot.cli import main
