@@ -88,8 +88,8 @@ def _has_events(storage: Storage) -> bool:
 
 def _run_of(storage: Storage) -> Storage:
     """Where the checkpoints are: the run directory, also for one pipeline's history inside it."""
-    parent, _, name = storage.url.rpartition("/")
-    return Storage(parent, storage.options) if name.startswith(PIPELINE_HISTORY) and parent else storage
+    parent = storage.url.rstrip("/").rpartition("/")[0]
+    return Storage(parent, storage.options) if _is_pipeline_history(storage.url) and parent else storage
 
 
 def build_report(storage: Storage) -> dict[str, Any]:
