@@ -644,6 +644,65 @@ def test_pipelines_of_different_depths_train_in_one_quorum_equal_to_one_process(
 @pytest.mark.slow
 @needs_hostname
 @pytest.mark.timeout(300)
+def test_a_pipeline_deeper_than_the_live_one_joins_it_mid_run(tmp_path: Path, lighthouse: str) -> None:
+    """Pipeline 0, whole on one process, trains alone; at step 6 or later pipeline 1 joins, cut in two stages on two
+    processes: its first rank heals from pipeline 0's only rank (torchft's rule), its second rank, which pipeline 0
+    does not have, is pointed at the same rank (heal_across.heal_source_rank), and each keeps its own layers. The
+    two train together ([1, 2]) until a stop file; both equal one process."""
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
+    argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--stop-file", str(stop)]
+    heals = out / "heals.jsonl"
+
+    def healed() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in heals.read_text().splitlines()] if heals.exists() else []
+
+    with ExitStack() as stack:
+        whole = stack.enter_context(
+            _running(1, [*argv, "--stages", "1"], tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"})
+        )
+        deadline = time.monotonic() + 200
+        while not list(out.glob("started/group0_*")) or _step_of(lighthouse, "0") < 6:
+            assert time.monotonic() < deadline and whole[0].poll() is None, "pipeline 0 must train alone first"
+            time.sleep(0.2)
+        deep = stack.enter_context(
+            _running(2, [*argv, "--stages", "2"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
+        )
+        while {h["rank"] for h in healed()} != {0, 1}:
+            failed = [p.returncode for p in [*whole, *deep] if p.poll() is not None]
+            if failed or time.monotonic() > deadline:
+                raise WorkerFailure(f"no heal of both ranks ({failed})", [*_logs(tmp_path / "logs1", 2)])
+            time.sleep(0.2)
+        time.sleep(2.0)  # (a few steps together)
+        stop.touch()
+        for p in [*whole, *deep]:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = [p.returncode for p in [*whole, *deep]]
+        if codes != [0, 0, 0]:
+            raise WorkerFailure(f"exit codes {codes}", [*_logs(tmp_path / "logs0", 1), *_logs(tmp_path / "logs1", 2)])
+    results = _results(out)
+    joined = min(h["step"] for h in healed())
+    assert joined >= 6 and {h["step"] for h in healed()} == {joined}, healed()  # (both ranks at one step)
+    steps = results["group0_rank0"]["global_step"]
+    assert steps > joined
+    assert_same_params(results["group0_rank0"]["state_dict"], _reference(steps))
+    steps1 = results["group1_rank0"]["global_step"]  # (it may stop a step before or after pipeline 0)
+    assert abs(steps1 - steps) <= 1 and results["group1_rank1"]["global_step"] == steps1
+    merged = {**results["group1_rank0"]["state_dict"], **results["group1_rank1"]["state_dict"]}
+    assert_same_params(merged, _reference(steps1))
+
+
+def _step_of(lighthouse: str, group: str) -> int:
+    """The step pipeline ``group`` holds in the lighthouse's latest quorum (0: not in it)."""
+    from lightning_spot.torchft.running_quorum import read_running
+
+    running = read_running(lighthouse, timeout=2)
+    return max((m.step for m in running.members if m.group == group), default=0) if running else 0
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
 def test_a_deep_pipeline_trains_on_alone_when_a_pipeline_of_other_cuts_dies(tmp_path: Path, lighthouse: str) -> None:
     """Pipelines [2, 1] in one quorum; pipeline 1 (whole, one process) dies in step 5, before its gradients reach
     pipeline 0: pipeline 0 runs that step again alone, back on torchft's own per-stage groups, and trains on to the

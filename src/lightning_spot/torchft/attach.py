@@ -22,7 +22,7 @@ from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.torchft.replica_group import ReplicaGroup, StageModel
-from lightning_spot.torchft.running_quorum import layout_tag, parse_tag, read_running
+from lightning_spot.torchft.running_quorum import layout_tag, read_running
 from lightning_spot.torchft.stage_memory import memory_shortfall, wait_for_nodes
 from lightning_spot.utils.distributed import broadcast_object
 
@@ -109,13 +109,8 @@ def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine
             verdict = (None, 0, [])  # (no page to read: the quorum's own replica ids are checked at the join)
         else:
             group = settings.replica_group
-            latest = running.latest_step(group)
-            # a joiner heals from a live pipeline's ranks (heal_across): one at most as deep as every live one can;
-            # pipelines of any cuts that start together train together
-            mine = (parse_tag(layout) or (1, []))[0]
-            deeper = any((parse_tag(m.layout) or (mine, []))[0] < mine for m in running.others(group))
-            refusal = running.refusal(layout, group) if latest > 0 and deeper else None
-            verdict = (refusal, latest, running.holders(group))
+            # (a joiner of any depth and cuts heals from a live pipeline's ranks: heal_across)
+            verdict = (None, running.latest_step(group), running.holders(group))
     refusal, latest, holders = broadcast_object(verdict, group=engine.ctx.pp_group)
     if refusal is not None:
         raise LayoutError(refusal)

@@ -1,11 +1,14 @@
 """A joining pipeline takes its state from a peer that cuts the model differently: layer ranges from several ranks.
 
     ranks = source_ranks(names, split, "s2c2")          # the peer's ranks holding what this rank needs
+    first = heal_source_rank(2, names, split, "s2c2")    # where torchft heals rank 2 from (a deeper joiner's)
     state = merged(own, [fetch(r) for r in others])     # one stage state over the layers this rank now holds
 
 torchft heals stage ``k`` of a joiner from stage ``k`` of a live peer. When the peer is cut otherwise (a pipeline
 re-formed at a smaller depth joins deeper ones), that stage holds only part of this rank's layers: the rest is
-fetched from the peer's other ranks, which serve their state at the same step (every rank of the peer got the
+fetched from the peer's other ranks; a joiner deeper than the peer has ranks with no counterpart there, and torchft
+is pointed at the peer's first rank holding their layers instead (``heal_source_rank``). The other ranks' states are
+fetched which serve their state at the same step (every rank of the peer got the
 joiner in its quorum), through torchft's own checkpoint transport. Tensors are merged by their stored names, and so
 are the optimizer's other values; random state and Lightning's loops come from the stage torchft healed from.
 """
@@ -32,6 +35,17 @@ def source_ranks(names: Iterable[str], split: ModelSplit, layout: str) -> set[in
         if stage is not None:
             ranks.add(plan.rank_of_stage(stage))
     return ranks
+
+
+def heal_source_rank(rank: int, names: Iterable[str], split: ModelSplit, layout: str) -> int:
+    """The rank of a peer training ``layout`` that torchft should heal rank ``rank`` (holding ``names``) from: the
+    same rank where the peer has it (torchft's rule), else the peer's first rank holding any of ``names`` (a joiner
+    deeper than the peer: its last ranks have no counterpart there)."""
+    plan = plan_of(layout, split)
+    if plan is None or rank < plan.pp_size:
+        return rank
+    holders = source_ranks(names, split, layout)
+    return min(holders) if holders else 0
 
 
 def merged(own: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from lightning_spot.runtime.step_runner import batch_size_of
 from lightning_spot.torchft.batch_split import participant_rows, take_rows
 from lightning_spot.torchft.config import TorchFT, check_reachable, require_torchft
 from lightning_spot.torchft.early_buckets import EarlyBuckets
-from lightning_spot.torchft.heal_across import healed_across
+from lightning_spot.torchft.heal_across import heal_source_rank, healed_across
 from lightning_spot.torchft.leave import LeaveOnSignal
 from lightning_spot.torchft.mixed_quorum import HolderReduce, quorum_plans
 from lightning_spot.torchft.process_groups import cross_pipeline_group
@@ -93,6 +93,28 @@ class _RecordedClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _map_heal_ranks(source_rank: Callable[[int], int]) -> None:
+    """Make torchft's heal ask the peer for the state of ``source_rank(its rank)`` instead of its own rank (torchft
+    builds a ``ManagerClient`` for the peer and asks it for the checkpoint of ``group_rank``: a joiner deeper than the
+    peer has ranks the peer lacks). One replica group per process: the last one installed maps."""
+    import torchft.manager as manager_module
+
+    real = getattr(manager_module.ManagerClient, "_real", manager_module.ManagerClient)
+
+    class _Mapped:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._inner = real(*args, **kwargs)
+
+        def _checkpoint_metadata(self, rank: int, *args: Any, **kwargs: Any) -> Any:
+            return self._inner._checkpoint_metadata(source_rank(rank), *args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    _Mapped._real = real  # type: ignore[attr-defined]
+    manager_module.ManagerClient = _Mapped
 
 
 class _StagePG:
@@ -219,6 +241,9 @@ class ReplicaGroup:
         self.model: StageModel | None = None
         self._mixed: HolderReduce | None = None
         self._mixed_quorum = -1
+        #: the rank of the peer torchft heals this rank from (``_heal_source``), set before its heal asks for it
+        self._heal_from = group_rank
+        _map_heal_ranks(lambda rank: self._heal_from if rank == self.manager_rank else rank)
         #: the last quorum's id (a lower one next: the lighthouse restarted)
         self._last_quorum_id: int | None = None
         self._tied: list[Tensor] = []
@@ -239,6 +264,22 @@ class ReplicaGroup:
         tags = {parsed[1] for parsed in map(parse_replica_id, getattr(result, "replica_ids", []) or []) if parsed}
         self._pg.mixed = len(tags) > 1
         self._pg.epoch = f"s{getattr(result, 'max_step', 0)}"
+        self._heal_from = self._heal_source(result)
+
+    def _heal_source(self, result: Any) -> int:
+        """The rank of the peer that torchft heals this rank from in quorum ``result``: its own rank, unless the
+        peer is shallower than this pipeline (``heal_across.heal_source_rank``)."""
+        ids = getattr(result, "replica_ids", None) or []
+        source = getattr(result, "recover_src_replica_rank", None)
+        if not getattr(result, "heal", False) or self.model is None or source is None or source >= len(ids):
+            return self.manager_rank
+        parsed = parse_replica_id(ids[source])
+        if parsed is None or parsed[1] == self.layout:
+            return self.manager_rank
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        names = list(get_model_state_dict(self.model.module))
+        return heal_source_rank(self.manager_rank, names, self.model.split, parsed[1])
 
     def _use_mixed(self) -> None:
         """After a quorum: with pipelines of other cuts in it, reduce each parameter among its holders (groups made
@@ -290,7 +331,7 @@ class ReplicaGroup:
             state = healed_across(
                 state,
                 layout=self.layout,
-                rank=self.manager_rank,
+                rank=self._heal_from,
                 names=list(get_model_state_dict(self.model.module)),
                 split=self.model.split,
                 fetch=self._fetch_peer_rank,

@@ -121,9 +121,9 @@ def layouts_refusal(members: Iterable[tuple[str, str, int | None]], layout: str,
     held = ", ".join(f"pipeline {g}" + (f" at step {s}" if s is not None else "") for g, _, s in other)
     return (
         f"pipeline {group} would train {describe_layout(layout)}, but the running pipelines ({held}) train "
-        f"{describe_layout(theirs)}. A joining pipeline takes its state from a running one, rank by rank, so it "
-        f"cannot be deeper than the running pipelines (yet; shallower ones and pipelines that start together do "
-        f"train together). Instead: start this pipeline with "
+        f"{describe_layout(theirs)}, and the state it took from them does not say which layers it holds (a "
+        f"pipeline of another lightning-spot version?), so it cannot be completed rank by rank. Instead: start this "
+        f"pipeline with "
         f"their layout (as many nodes or processes as their stages, e.g. `--nnodes {stages}`, or "
         f"SpotPipelineStrategy(pipeline_stages={stages}, partition={cuts})) so that it takes a "
         f"peer's state and trains with them; or stop every pipeline and start them all again at one layout: they "
