@@ -48,3 +48,12 @@ def test_a_joiner_at_depth_one_gets_the_other_half_from_the_peer_s_second_rank()
     assert {k for k in values if k.endswith(".step")} == {f"state.{n}.step" for n in WHOLE}
     same = {"stage": _stage(WHOLE, "ours"), "layout": "s1c"}
     assert healed_across(same, layout="s1c", rank=0, names=WHOLE, split=SPLIT, fetch=fetch) is same and fetched == [1]
+
+
+def test_a_deeper_joiner_s_ranks_that_the_peer_lacks_heal_from_its_first_rank_holding_their_layers() -> None:
+    from lightning_spot.torchft.heal_across import heal_source_rank
+
+    assert heal_source_rank(0, WHOLE[:3], SPLIT, "s1c") == 0  # (torchft's own rule: the same rank)
+    assert heal_source_rank(1, WHOLE[3:], SPLIT, "s1c") == 0  # (the peer has no rank 1: its only rank holds all)
+    assert heal_source_rank(3, WHOLE[4:], SPLIT, "s2c2") == 1  # (a joiner of 4 stages, a peer of 2)
+    assert heal_source_rank(1, WHOLE[3:], SPLIT, "s2c2") == 1  # (the peer has rank 1: torchft's rule)
