@@ -462,10 +462,10 @@ def test_every_pipeline_restarted_resumes_from_its_own_snapshots_and_a_laggard_t
     tmp_path: Path, lighthouse: str
 ) -> None:
     """Two one-stage pipelines keep snapshots in host memory every step (each apart from the other's), durable
-    checkpoints every 5. Both are killed in step 12. Pipeline 1's newest snapshot is then lost, and both start again:
-    each resumes from its own memory, pipeline 1 a step behind pipeline 0; they do not train together from those
-    different states: at the first step pipeline 1 is handed pipeline 0's newer state, leaves, and rejoins with it
-    (as its torchrun would restart it). Both end equal to one process."""
+    checkpoints every 5. Both are killed in step 12. One pipeline's newest snapshot is then lost, and both start
+    again: each resumes from its own memory, one a step behind the other; they do not train together from those
+    different states: at the first step the one behind is handed the newer state, leaves, and rejoins with it (as
+    its torchrun would restart it). Both end equal to one process."""
     from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 
     out, checkpoints = tmp_path / "out", tmp_path / "ckpt"
@@ -482,28 +482,34 @@ def test_every_pipeline_restarted_resumes_from_its_own_snapshots_and_a_laggard_t
         assert [p.wait(timeout=200) for p in first] == [-9, -9]
     stores = [SnapshotStore.for_run(str(checkpoints), str(out / "snapshots"), str(g)) for g in range(2)]
     held = [sorted(store.shares()) for store in stores]
-    assert held[0] and held[1] and held[0][-1] > 10, ("each pipeline's own snapshots, newer than step 10's save", held)
-    # pipeline 1's newest snapshots are lost: it holds an older step than pipeline 0 (whose newest may be a step
-    # older than pipeline 1's: a snapshot is written in the background, and the kill may come first)
-    behind = max(step for step in held[1] if step < held[0][-1])
-    stores[1].drop_after(behind)
+    assert held[0] and held[1] and max(held[0][-1], held[1][-1]) > 10, ("snapshots newer than step 10's save", held)
+    # one pipeline's newest snapshots are lost, so that it holds an older step than the other, still newer than the
+    # durable step 10 (each keeps its newest two; the newest of each may differ by a step: snapshots are written in
+    # the background, and the kill may come first)
+    lag, behind = next(
+        (g, max(older))
+        for g in (1, 0)
+        if (older := [step for step in held[g] if 10 <= step < held[1 - g][-1]])
+    )  # fmt: skip
+    lead = 1 - lag
+    stores[lag].drop_after(behind)
     starts = out / "starts.jsonl"
     before = len(starts.read_text().splitlines())
-    again = ["--end-after-heal", "1:4"]  # (both end 4 steps after pipeline 1 rejoined with pipeline 0's state)
+    again = ["--end-after-heal", f"{lag}:4"]  # (both end 4 steps after the laggard rejoined with the other's state)
     with ExitStack() as stack:
         second = [start(stack, g, again, "second") for g in (0, 1)]
-        assert second[1].wait(timeout=200) == PREEMPTED_EXIT_CODE, "pipeline 1, behind, must leave to take the state"
-        third = start(stack, 1, again, "third")  # (as its torchrun restarts it)
-        codes = [second[0].wait(timeout=200), third.wait(timeout=200)]
+        assert second[lag].wait(timeout=200) == PREEMPTED_EXIT_CODE, "the pipeline behind must leave to take the state"
+        third = start(stack, lag, again, "third")  # (as its torchrun restarts it)
+        codes = [second[lead].wait(timeout=200), third.wait(timeout=200)]
         if codes != [0, 0]:
-            raise WorkerFailure(f"exit codes {codes}", [_logs(tmp_path / d, 1)[0] for d in ("second0", "third1")])
+            logs = [_logs(tmp_path / d, 1)[0] for d in (f"second{lead}", f"third{lag}")]
+            raise WorkerFailure(f"exit codes {codes}", logs)
     resumed = [json.loads(line) for line in starts.read_text().splitlines()[before:]]
-    assert [(r["group"], r["tier"]) for r in resumed[:2]] in (
-        [("0", "memory"), ("1", "memory")], [("1", "memory"), ("0", "memory")]
-    ), resumed  # fmt: skip
+    assert sorted((r["group"], r["tier"]) for r in resumed[:2]) == [("0", "memory"), ("1", "memory")], resumed
     step_of = {r["group"]: r["step"] for r in resumed[:2]}
-    assert step_of == {"0": held[0][-1], "1": behind}, (resumed, held)
-    assert resumed[2]["group"] == "1" and resumed[2]["tier"] == "peer" and resumed[2]["step"] >= step_of["0"], resumed
+    assert step_of == {str(lead): held[lead][-1], str(lag): behind}, (resumed, held)
+    rejoined = resumed[2]
+    assert rejoined["group"] == str(lag) and rejoined["tier"] == "peer" and rejoined["step"] >= held[lead][-1], resumed
     results = _results(out)
     steps = results["group0_rank0"]["global_step"]
     ref = _reference(steps)

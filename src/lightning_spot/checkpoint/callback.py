@@ -326,6 +326,8 @@ class SpotCheckpoint(L.Callback):
         """Checkpoint the current step on every rank (collective); ``blocking`` waits until it is committed."""
         if not self.rules.writes():  # torchft: another pipeline of the quorum writes this step
             self.saver.skipped(trainer.global_step)
+            if self.snapshots is not None and not blocking:  # (this one keeps the step in its own memory)
+                self.snapshot(trainer)
             return
         self.saver.save(trainer, _host(trainer), reason=reason, blocking=blocking)
 
