@@ -93,7 +93,9 @@ class Report(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.ended.append((trainer.global_step, time.time()))
         time.sleep(self.sleep)
-        if self.stop_file is not None and self.stop_file.exists():
+        # (agreed over the pipeline's ranks: one that saw the file a step before its peer would leave it inside a
+        # collective, and the peer's agent would start it again alone)
+        if self.stop_file is not None and trainer.strategy.reduce_boolean_decision(self.stop_file.exists(), all=False):
             trainer.should_stop = True
         if self.end is not None:
             group, more = self.end[0], int(self.end[1])
