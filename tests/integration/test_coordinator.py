@@ -3,7 +3,6 @@ restart of it within the timeouts stops no pipeline."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.distributed import REPO, free_port
-from tests.integration.test_fault_tolerance import WORKER, _reference, _results, needs_hostname
+from tests.integration.test_fault_tolerance import WORKER, _heals, _reference, _results, needs_hostname
 from tests.parity import assert_same_params
 
 
@@ -58,7 +57,6 @@ def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: 
         running = read_running(lighthouse, timeout=2)
         return {m.group: m.step for m in running.members if m.live} if running else {}
 
-    heals = out / "heals.jsonl"
     try:
         wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
         with agents_cleanup([]) as agents:
@@ -82,8 +80,7 @@ def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: 
             agents.append(node(1, "b"))
 
             def grown() -> set[int]:
-                lines = heals.read_text().splitlines() if heals.exists() else []
-                return {h["rank"] for h in map(json.loads, lines) if h["group"] == "1" and h["time"] > joined}
+                return {h["rank"] for h in _heals(out, "1", after=joined)}
 
             wait_for(lambda: grown() == {0, 1}, 120, "pipeline 1 grown to depth 2 on the new store", agents)
             time.sleep(2.0)

@@ -306,26 +306,18 @@ def test_a_pipeline_that_loses_a_node_re_forms_at_depth_one_in_the_same_quorum(t
     from tests.elastic import Agent, agents_cleanup, wait_for
 
     out, stop = tmp_path / "out", tmp_path / "stop"
-    from lightning_spot.torchft.running_quorum import read_running
 
     argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
     ports = [free_port(), free_port()]
     with agents_cleanup([]) as agents:
         _start_pipelines_of_two_nodes(agents, ports, argv, tmp_path, lighthouse)
         survivors = agents[:3]
-
-        def both_at_step_8() -> bool:
-            running = read_running(lighthouse, timeout=2)
-            return running is not None and len(running.members) == 2 and min(m.step for m in running.members) >= 8
-
-        wait_for(both_at_step_8, 200, "both pipelines at step 8", agents)
+        wait_for(lambda: _all_at_step(lighthouse, 8), 200, "both pipelines at step 8", agents)
         agents[3].kill_node()  # node b of pipeline 1 is gone for good, with its agent
         killed = time.time()
-        heals = out / "heals.jsonl"
 
         def reformed() -> list[dict[str, Any]]:
-            lines = heals.read_text().splitlines() if heals.exists() else []
-            return [h for h in map(json.loads, lines) if h["group"] == "1" and h["time"] > killed]
+            return _heals(out, "1", after=killed)
 
         wait_for(lambda: bool(reformed()), 120, "the re-formed pipeline to heal", survivors)
         time.sleep(3.0)  # (a few steps together at depths 2 and 1)
@@ -395,58 +387,45 @@ def test_survivors_that_cannot_hold_the_model_wait_for_their_node_and_grow_back(
     Adam's moments) fits two stages, not one. Node b of pipeline 1 is gone for good after step 6: node a's worker
     says that it waits for its nodes and stays out of the quorum (pipeline 0 trains on alone); a node comes back:
     pipeline 1, at depth 2 again, takes pipeline 0's state at the quorum's step. Both end equal to one process."""
-    from lightning_spot.torchft.running_quorum import read_running
     from tests.elastic import Agent, agents_cleanup, wait_for
 
     out, stop = tmp_path / "out", tmp_path / "stop"
     argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
     argv += ["--device-memory", "15000"]
     ports = [free_port(), free_port()]
-    heals = out / "heals.jsonl"
-
-    def heals_of_1(after: float) -> list[dict[str, Any]]:
-        lines = heals.read_text().splitlines() if heals.exists() else []
-        return [h for h in map(json.loads, lines) if h["group"] == "1" and h["time"] > after]
-
-    def steps_of_0() -> int:
-        running = read_running(lighthouse, timeout=2)
-        return max((m.step for m in running.members if m.group == "0"), default=0) if running else 0
 
     with agents_cleanup([]) as agents:
         _start_pipelines_of_two_nodes(agents, ports, argv, tmp_path, lighthouse)
-
-        def both_at_step_6() -> bool:
-            running = read_running(lighthouse, timeout=2)
-            return running is not None and len(running.members) == 2 and min(m.step for m in running.members) >= 6
-
-        wait_for(both_at_step_6, 200, "both pipelines at step 6", agents)
+        wait_for(lambda: _all_at_step(lighthouse, 6), 200, "both pipelines at step 6", agents)
         agents[3].kill_node()  # node b of pipeline 1 is gone for good, with its agent
         killed = time.time()
         survivors, waiting = agents[:3], tmp_path / "pipeline1a.log"
         wait_for(lambda: "waits for its nodes to return" in waiting.read_text(), 120, "node 1a to wait", survivors)
         waited = time.time()
-        before = steps_of_0()
+        before = _step_of(lighthouse, "0")
         time.sleep(3.0)  # (pipeline 0 trains on alone meanwhile)
-        assert steps_of_0() > before, "pipeline 0 must train on while pipeline 1 waits"
-        assert not heals_of_1(killed), "pipeline 1 must not join at depth 1: its stage does not fit"
+        assert _step_of(lighthouse, "0") > before, "pipeline 0 must train on while pipeline 1 waits"
+        assert not _heals(out, "1", killed), "pipeline 1 must not join at depth 1: its stage does not fit"
         returned = time.time()
         env = {"REPLICA_GROUP_ID": "1", "TORCHFT_LIGHTHOUSE": lighthouse}
         agents.append(Agent("1c", ports[1], 1, argv, tmp_path / "pipeline1c.log", nnodes="1:2", env=env))
         live = [*survivors, agents[4]]
-        wait_for(lambda: {h["rank"] for h in heals_of_1(returned)} == {0, 1}, 120, "pipeline 1 back at depth 2", live)
+        wait_for(
+            lambda: {h["rank"] for h in _heals(out, "1", returned)} == {0, 1}, 120, "pipeline 1 back at depth 2", live
+        )
         time.sleep(2.0)
         stop.touch()
         wait_for(lambda: all(a.proc.poll() is not None for a in live), 120, "the pipelines to end", live)
         codes = [a.proc.returncode for a in live]
         assert codes == [0, 0, 0, 0], (codes, survivors[2].output()[-5000:])
     print(f"\nwait: node lost -> node 1a says it waits {waited - killed:.2f} s; node back -> depth 2 again "
-          f"{max(h['time'] for h in heals_of_1(returned)) - returned:.2f} s")  # fmt: skip
+          f"{max(h['time'] for h in _heals(out, '1', returned)) - returned:.2f} s")  # fmt: skip
     text = waiting.read_text()
     assert "pipeline 1 waits for its nodes to return: at depth 1, rank 0 of this pipeline needs 19.5 KiB" in text, text
     started = sorted(p.name.rsplit("_", 1)[0] for p in (out / "started").iterdir())
     assert started.count("group0_rank0") == 1 and started.count("group0_rank1") == 1, "pipeline 0 was restarted"
     results = _results(out)
-    grown = heals_of_1(returned)
+    grown = _heals(out, "1", returned)
     assert min(h["step"] for h in grown) > 6, "grew back at the quorum's step, never from step 0"
     for g in range(2):
         steps = results[f"group{g}_rank0"]["global_step"]
@@ -658,10 +637,9 @@ def test_a_pipeline_deeper_than_the_live_one_joins_it_mid_run(tmp_path: Path, li
     out, stop = tmp_path / "out", tmp_path / "stop"
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
     argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--stop-file", str(stop)]
-    heals = out / "heals.jsonl"
 
     def healed() -> list[dict[str, Any]]:
-        return [json.loads(line) for line in heals.read_text().splitlines()] if heals.exists() else []
+        return _heals(out, "1")
 
     with ExitStack() as stack:
         whole = stack.enter_context(
@@ -696,6 +674,21 @@ def test_a_pipeline_deeper_than_the_live_one_joins_it_mid_run(tmp_path: Path, li
     assert abs(steps1 - steps) <= 1 and results["group1_rank1"]["global_step"] == steps1
     merged = {**results["group1_rank0"]["state_dict"], **results["group1_rank1"]["state_dict"]}
     assert_same_params(merged, _reference(steps1))
+
+
+def _heals(out: Path, group: str, after: float = 0.0) -> list[dict[str, Any]]:
+    """The heals the processes of pipeline ``group`` recorded in ``OUT/heals.jsonl`` after time ``after``."""
+    heals = out / "heals.jsonl"
+    lines = heals.read_text().splitlines() if heals.exists() else []
+    return [h for h in map(json.loads, lines) if h["group"] == group and h["time"] > after]
+
+
+def _all_at_step(lighthouse: str, step: int, pipelines: int = 2) -> bool:
+    """Whether the lighthouse's latest quorum holds ``pipelines`` pipelines, all at ``step`` or later."""
+    from lightning_spot.torchft.running_quorum import read_running
+
+    running = read_running(lighthouse, timeout=2)
+    return running is not None and len(running.members) == pipelines and min(m.step for m in running.members) >= step
 
 
 def _step_of(lighthouse: str, group: str) -> int:

@@ -70,7 +70,7 @@ def attach(
 
     settings = settings.resolved()
     layout = layout_tag(engine.plan.num_stages, engine.plan.cuts)
-    latest, holders = _check_running_quorum(settings, layout, engine)
+    latest, holders = _check_running_quorum(settings, engine)
     _check_memory(settings, engine, device_memory, offloaded, others_train=latest > 0)
     group = ReplicaGroup(
         settings,
@@ -97,23 +97,17 @@ def attach(
     return group
 
 
-def _check_running_quorum(settings: TorchFT, layout: str, engine: PipelineEngine) -> tuple[int, list[str]]:
-    """Before this pipeline joins: refuse it, on every one of its ranks, when the live pipelines train another
-    layout; else return the latest step they hold and their replica ids (read once, on its first rank, from the
-    lighthouse's page)."""
-    verdict: tuple[str | None, int, list[str]] | None = None
+def _check_running_quorum(settings: TorchFT, engine: PipelineEngine) -> tuple[int, list[str]]:
+    """Before this pipeline joins: the latest step the live pipelines hold and their replica ids, on every one of its
+    ranks (read once, on its first rank, from the lighthouse's page; a joiner of any depth and cuts heals from a live
+    pipeline's ranks: ``heal_across``)."""
+    found: tuple[int, list[str]] = (0, [])  # (no page to read: the quorum's own replica ids are checked at the join)
     if engine.ctx.pp_rank == 0:
         assert settings.lighthouse is not None and settings.replica_group is not None
         running = read_running(settings.lighthouse, timeout=settings.connect_timeout)
-        if running is None:
-            verdict = (None, 0, [])  # (no page to read: the quorum's own replica ids are checked at the join)
-        else:
-            group = settings.replica_group
-            # (a joiner of any depth and cuts heals from a live pipeline's ranks: heal_across)
-            verdict = (None, running.latest_step(group), running.holders(group))
-    refusal, latest, holders = broadcast_object(verdict, group=engine.ctx.pp_group)
-    if refusal is not None:
-        raise LayoutError(refusal)
+        if running is not None:
+            found = (running.latest_step(settings.replica_group), running.holders(settings.replica_group))
+    latest, holders = broadcast_object(found, group=engine.ctx.pp_group)
     return int(latest), list(holders)
 
 

@@ -276,10 +276,14 @@ class ReplicaGroup:
         parsed = parse_replica_id(ids[source])
         if parsed is None or parsed[1] == self.layout:
             return self.manager_rank
+        return heal_source_rank(self.manager_rank, self._stored_names(), self.model.split, parsed[1])
+
+    def _stored_names(self) -> list[str]:
+        """The stored names of this rank's parameters and buffers (what a heal from a peer cut otherwise needs)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        names = list(get_model_state_dict(self.model.module))
-        return heal_source_rank(self.manager_rank, names, self.model.split, parsed[1])
+        assert self.model is not None
+        return list(get_model_state_dict(self.model.module))
 
     def _use_mixed(self) -> None:
         """After a quorum: with pipelines of other cuts in it, reduce each parameter among its holders (groups made
@@ -326,13 +330,11 @@ class ReplicaGroup:
         """A peer's state, torchft's heal of this stage; from a peer cut otherwise, completed with what its other
         ranks hold of this rank's layers (``heal_across``)."""
         if self.model is not None and isinstance(state, dict) and state.get("layout") not in (None, self.layout):
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
             state = healed_across(
                 state,
                 layout=self.layout,
                 rank=self._heal_from,
-                names=list(get_model_state_dict(self.model.module)),
+                names=self._stored_names(),
                 split=self.model.split,
                 fetch=self._fetch_peer_rank,
             )
