@@ -444,7 +444,11 @@ def test_every_pipeline_restarted_resumes_from_its_own_snapshots_and_a_laggard_t
     checkpoints every 5. Both are killed in step 12. One pipeline's newest snapshot is then lost, and both start
     again: each resumes from its own memory, one a step behind the other; they do not train together from those
     different states: at the first step the one behind is handed the newer state, leaves, and rejoins with it (as
-    its torchrun would restart it). Both end equal to one process."""
+    its torchrun would restart it). Both end equal to one process.
+
+    The other order is allowed, and checked: a pipeline still waiting at its join for the killed ones to vanish from
+    the lighthouse (they linger a few seconds, and one may vanish later than the other) is handed the state of the
+    one behind, which saw them gone first and is in its first step (a step retrained, the same math)."""
     from lightning_spot.checkpoint.memory.snapshot import SnapshotStore
 
     out, checkpoints = tmp_path / "out", tmp_path / "ckpt"
@@ -474,21 +478,26 @@ def test_every_pipeline_restarted_resumes_from_its_own_snapshots_and_a_laggard_t
     stores[lag].drop_after(behind)
     starts = out / "starts.jsonl"
     before = len(starts.read_text().splitlines())
-    again = ["--end-after-heal", f"{lag}:4"]  # (both end 4 steps after the laggard rejoined with the other's state)
+    again = ["--end-after-heal", "*:4"]  # (both end 4 steps after the first heal of this restart)
     with ExitStack() as stack:
         second = [start(stack, g, again, "second") for g in (0, 1)]
-        assert second[lag].wait(timeout=200) == PREEMPTED_EXIT_CODE, "the pipeline behind must leave to take the state"
-        third = start(stack, lag, again, "third")  # (as its torchrun restarts it)
-        codes = [second[lead].wait(timeout=200), third.wait(timeout=200)]
+        lag_code = second[lag].wait(timeout=200)
+        assert lag_code in (0, PREEMPTED_EXIT_CODE), lag_code
+        processes = [second[lead], start(stack, lag, again, "third") if lag_code else second[lag]]
+        codes = [p.wait(timeout=200) for p in processes]  # (the third: as its torchrun restarts it)
         if codes != [0, 0]:
-            logs = [_logs(tmp_path / d, 1)[0] for d in (f"second{lead}", f"third{lag}")]
+            logs = [_logs(tmp_path / d, 1)[0] for d in (f"second{lead}", f"third{lag}" if lag_code else f"second{lag}")]
             raise WorkerFailure(f"exit codes {codes}", logs)
     resumed = [json.loads(line) for line in starts.read_text().splitlines()[before:]]
-    assert sorted((r["group"], r["tier"]) for r in resumed[:2]) == [("0", "memory"), ("1", "memory")], resumed
-    step_of = {r["group"]: r["step"] for r in resumed[:2]}
-    assert step_of == {str(lead): held[lead][-1], str(lag): behind}, (resumed, held)
-    rejoined = resumed[2]
-    assert rejoined["group"] == str(lag) and rejoined["tier"] == "peer" and rejoined["step"] >= held[lead][-1], resumed
+    tier_of = {r["group"]: (r["tier"], r["step"]) for r in resumed[:2]}
+    if lag_code == PREEMPTED_EXIT_CODE:  # each from its own memory; the one behind then took the newer state
+        assert tier_of == {str(lead): ("memory", held[lead][-1]), str(lag): ("memory", behind)}, (resumed, held)
+        rejoined = resumed[2]
+        assert rejoined["group"] == str(lag) and rejoined["tier"] == "peer", resumed
+        assert rejoined["step"] >= held[lead][-1], resumed
+    else:  # the one ahead, still at its join, took the state of the one behind (from its memory)
+        assert tier_of[str(lag)] == ("memory", behind), (resumed, held)
+        assert tier_of[str(lead)][0] == "peer" and tier_of[str(lead)][1] >= behind, (resumed, held)
     results = _results(out)
     steps = results["group0_rank0"]["global_step"]
     ref = _reference(steps)

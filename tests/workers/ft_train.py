@@ -11,7 +11,7 @@ OUT_DIR keeps its restart alive). A process that took a peer's state adds a line
 to ``OUT_DIR/starts.jsonl``. Every process writes ``OUT_DIR/started/group{G}_rank{R}_{pid}`` when it starts.
 ``--end-after-heal GROUP:K``: train until K steps after a replacement of pipeline GROUP (started after one of its
 processes was killed) took a peer's state (at most ``--steps``), so that it joins mid-run however slowly it starts;
-every pipeline ends at that step.
+every pipeline ends at that step. GROUP ``*``: after any pipeline's first such heal.
 ``--stages 0``: one stage per process of the pipeline (its depth follows the nodes its torchrun got).
 ``--stop-file PATH``: every step's end checks for PATH; training stops once it exists.
 ``--freeze``: ``--die`` stops the process with SIGSTOP (a node that vanished without closing its sockets).
@@ -100,9 +100,10 @@ class Report(L.Callback):
         if self.end is not None:
             group, more = self.end[0], int(self.end[1])
             deaths = [float(p.read_text()) for p in self.out.glob(f"died_group{group}_*")]
-            heals = self.out / "heals.jsonl"
-            lines = heals.read_text().splitlines() if heals.exists() and deaths else []
-            steps = [h["step"] for h in map(json.loads, lines) if h["group"] == group and h["time"] > min(deaths)]
+            record = self.out / "heals.jsonl"
+            lines = record.read_text().splitlines() if record.exists() and deaths else []
+            heals = [h for h in map(json.loads, lines) if group in ("*", h["group"]) and h["time"] > min(deaths)]
+            steps = [h["step"] for h in heals]
             if steps and trainer.global_step >= steps[0] + more:
                 trainer.should_stop = True
 

@@ -31,6 +31,7 @@ HEAL_URL = "torchft://peer"
 def stage_state(trainer: pl.Trainer) -> dict[str, Any]:
     """This rank's training state as of now, for a joining peer (its tensors: the live ones, see above)."""
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    before_fetched_batch(checkpoint.get("loops", {}).get("fit_loop", {}))
     aliases: dict[str, str] = getattr(trainer.strategy, "tied_aliases", {})
     payload = split_checkpoint(checkpoint, copy=False, with_lightning=True, aliases=aliases)
     return {
@@ -39,6 +40,22 @@ def stage_state(trainer: pl.Trainer) -> dict[str, Any]:
         "rng": payload.rng,
         "lightning": payload.lightning,
     }
+
+
+def before_fetched_batch(fit_loop: dict[str, Any]) -> None:
+    """A peer's state is taken inside its next step: Lightning has fetched (and started) that step's batch, not
+    trained it, and its counters say so (``ready`` one ahead of ``processed``). Restored as they are, Lightning sees
+    no restart point it knows: the joiner's loop is right, but its totals keep that batch counted as fetched, and
+    its next checkpoint restores one batch behind (data and ``batch_idx``: a later resume repeats a batch). The
+    counters are set back to before that fetch (``ready`` and ``started`` = ``processed``): a state between two
+    batches, which Lightning restores as such (the batch comes next; validation that was due has run)."""
+    progress = fit_loop.get("epoch_loop.batch_progress")
+    if not progress:
+        return
+    for counts in (progress["total"], progress["current"]):
+        if counts["ready"] > counts["processed"]:
+            counts["ready"] = counts["started"] = counts["processed"]
+            progress["is_last_batch"] = False
 
 
 def apply_stage_state(

@@ -382,15 +382,11 @@ class ReplicaGroup:
             self._refuse_other_layouts()
             tries = max(1, int(self.settings.quorum_timeout / JOIN_RETRY_SECONDS))
             for _ in range(tries):
-                if self.healed_state is not None or self.step >= latest_step:
-                    break
-                if still_held is not None and not still_held():
-                    log.warning(
-                        "lightning-spot: pipeline %s: the pipelines that held step %d are gone; it joins at step %d",
-                        self.settings.replica_group,
-                        latest_step,
-                        self.step,
-                    )
+                if (
+                    self.healed_state is not None
+                    or self.step >= latest_step
+                    or self._holders_gone(still_held, latest_step)
+                ):
                     break
                 log.warning(
                     "lightning-spot: pipeline %s got a quorum at step %d while live pipelines hold step %d: "
@@ -400,6 +396,11 @@ class ReplicaGroup:
                     latest_step,
                 )
                 time.sleep(JOIN_RETRY_SECONDS)
+                # (checked again just before asking: a pipeline restarted beside this one may have seen them gone
+                # meanwhile, resumed from its own memory and be in its first step: a quorum now would hand this one
+                # that older state instead of the newer one its own memory may hold)
+                if self._holders_gone(still_held, latest_step):
+                    break
                 self._quorum()
                 self._refuse_other_layouts()
             else:
@@ -418,6 +419,19 @@ class ReplicaGroup:
             self.participants,
             self.manager.current_step(),
         )
+
+    def _holders_gone(self, still_held: Callable[[], bool] | None, latest_step: int) -> bool:
+        """(Collective over the pipeline) whether the pipelines that held ``latest_step`` at the join stopped
+        heartbeating (a restart of every pipeline: the killed ones linger a few seconds); said in the log."""
+        if still_held is None or still_held():
+            return False
+        log.warning(
+            "lightning-spot: pipeline %s: the pipelines that held step %d are gone; it joins at step %d",
+            self.settings.replica_group,
+            latest_step,
+            self.step,
+        )
+        return True
 
     def _refuse_other_layouts(self) -> None:
         """Leave at once (no heartbeat that holds the others up) when the quorum holds pipelines of other layouts
