@@ -7,16 +7,20 @@ Takes torchrun's flags, plus ``--preload MODULES`` (more modules for the fork se
 ``--max-failures N`` (restarts after errors of the job's code, see ``failures``; preemptions, lost peers and kills
 are restarted up to ``--max-restarts``) and ``--fresh-processes`` (start every worker as a new interpreter, as
 torchrun does).
+
+Its own exit code, for the scheduler that runs it: 0 when training ended, 75 when a notice (SIGTERM) stopped it,
+69 or 75 when its restarts are spent on lost peers or preemptions, 1 for an error of the job's code.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 
-from lightning_spot_launch import AGENT_PID_ENV, rendezvous
-from lightning_spot_launch.failures import limit_error_restarts
+from lightning_spot_launch import AGENT_PID_ENV, FAILED_EXIT_CODE, PREEMPTED_EXIT_CODE, rendezvous
+from lightning_spot_launch.failures import agent_exit_code, limit_error_restarts
 from lightning_spot_launch.forked import forked_entrypoint
 
 #: an error of the job's code is run again this many times (a transient one may pass), then ends the job
@@ -25,7 +29,7 @@ DEFAULT_MAX_FAILURES = 2
 
 def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
@@ -69,12 +73,21 @@ def main(argv: Sequence[str]) -> int:
         entrypoint, call_args = cmd, tuple(cmd_args)
 
     @record
-    def launch() -> None:
+    def launch() -> int:
         try:
             elastic_launch(config, entrypoint)(*call_args)
-        except SignalException:
+        except SignalException as notice:
             rendezvous.leave()  # stopped by a notice: the others need not wait for this node's keep-alive
-            raise
+            print(
+                f"lightning-spot run: stopped by {notice.sigval.name}: exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr
+            )
+            return PREEMPTED_EXIT_CODE
+        except ChildFailedError as failed:  # (restarts spent) a scheduler recovers 75 and 69, fails the job on 1
+            code = agent_exit_code(f.exitcode for f in failed.failures.values())
+            if code == FAILED_EXIT_CODE:
+                raise
+            print(f"lightning-spot run: restarts spent ({failed.failures}): exit code {code}", file=sys.stderr)
+            return code
+        return 0
 
-    launch()
-    return 0
+    return launch() or 0

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from lightning_spot_launch import PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
+from lightning_spot_launch import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 #: exit codes that a restart is for
 RESTARTED = frozenset({PREEMPTED_EXIT_CODE, PEER_LOST_EXIT_CODE})
@@ -24,6 +24,16 @@ RESTARTED = frozenset({PREEMPTED_EXIT_CODE, PEER_LOST_EXIT_CODE})
 def is_error(exit_codes: Iterable[int | None]) -> bool:
     """Whether a failed worker group failed by an error of the job's code (see the module docstring)."""
     return any(code is not None and code > 0 and code not in RESTARTED for code in exit_codes)
+
+
+def agent_exit_code(exit_codes: Iterable[int | None]) -> int:
+    """The agent's own exit code when its workers failed and it restarts them no more, for the scheduler that
+    runs it: an error of the job's code 1, else a preemption 75 when a worker said so, else a lost peer 69 (killed
+    workers too: their node going away). Schedulers recover on 75 and 69 and fail the job on 1."""
+    codes = list(exit_codes)
+    if is_error(codes):
+        return FAILED_EXIT_CODE
+    return PREEMPTED_EXIT_CODE if PREEMPTED_EXIT_CODE in codes else PEER_LOST_EXIT_CODE
 
 
 def limit_error_restarts(max_failures: int) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,14 +79,53 @@ def test_an_error_is_restarted_max_failures_times_a_lost_peer_as_often_as_preemp
     env["PYTHONPATH"] = str(REPO)
     cmd = [sys.executable, "-m", "lightning_spot_launch", "--standalone", "--nproc-per-node=2", "--max-restarts=5"]
     runs: dict[str, subprocess.CompletedProcess[bytes]] = {}
-    for kind, budget in (("error", "1"), ("peer", "0")):
-        out = tmp_path / kind
+    for name, kind, flags in (("error", "error", ["--max-failures=1"]), ("peer", "peer", ["--max-failures=0"])):
+        out = tmp_path / name
         out.mkdir()
-        run = [*cmd, f"--max-failures={budget}", str(script), str(out), kind]
-        runs[kind] = subprocess.run(run, env=env, capture_output=True, timeout=200)
+        runs[name] = subprocess.run(
+            [*cmd, *flags, str(script), str(out), kind], env=env, capture_output=True, timeout=200
+        )
+    # (restarts spent on lost peers: the agent's exit code says so, for a scheduler that recovers the job on it)
+    (tmp_path / "spent").mkdir()
+    spent = [*cmd[:-1], "--max-restarts=1", str(script), str(tmp_path / "spent"), "peer"]
+    runs["spent"] = subprocess.run(spent, env=env, capture_output=True, timeout=200)
     error, peer = runs["error"], runs["peer"]
-    assert error.returncode != 0
+    assert runs["spent"].returncode == 69, runs["spent"].stderr.decode()[-3000:]
+    assert error.returncode == 1, error.stderr.decode()[-3000:]
     assert sorted(p.name for p in (tmp_path / "error").glob("rank1-*")) == ["rank1-attempt0", "rank1-attempt1"]
     assert "not restarting again (--max-failures 1)" in error.stderr.decode(), error.stderr.decode()[-3000:]
     assert peer.returncode == 0, peer.stderr.decode()[-3000:]
     assert sorted(p.name for p in (tmp_path / "peer").glob("rank1-*")) == [f"rank1-attempt{a}" for a in range(3)]
+
+
+SLEEPER = """
+import pathlib, sys, time
+pathlib.Path(sys.argv[1], "ready").touch()
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_lightning_spot_run_stopped_by_a_notice_exits_75(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM to ``lightning-spot run`` (the process it started: the agent took its place) reaches the
+    agent, which stops its workers, leaves, and exits 75: the code schedulers are told to recover on."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    cmd = [sys.executable, "-m", "lightning_spot.cli", "run", "--nproc-per-node", "1", str(script), str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 75, err.decode()[-3000:]
+        assert "stopped by SIGTERM: exit code 75" in err.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

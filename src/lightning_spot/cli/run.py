@@ -242,4 +242,5 @@ def main(argv: Sequence[str]) -> int:
     print(f"lightning-spot run: {env_text} {shlex.join(cmd)}", flush=True)
     if args.dry_run:
         return 0
-    return subprocess.call(cmd, env={**os.environ, **ELASTIC_ENV, **extra_env})
+    # (the agent takes this process's place: a scheduler's SIGTERM reaches it, and its exit code is the job's)
+    os.execve(cmd[0], cmd, {**os.environ, **ELASTIC_ENV, **extra_env})
