@@ -27,7 +27,7 @@ setup() {
     echo "quickstart: installing $TORCH_SPEC"
     "$py" -m pip install --quiet "$TORCH_SPEC"
   fi
-  if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse, matplotlib, ruff, mypy, transformers, torchdata, peft" >/dev/null 2>&1; then
+  if ! "$py" -c "import lightning_spot, pytest, pytest_timeout, moto, jsonargparse, matplotlib, ruff, mypy, transformers, torchdata, peft, kubernetes, jsonschema" >/dev/null 2>&1; then
     echo "quickstart: installing lightning-spot with its test extras"
     "$py" -m pip install --quiet -e ".[test]"
   fi
@@ -36,6 +36,18 @@ setup() {
     # (the ones it needs to import come with the [stream] extra, part of [test])
     echo "quickstart: installing $LITDATA_SPEC (--no-deps)"
     "$py" -m pip install --quiet --no-deps "$LITDATA_SPEC"
+  fi
+}
+
+sky_setup() {
+  # SkyPilot reads the SkyPilot recipes in the tests (tests/unit/deploy); its dependencies (click<8.2) stay out of
+  # $VENV. Best effort: without it those two tests are skipped.
+  local sky="${VENV_SKY:-.venv-sky}"
+  export LIGHTNING_SPOT_SKY_PYTHON="$sky/bin/python"
+  if [ ! -x "$sky/bin/python" ] || ! "$sky/bin/python" -c "import sky" >/dev/null 2>&1; then
+    echo "quickstart: installing SkyPilot into $sky (for the recipe checks)"
+    { "$PYTHON" -m venv "$sky" && "$sky/bin/python" -m pip install --quiet "skypilot==0.14.1"; } \
+      || echo "quickstart: SkyPilot could not be installed; its recipe checks will be skipped" >&2
   fi
 }
 
@@ -57,6 +69,7 @@ case "$what" in
     ;;
   test)
     setup
+    sky_setup
     checks
     exec "$VENV/bin/python" -m pytest -q "$@"
     ;;

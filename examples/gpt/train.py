@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=42)
     p.add_argument(
+        "--fault-tolerance",
+        choices=("none", "torchft"),
+        default="none",
+        help="torchft: each pipeline a replica group, survivors train on (one lightning-spot run per pipeline, "
+        "REPLICA_GROUP_ID set; see examples/deploy)",
+    )
+    p.add_argument(
         "--plain",
         action="store_true",
         help="train with Lightning's own strategy for the devices instead (no pipeline, no SpotCheckpoint): a baseline",
@@ -116,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         microbatches=_int_or_auto(args.microbatches),
         schedule=args.schedule,
         offload=args.offload.split("+") if args.offload and args.offload != "auto" else args.offload,
+        fault_tolerance="torchft" if args.fault_tolerance == "torchft" else None,
     )
     callbacks: list[L.Callback] = [throughput] if args.plain else [throughput, checkpoints, *timeline]
     callbacks += progress_bar()  # ("Epoch 3/7" where Lightning's bar reads "Epoch 3/-2" with max_steps alone)
