@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--stop-file", type=Path, default=None, help="stop training once this file exists")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
-    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--checkpoint", "--checkpoint-dir", default=None)  # (the deploy recipes pass the latter)
     parser.add_argument("--end-after-heal", default=None)
     parser.add_argument("--width", type=int, default=HIDDEN, help="the model's width (larger: longer steps)")
     parser.add_argument("--freeze", action="store_true", help="--die stops the process (SIGSTOP) instead")
