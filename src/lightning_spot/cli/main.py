@@ -24,6 +24,7 @@ USAGE = """usage: lightning-spot {fit,validate,test,predict} [--config CONFIG.ya
        lightning-spot timeline DIR [--no-png] [--storage-options JSON]
        lightning-spot run [--nnodes MIN:MAX] [--nproc-per-node N] [--rdzv-endpoint HOST:PORT] SCRIPT [ARGS]
        lightning-spot coordinator [--rdzv-port 29400] [--lighthouse-port 29510] [--no-lighthouse]
+       lightning-spot deploy {skypilot,kubernetes,slurm} [--pipelines N] [--nodes N] [--gpus N] [-- SCRIPT ARGS]
 
 fit/validate/test/predict: PyTorch Lightning's CLI; `strategy: spot_pipeline` (or a
 SpotPipelineStrategy class_path) works in the YAML. `lightning-spot fit --help` lists every option.
@@ -33,6 +34,7 @@ report: what happened to a run (layouts, preemptions, time lost, checkpoint stal
 timeline: merge the per-rank traces of a stopped run and draw its Gantt chart.
 run: launch SCRIPT with torchrun, set up for elastic restarts after preemptions.
 coordinator: the rendezvous store and torchft lighthouse of a spot job, one process on a node that stays.
+deploy: write the SkyPilot, Kubernetes or Slurm recipe of a spot fleet for a script, and how to start it.
 """
 
 
@@ -71,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_spot.cli.coordinator import main as coordinator_main
 
         return coordinator_main(args[1:])
+    if args[0] == "deploy":
+        from lightning_spot.cli.deploy import main as deploy_main
+
+        return deploy_main(args[1:])
     if args[0] == "timeline":
         from lightning_spot.cli.timeline import main as timeline_main
 

@@ -160,7 +160,11 @@ def sky_tasks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     folder = tmp_path_factory.mktemp("sky")
     (folder / "misspelt.yaml").write_text(yaml.safe_dump(misspelt))
     (folder / "recovery.yaml").write_text(yaml.safe_dump(recovery))
-    paths = [*sorted(SKYPILOT.glob("*.yaml")), folder / "misspelt.yaml", folder / "recovery.yaml"]
+    from lightning_spot.cli.deploy_recipes import Fleet, recipes
+
+    fleet = Fleet(nodes=4, gpus=4, gpu_type="A100", script=USER_SCRIPT[0], args=USER_SCRIPT[1:])
+    (folder / "generated.yaml").write_text(recipes("skypilot", fleet)["pipeline.yaml"])
+    paths = [*sorted(SKYPILOT.glob("*.yaml")), *(folder / f"{n}.yaml" for n in ("misspelt", "recovery", "generated"))]
     return {Path(t["path"]).stem: t for t in skypilot_tasks(paths, python)}
 
 
@@ -188,3 +192,91 @@ def test_skypilot_refuses_a_misspelt_key_and_the_check_a_misspelt_recovery_key(
     (its server checks those): the check lists it."""
     assert "use_spots" in sky_tasks["misspelt"]["error"], sky_tasks["misspelt"]
     assert sky_tasks["recovery"]["recoveries"][0]["unknown"] == ["recover_on_exit_code"]
+
+
+# ---------------------------------------------------------------- lightning-spot deploy (the recipes' generator)
+USER_SCRIPT = ("train.py", "--lr", "3e-4", "--name", 'it\'s a "run" $HOME', "--fault-tolerance", "torchft")
+
+
+def test_the_examples_are_the_generator_s_output_with_its_defaults() -> None:
+    """``examples/deploy`` cannot drift from ``lightning-spot deploy``: each file is its output, byte for byte."""
+    from lightning_spot.cli.deploy_recipes import Fleet, recipes
+
+    made = {
+        **{f"skypilot/{n}": t for n, t in recipes("skypilot", Fleet(), "examples/deploy/skypilot").items()},
+        **{f"slurm/{n}": t for n, t in recipes("slurm", Fleet(), "examples/deploy/slurm").items()},
+        **{f"kubernetes/{n}": t for n, t in recipes("kubernetes", Fleet(), "examples/deploy/kubernetes").items()},
+        **{
+            f"kubernetes/{n}": t
+            for n, t in recipes("kubernetes", Fleet(restart_path=True, nodes=4), "examples/deploy/kubernetes").items()
+        },
+    }
+    on_disk = {str(p.relative_to(DEPLOY)): p.read_text() for p in DEPLOY.rglob("*") if p.is_file()}
+    assert sorted(made) == sorted(on_disk)
+    stale = [name for name in made if made[name] != on_disk[name]]
+    assert not stale, f"regenerate with lightning-spot deploy (see docs/deploy.md): {stale}"
+
+
+def test_a_generated_fleet_of_three_pipelines_is_valid_and_carries_the_script_s_arguments_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three pipelines of four nodes, a script whose arguments hold spaces, quotes and ``$``: the Kubernetes file
+    passes Kubernetes' models with three Jobs, the batch script parses and hands the arguments over unchanged, and
+    the commands to start them are printed."""
+    from lightning_spot.cli import main
+
+    flags = ["--pipelines", "3", "--nodes", "4", "--gpus", "4", "--image", "reg.io/me/train:1"]
+    for scheduler in ("kubernetes", "slurm"):
+        assert main(["deploy", scheduler, *flags, "--out", str(tmp_path / scheduler), "--", *USER_SCRIPT]) == 0
+    printed = capsys.readouterr().out
+    assert f"kubectl apply -f {tmp_path}/kubernetes/torchft-pipelines.yaml" in printed
+    assert printed.count("sbatch --export=ALL,REPLICA_GROUP_ID=") == 3
+    documents = _documents(tmp_path / "kubernetes" / "torchft-pipelines.yaml")
+    jobs = [d for d in documents if d["kind"] == "Job"]
+    assert [_errors(d) for d in documents] == [[]] * len(documents)
+    assert [j["spec"]["completions"] for j in jobs] == [4, 4, 4]
+    for group, job in enumerate(jobs):
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        assert container["env"] == [{"name": "REPLICA_GROUP_ID", "value": str(group)}]
+        assert container["image"] == "reg.io/me/train:1" and container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+        assert container["command"][-len(USER_SCRIPT) :] == list(USER_SCRIPT)
+    sbatch = tmp_path / "slurm" / "pipeline.sbatch"
+    subprocess.run(["bash", "-n", str(sbatch)], check=True)
+    assert _sbatch_options(sbatch.read_text())["--nodes"] == "4"
+    settings = ("DEFAULT_SCRIPT=", "DEFAULT_ARGS=", "SCRIPT=", "SCRIPT_ARGS=", 'eval "ARGS=')
+    lines = [line for line in sbatch.read_text().splitlines() if line.startswith(settings)]
+    shown = subprocess.run(
+        ["bash", "-c", "\n".join([*lines, 'printf "%s\\n" "$SCRIPT" "${ARGS[@]}"'])],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nowhere"},
+    ).stdout.splitlines()
+    assert shown == list(USER_SCRIPT), "the script's arguments reach it as they were given"
+
+
+def test_deploy_refuses_what_it_cannot_make(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_spot.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["deploy", "slurm", "--restart-path"])
+    assert "--restart-path is for kubernetes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["deploy", "nomad"])
+
+
+def test_a_generated_skypilot_pipeline_is_read_by_skypilot_and_hands_the_arguments_over_whole(
+    sky_tasks: dict[str, dict[str, Any]],
+) -> None:
+    generated = sky_tasks["generated"]
+    assert "error" not in generated and generated["num_nodes"] == 4, generated
+    env = {**generated["envs"], "PATH": "/usr/bin:/bin", "HOME": "/nowhere"}
+    evaluated = next(line.strip() for line in generated["run"].splitlines() if line.strip().startswith("eval "))
+    shown = subprocess.run(
+        ["bash", "-c", f'{evaluated}\nprintf "%s\\n" "$SCRIPT" "${{ARGS[@]}}"'],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.splitlines()
+    assert shown == list(USER_SCRIPT)
