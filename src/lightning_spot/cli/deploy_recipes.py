@@ -211,7 +211,7 @@ metadata:
   labels: {app: lightning-spot-coordinator}
 spec:
   replicas: 1
-  strategy: {type: Recreate}  # one store, one lighthouse: a restart within the timeouts stops no pipeline
+  strategy: {type: Recreate}  # never two coordinators: a restart within the timeouts stops no pipeline
   selector:
     matchLabels: {app: lightning-spot-coordinator}
   template:
