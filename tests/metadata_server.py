@@ -20,7 +20,7 @@ from pathlib import Path
 TOKEN = "imds-token-for-tests"
 
 
-def make_handler(cloud: str, trigger: Path) -> type[BaseHTTPRequestHandler]:
+def make_handler(cloud: str, trigger: Path, lead: float = 120.0) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:  # quiet
             pass
@@ -51,7 +51,7 @@ def make_handler(cloud: str, trigger: Path) -> type[BaseHTTPRequestHandler]:
                 elif not preempted:
                     self._send(404)
                 else:
-                    when = datetime.now(timezone.utc) + timedelta(seconds=120)
+                    when = datetime.now(timezone.utc) + timedelta(seconds=lead)
                     self._send(
                         200,
                         json.dumps({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}),
@@ -93,8 +93,9 @@ def main() -> None:
     p.add_argument("--cloud", choices=["aws", "gcp", "azure"], required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--trigger", type=Path, required=True)
+    p.add_argument("--lead", type=float, default=120.0, help="AWS: seconds from the notice to its deadline")
     args = p.parse_args()
-    ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args.cloud, args.trigger)).serve_forever()
+    ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args.cloud, args.trigger, args.lead)).serve_forever()
 
 
 if __name__ == "__main__":

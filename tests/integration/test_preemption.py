@@ -166,6 +166,33 @@ def test_cloud_notice_on_one_rank_stops_every_rank_with_a_checkpoint(tmp_path: P
         assert re.search(r"committed in [\d.]+s; [\d.]+s left before the deadline", logs[0]), logs[0][-2000:]
 
 
+@pytest.mark.slow
+def test_a_notice_shorter_than_a_durable_save_keeps_the_step_in_host_memory(tmp_path: Path) -> None:
+    """An AWS notice whose deadline is a second away: less than a durable checkpoint and the rest of the stop
+    need. Every rank keeps the step in host memory instead (written before the exit), the log says so, and the
+    restart resumes from that snapshot, not from the older durable checkpoint; training equals one process."""
+    port = free_port()
+    flag = tmp_path / "preempt-now"
+    command = [sys.executable, "tests/metadata_server.py", "--cloud", "aws", "--port", str(port)]
+    server = subprocess.Popen([*command, "--trigger", str(flag), "--lead", "1"], cwd=REPO, start_new_session=True)
+    watcher = {"cloud": "aws", "poll_interval": 0.2, "endpoints": {"aws": f"http://127.0.0.1:{port}"}, "signals": []}
+    config = _config(tmp_path, every=4, snapshots=True, snapshot_dir=str(tmp_path / "shm"), watcher=watcher)
+    try:
+        wait_for(lambda: port_open(port), 30, "the metadata server", [])
+        logs = _run_until_preempted(tmp_path, config, flag.touch, pids=[])
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+    said = re.search(r"snapshot in host memory of step (\d+) committed in [\d.]+s; -?[\d.]+s left", logs[0])
+    assert said, logs[0][-3000:]
+    stopped = int(said[1])
+    assert "is kept in host memory instead" in logs[0] and stopped not in _committed(tmp_path), logs[0][-3000:]
+    launch(2, ["tests/workers/elastic_train.py", str(config)], log_dir=tmp_path / "logs2", timeout=240)
+    finals = _finals(tmp_path, 2)
+    assert {(f["restored_tier"], f["restored_step"]) for f in finals} == {("memory", stopped)}
+    assert_same_params(merged_state(finals), reference_run({**CASE, "trainer": {"max_steps": STEPS}}))
+
+
 def test_notice_during_a_background_save_finishes_that_save_first(tmp_path: Path) -> None:
     """SIGTERM while step 4 is still uploading: that save completes, then the current step is saved too."""
     marker = tmp_path / "uploading"

@@ -39,14 +39,18 @@ from lightning_spot.checkpoint.step_policy import Agreed, StepPolicy
 from lightning_spot.checkpoint.strategy_api import CheckpointHost, is_checkpoint_host
 from lightning_spot.checkpoint.tiers import check_storage, open_snapshots
 from lightning_spot.preemption.lightning_sigterm import take_over_sigterm
+from lightning_spot.preemption.notice import Notice
 from lightning_spot.preemption.stop import PreemptionStop, stop_for_preemption
 from lightning_spot.preemption.watcher import PreemptionWatcher
-from lightning_spot.utils.distributed import broadcast_object, is_initialized
+from lightning_spot.utils.distributed import all_gather_object, broadcast_object, is_initialized
 
 log = logging.getLogger(__name__)
 #: SpotCheckpoint's name where it takes part: the choosers of the resume path (``resume.ResumeOverride``), the
 #: per-step agreement (``step_agreement``)
 PART = "spot_checkpoint"
+#: what a coordinated stop needs beside its save (the report, the exit, the agent's leave), in seconds: a notice that
+#: leaves less than this plus the last durable save's time gets the step's snapshot in host memory instead
+STOP_MARGIN_S = 2.0
 
 
 class SpotCheckpoint(L.Callback):
@@ -289,7 +293,7 @@ class SpotCheckpoint(L.Callback):
             stop_for_preemption(
                 self.watcher.notice if self.watcher is not None else None,
                 step=trainer.global_step,
-                save=lambda reason: self.save(trainer, reason=reason, blocking=True),
+                save=lambda reason, notice: self._stop_save(trainer, reason, notice),
                 report=lambda stop: self._preempted(trainer, stop),
             )
         if decision.save is not None:
@@ -330,6 +334,42 @@ class SpotCheckpoint(L.Callback):
                 self.snapshot(trainer)
             return
         self.saver.save(trainer, _host(trainer), reason=reason, blocking=blocking)
+
+    def _stop_save(self, trainer: L.Trainer, reason: str, notice: Notice) -> str:
+        """The coordinated stop's save (collective): a durable checkpoint; or, when the notice leaves less time than
+        the last durable save took, this step's snapshot in host memory, copied to the next node where a stage
+        lives on one node (said in the log). Returns what was committed."""
+        left, took = notice.seconds_left(), self.saver.durable_seconds()
+        short = self.snapshots is not None and left is not None and took is not None and took + STOP_MARGIN_S > left
+        group = self.saver.group
+        if broadcast_object(short, group) if group is not None else short:  # (the first rank timed the saves)
+            kept = self.saver.snapshot_now(trainer, _host(trainer))
+            if all(all_gather_object(kept, group) if group is not None else [kept]):
+                snapshotter = self.saver.snapshotter
+                where = (
+                    "copied to the next node"
+                    if snapshotter and snapshotter.peer_copy
+                    else "not copied: every stage has a replica on another node, or the job is on one machine"
+                )
+                if trainer.is_global_zero:  # (the rank that timed the durable saves)
+                    log.warning(
+                        "lightning-spot: the notice leaves %.1fs, less than a durable checkpoint needs (the last took "
+                        "%.2fs, the stop %.0fs more): step %d is kept in host memory instead (%s); a restart resumes "
+                        "from it (the last durable save was of step %s).",
+                        left,
+                        took,
+                        STOP_MARGIN_S,
+                        trainer.global_step,
+                        where,
+                        self.saver.last_step,
+                    )
+                return "snapshot in host memory"
+            if trainer.is_global_zero:
+                log.warning(
+                    "lightning-spot: the stop's snapshot could not be kept on every rank: a durable save instead."
+                )
+        self.save(trainer, reason=reason, blocking=True)
+        return "checkpoint"
 
     def snapshot(self, trainer: L.Trainer) -> None:
         """Keep this rank's state of this step in host memory (written in the background; not collective)."""

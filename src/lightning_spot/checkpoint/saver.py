@@ -223,6 +223,21 @@ class Saver:
             now = time.perf_counter()
             timeline.add("snapshot copy", "checkpoint", now - stall, now, step=trainer.global_step)
 
+    def durable_seconds(self) -> Optional[float]:
+        """What the newest finished durable save took, its stall and its write (timed on the first rank only), or
+        ``None`` before one has finished."""
+        done = [s for s in self.saves if "write_seconds" in s]
+        return done[-1]["stall_seconds"] + done[-1]["write_seconds"] if done else None
+
+    def snapshot_now(self, trainer: L.Trainer, host: CheckpointHost) -> bool:
+        """This step's snapshot, written (with its copy to the next node, where one is made) before this returns;
+        whether this rank's share was kept."""
+        self.snapshot(trainer, host)
+        if self.snapshotter is None or self.snapshots is None:
+            return False
+        self.snapshotter.wait()
+        return self.snapshotter.enabled and self.snapshots.has_share(trainer.global_step, rank())
+
     def copies_done(self) -> None:
         """Wait until the last snapshot's parameters and optimizer state are copied: before what may change them
         next, the optimizer step, and hooks that write weights between steps (``.data``, which no version counter

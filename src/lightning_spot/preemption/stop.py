@@ -3,9 +3,10 @@ the launcher restarts the job.
 
     late, preempted = agree([timer_expired, watcher.notice is not None], device)   # every step boundary
     if preempted:
-        stop_for_preemption(watcher.notice, step=step, save=save_blocking, report=record)   # never returns
+        stop_for_preemption(watcher.notice, step=step, save=save_for, report=record)   # never returns
 
-What "save" means is the caller's business (``SpotCheckpoint`` commits a checkpoint); this module
+What "save" means is the caller's business (``SpotCheckpoint`` commits a checkpoint, or a snapshot in host memory
+when the notice leaves less time than a checkpoint takes); this module
 decides which notice counts, times the stop and exits with :data:`PREEMPTED_EXIT_CODE`.
 """
 
@@ -36,12 +37,14 @@ class PreemptionStop:
     notice: Notice
     step: int
     save_seconds: float
+    #: what the stop committed: a durable checkpoint, or (a notice shorter than a durable save) a host-memory snapshot
+    saved: str = "checkpoint"
 
     def describe(self) -> str:
         left = self.notice.seconds_left()
         margin = f"; {left:.1f}s left before the deadline" if left is not None else ""
         return (
-            f"preemption notice on rank {self.rank} ({self.notice.describe()}): checkpoint of step {self.step} "
+            f"preemption notice on rank {self.rank} ({self.notice.describe()}): {self.saved} of step {self.step} "
             f"committed in {self.save_seconds:.2f}s{margin}. Exiting with code {PREEMPTED_EXIT_CODE} so that the "
             f"launcher restarts the job."
         )
@@ -57,6 +60,7 @@ class PreemptionStop:
             "notice_time": self.notice.received,
             "deadline": self.notice.deadline,
             "save_seconds": round(self.save_seconds, 3),
+            "saved": self.saved,
             "seconds_left": None if left is None else round(left, 3),
         }
 
@@ -65,18 +69,19 @@ def stop_for_preemption(
     notice: Notice | None,
     *,
     step: int,
-    save: Callable[[str], None],
+    save: Callable[[str, Notice], str | None],
     report: Callable[[PreemptionStop], None],
 ) -> NoReturn:
-    """All ranks (collective): agree on the notice, ``save(reason)``, ``report`` the stop, then exit with
-    :data:`PREEMPTED_EXIT_CODE` (torchrun restarts the group)."""
+    """All ranks (collective): agree on the notice, ``save(reason, notice)`` (the notice that counts: its deadline
+    may decide what to save; it returns what it committed, ``None``: a checkpoint), ``report`` the stop, then exit
+    with :data:`PREEMPTED_EXIT_CODE` (torchrun restarts the group)."""
     start = time.time()
     found = earliest(gather(notice))
     if found is None:
         raise RuntimeError("stop_for_preemption was called although no rank has a preemption notice")
     rank, first = found
-    save(f"preempted: {first.source}")
-    report(PreemptionStop(rank, first, step, time.time() - start))
+    saved = save(f"preempted: {first.source}", first)
+    report(PreemptionStop(rank, first, step, time.time() - start, saved or "checkpoint"))
     leave_if_reclaimed(notice)
     raise SystemExit(PREEMPTED_EXIT_CODE)
 
