@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,50 @@ def test_time_based_snapshots_are_agreed_by_all_ranks(tmp_path: Path) -> None:
     steps = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt")["snapshot_steps"] for r in range(2)]
     assert steps[0] == steps[1], steps
     assert 3 <= len(steps[0]) <= 8, steps  # about one every 0.6 s of a ~4 s run
+
+
+@pytest.mark.slow
+def test_a_short_notice_hands_the_stopping_node_s_state_to_the_node_that_stays(
+    tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    """Two nodes of two workers train P2xD2 (each stage's replicas on one node: snapshots are copied to the other
+    node), durable checkpoints every 4 steps. Node b gets an AWS notice 1 s from its deadline: too short for a
+    durable save, so every rank keeps the step in host memory, node b's shares copied to node a, and node b leaves.
+    Node a goes on alone (P2xD1) from that step in its memory, node b's stage included; equal to one process."""
+    import subprocess
+    import sys
+
+    from tests.distributed import REPO
+
+    port, metadata = free_port(), free_port()
+    flag = tmp_path / "preempt-now"
+    command = [sys.executable, "tests/metadata_server.py", "--cloud", "aws", "--port", str(metadata)]
+    server = subprocess.Popen([*command, "--trigger", str(flag), "--lead", "1"], cwd=REPO, start_new_session=True)
+    watcher = {"cloud": "aws", "poll_interval": 0.2, "endpoints": {"aws": f"http://127.0.0.1:{metadata}"}}
+    config = _config(tmp_path, every=4, snapshot_every=None, snapshots=True, watch_rank=2, watcher=watcher)
+    shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b")}
+    args = ["tests/workers/elastic_train.py", str(config)]
+    try:
+        wait_for(lambda: port_open(metadata), 30, "the metadata server", [])
+        with agents_cleanup([]) as agents:
+            for name in ("a", "b"):
+                env = {"SPOT_TEST_SNAPSHOT_DIR": str(shm[name])}
+                agents.append(Agent(f"node-{name}", port, 2, args, tmp_path / f"{name}.log", env=env))
+                if name == "a":
+                    wait_for(lambda: port_open(port), 60, "node a to host the rendezvous", agents)
+            run = tmp_path / "run"
+            wait_for(lambda: list(run.glob("step-000000004/manifest.json")), 240, "a checkpoint at step 4", agents)
+            flag.touch()
+            wait_for(lambda: agents[1].proc.poll() is not None, 120, "node b to leave", agents[:1])
+            wait_for(lambda: agents[0].proc.poll() is not None, 300, "node a to finish", agents[:1])
+            assert agents[0].proc.returncode == 0, agents[0].output()[-5000:]
+            said = agents[0].output() + agents[1].output()
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+    assert "is kept in host memory instead (copied to the next node)" in said, said[-4000:]
+    finals = [torch.load(tmp_path / "out" / "final" / f"rank{r}.pt") for r in range(2)]
+    assert {f["layout"].split()[0] for f in finals} == {"P2xD1"}, "node a trains on alone"
+    stopped = int(re.search(r"snapshot in host memory of step (\d+) committed", said)[1])  # type: ignore[index]
+    assert {(f["restored_tier"], f["restored_step"]) for f in finals} == {("memory", stopped)}
+    assert_same_params(merged_state(finals), uninterrupted)
