@@ -7,6 +7,7 @@ each started again as the scheduler would.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from tests.distributed import REPO, free_port
@@ -185,3 +187,90 @@ def run_fleet(tmp_path: Path) -> dict[str, float]:
         "pause_during_notice_seconds": _longest_pause(sampler.samples, "0", noticed, relaunched),
         "pause_after_kill_seconds": _longest_pause(sampler.samples, "1", killed, gone),
     }
+
+
+def _pytorchjob_pod(
+    fleet: Fleet, name: str, index: int, coordinator: str, config: Path, snapshots: Path
+) -> subprocess.Popen:
+    """A worker pod of the elastic PyTorchJob (examples/deploy/kubernetes/elastic-pytorchjob.yaml): its container's
+    ``lightning-spot run`` flags as written, with the environment the training operator gives a pod (its hostname,
+    the ``PET_*`` variables, which lightning-spot run does not read); on this machine the coordinator Service's
+    name is its address, one process per pod, and the test worker is the script."""
+    documents = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "elastic-pytorchjob.yaml").read_text()))
+    job = next(d for d in documents if d["kind"] == "PyTorchJob")
+    (container,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    command = container["command"]
+    flags = command[: next(i for i, w in enumerate(command) if w.endswith(".py"))]
+    flags = [f"--coordinator={coordinator}" if w.startswith("--coordinator=") else w for w in flags]
+    flags = ["--nproc-per-node=1" if w.startswith("--nproc-per-node=") else w for w in flags]
+    policy = job["spec"]["elasticPolicy"]
+    env = {"HOSTNAME": f"lightning-spot-elastic-worker-{index}", "PET_RDZV_BACKEND": policy["rdzvBackend"]}
+    env.update(PET_RDZV_ENDPOINT=f"{policy['rdzvHost']}:{policy['rdzvPort']}", PET_NPROC_PER_NODE="gpu")
+    env.update(
+        PET_NNODES=f"{policy['minReplicas']}:{policy['maxReplicas']}", PET_MAX_RESTARTS=str(policy["maxRestarts"])
+    )
+    env["SPOT_TEST_SNAPSHOT_DIR"] = str(snapshots)  # (the memory of the pod's node)
+    return fleet.start(name, [*flags, "tests/workers/elastic_train.py", str(config)], env)
+
+
+def run_restart_fleet(tmp_path: Path, steps: int = 40) -> dict[str, float]:
+    """The restart path (no torchft): two worker pods of the elastic PyTorchJob on one coordinator, snapshots in
+    host memory every step, one "node" each (its own snapshot folder). Pod b is killed (its node gone); pod a's
+    agent restarts the job on itself from memory; a pod made again joins and the job grows back; both end (exit 0).
+    Returns the first restart's time lost (the report's: from the last step before the loss to the first after);
+    the final ranks' records are in ``tmp_path / "out" / "final"``."""
+    from tests.elastic import port_open, wait_for
+
+    rdzv_port, lighthouse_port = free_port(), free_port()
+    coordinator = _coordinator(rdzv_port, lighthouse_port, tmp_path / "coordinator.log")
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "out": str(tmp_path / "out"),
+                "run": str(tmp_path / "run"),
+                "max_steps": steps,
+                "step_seconds": 0.25,
+                "every": 1000,  # durable only at the end: the restarts resume from memory
+                "snapshot_every": 1,
+                "strategy": {"pipeline_stages": "auto", "microbatches": "auto"},
+                "hold": {"world": 2, "step": steps - 8},  # (the pod made again joins before the end)
+            }
+        )
+    )
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    fleet = Fleet(tmp_path, {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    shm = {name: tmp_path / f"shm-{name}" for name in ("a", "b", "b2")}
+    address = f"127.0.0.1:{rdzv_port}"
+
+    def snapshot_steps(node: str) -> set[int]:
+        return {int(p.parent.name.split("-")[1]) for p in shm[node].glob("*/step-*/rank*.json")}
+
+    def pod(name: str, index: int, node: str) -> subprocess.Popen:
+        return _pytorchjob_pod(fleet, name, index, address, config, shm[node])
+
+    try:
+        wait_for(lambda: port_open(rdzv_port), 90, "the coordinator", [])
+        a, b = pod("pod-a", 0, "a"), pod("pod-b", 1, "b")
+        deadline = time.monotonic() + 240
+        while not any(s >= 4 for s in snapshot_steps("a")):
+            assert time.monotonic() < deadline and a.poll() is None and b.poll() is None, fleet.output("pod-a")
+            time.sleep(0.2)
+        os.killpg(b.pid, signal.SIGKILL)  # (its node gone: the pod is made again elsewhere)
+        b.wait()
+        deadline = time.monotonic() + 120
+        while "in-memory snapshot" not in fleet.output("pod-a"):
+            assert time.monotonic() < deadline and a.poll() is None, fleet.output("pod-a")
+            time.sleep(0.2)
+        b = pod("pod-b-again", 1, "b2")
+        assert a.wait(timeout=300) == 0 and b.wait(timeout=120) == 0, fleet.output("pod-a") + fleet.output(
+            "pod-b-again"
+        )
+    finally:
+        fleet.close()
+        coordinator.kill()
+        coordinator.wait()
+    report = torch.load(tmp_path / "out" / "final" / "rank0.pt")["report"]
+    lost = report["restarts"][0]
+    assert lost["cause"].startswith("failure") and lost["resumed_from"] == "memory", lost
+    return {"restart_time_lost_seconds": float(lost["time_lost_seconds"]), "restarts": float(len(report["restarts"]))}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.deploy_fleet import run_fleet
 from tests.integration.test_fault_tolerance import _reference, _results, needs_hostname
@@ -26,3 +27,21 @@ def test_a_fleet_of_recipes_rides_through_a_notice_a_lost_node_and_both_returns(
         assert_same_params(results[f"group{group}_rank0"]["state_dict"], _reference(done))
     print("\nfleet: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
     assert figures["pause_during_notice_seconds"] < 10 and figures["pause_after_kill_seconds"] < 10, figures
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_elastic_pytorchjob_recipe_restarts_on_the_pod_left_from_memory_and_grows_back(tmp_path: Path) -> None:
+    """The restart path under the Kubernetes recipe (its PyTorchJob pod's flags and environment): a pod killed, the
+    other restarts the job on itself from its memory (the time lost is printed), a pod made again joins; the
+    run equals one process."""
+    from tests.deploy_fleet import run_restart_fleet
+    from tests.parity import merged_state, reference_run
+
+    steps = 40
+    figures = run_restart_fleet(tmp_path, steps)
+    finals = [torch.load(path) for path in sorted((tmp_path / "out" / "final").glob("rank*.pt"))]
+    case = {"model": {"scheduler": True}, "loader": {"batch_size": 16, "n": 80, "shuffle": True}}
+    assert_same_params(merged_state(finals), reference_run({**case, "trainer": {"max_steps": steps}}))
+    print("\nrestart fleet: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
+    assert figures["restarts"] >= 2 and figures["restart_time_lost_seconds"] < 30, figures
