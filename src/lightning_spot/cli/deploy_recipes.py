@@ -148,6 +148,7 @@ resources:
 
 workdir: .
 
+# (a checkout of lightning-spot; for your own project: pip install "lightning-spot[ft]" and its requirements)
 setup: |
   pip install ".[ft]"
 
@@ -190,6 +191,7 @@ envs:
 
 workdir: .
 
+# (a checkout of lightning-spot; for your own project: pip install "lightning-spot[ft]" s3fs and its requirements)
 setup: |
   pip install ".[ft]" s3fs
 
