@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import textwrap
 from dataclasses import dataclass
 
 SCHEDULERS = ("skypilot", "kubernetes", "slurm")
@@ -81,12 +82,19 @@ def recipes(scheduler: str, fleet: Fleet, folder: str = ".") -> dict[str, str]:
     if scheduler == "kubernetes":
         grace = fleet.shutdown_timeout + GRACE_MARGIN_S
         words = ["--nproc-per-node=gpu", f"--shutdown-timeout={fleet.shutdown_timeout}", fleet.script, *args]
-        command = "".join(f"\n{' ' * 12}- {_yaml_word(w)}" for w in words)  # (the container's command list)
-        values = {**common, "image": fleet.image, "grace": grace, "command": command}
+        command = "".join(f"\n      - {_yaml_word(w)}" for w in words)  # (the container's command list)
+        values = {**common, "image": fleet.image, "grace": grace}
+
+        def pod(depth: int, container: str, env: str) -> str:
+            text = _fill(_SPOT_POD, **values, container=container, container_env=env, command=command)
+            return textwrap.indent(text, " " * depth)
+
         if fleet.restart_path:
-            deeper = command.replace("\n", "\n    ")  # (a PyTorchJob's pod template sits two levels deeper)
-            return {"elastic-pytorchjob.yaml": _fill(KUBERNETES_ELASTIC, **values, command_deep=deeper)}
-        jobs = "".join(_fill(KUBERNETES_JOB, **values, group=g) for g in range(fleet.pipelines))
+            return {"elastic-pytorchjob.yaml": _fill(KUBERNETES_ELASTIC, **values, pod=pod(10, "pytorch", ""))}
+        jobs = "".join(
+            _fill(KUBERNETES_JOB, **values, group=g, pod=pod(6, "trainer", REPLICA_GROUP_ENV.format(g)))
+            for g in range(fleet.pipelines)
+        )
         return {"torchft-pipelines.yaml": _fill(KUBERNETES_HEAD, image=fleet.image, folder=folder) + jobs}
     if scheduler == "slurm":
         shutdown = fleet.slurm_shutdown_timeout
@@ -271,6 +279,35 @@ KUBERNETES_HEAD = (
     )
 )
 
+#: the training container's environment in a pipeline's Job (in ``_SPOT_POD``, one level below the container)
+REPLICA_GROUP_ENV = '\n    env:\n      - {{name: REPLICA_GROUP_ID, value: "{0}"}}'
+
+#: a spot pod's spec after its restart policy and grace period, at the top level (each recipe indents it): on spot
+#: nodes, one training container, host memory on /dev/shm
+_SPOT_POD = """\
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        - matchExpressions:
+            - {key: cloud.google.com/gke-spot, operator: In, values: ["true"]}
+containers:
+  - name: {{container}}
+    image: {{image}}{{container_env}}
+    command:
+      - lightning-spot
+      - run
+      - --coordinator=lightning-spot-coordinator
+      - --nnodes=1:{{nodes}}{{command}}
+    resources:
+      limits: {nvidia.com/gpu: "{{gpus}}"}
+    volumeMounts:
+      - {name: snapshots, mountPath: /dev/shm}
+volumes:
+  - name: snapshots  # host-memory snapshots (and NCCL's shared memory)
+    emptyDir: {medium: Memory}
+"""
+
 KUBERNETES_JOB = """\
 ---
 apiVersion: batch/v1
@@ -305,30 +342,7 @@ spec:
     spec:
       restartPolicy: Never
       terminationGracePeriodSeconds: {{grace}}  # the notice's stop (--shutdown-timeout) and the agent's leave
-      affinity:
-        nodeAffinity:
-          requiredDuringSchedulingIgnoredDuringExecution:
-            nodeSelectorTerms:
-              - matchExpressions:
-                  - {key: cloud.google.com/gke-spot, operator: In, values: ["true"]}
-      containers:
-        - name: trainer
-          image: {{image}}
-          env:
-            - {name: REPLICA_GROUP_ID, value: "{{group}}"}
-          command:
-            - lightning-spot
-            - run
-            - --coordinator=lightning-spot-coordinator
-            - --nnodes=1:{{nodes}}{{command}}
-          resources:
-            limits: {nvidia.com/gpu: "{{gpus}}"}
-          volumeMounts:
-            - {name: snapshots, mountPath: /dev/shm}
-      volumes:
-        - name: snapshots  # host-memory snapshots (and NCCL's shared memory)
-          emptyDir: {medium: Memory}
-"""
+{{pod}}"""
 
 KUBERNETES_ELASTIC = (
     """\
@@ -340,6 +354,7 @@ KUBERNETES_ELASTIC = (
 #   kubectl apply -f {{folder}}/elastic-pytorchjob.yaml
 #
 # IMAGE: an image with your training code and lightning-spot installed (docs/deploy.md has a Dockerfile).
+# The operator's PET_* variables are not read: lightning-spot run sets the rendezvous itself.
 """
     + _fill(
         _COORDINATOR_DEPLOYMENT,
@@ -372,29 +387,7 @@ spec:
       template:
         spec:
           terminationGracePeriodSeconds: {{grace}}
-          affinity:
-            nodeAffinity:
-              requiredDuringSchedulingIgnoredDuringExecution:
-                nodeSelectorTerms:
-                  - matchExpressions:
-                      - {key: cloud.google.com/gke-spot, operator: In, values: ["true"]}
-          containers:
-            - name: pytorch
-              image: {{image}}
-              # the operator's PET_* variables are not read: lightning-spot run sets the rendezvous itself
-              command:
-                - lightning-spot
-                - run
-                - --coordinator=lightning-spot-coordinator
-                - --nnodes=1:{{nodes}}{{command_deep}}
-              resources:
-                limits: {nvidia.com/gpu: "{{gpus}}"}
-              volumeMounts:
-                - {name: snapshots, mountPath: /dev/shm}
-          volumes:
-            - name: snapshots
-              emptyDir: {medium: Memory}
-"""
+{{pod}}"""
 )
 
 SLURM_PIPELINE = (
