@@ -7,7 +7,6 @@ each started again as the scheduler would.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import yaml
 from tests.distributed import REPO, free_port
 from tests.integration.test_coordinator import _coordinator
 from tests.integration.test_fault_tolerance import WORKER, _heals
+from tests.integration.test_snapshots import _config as snapshot_config
 
 DEPLOY = REPO / "examples" / "deploy"
 #: Slurm's commands inside the batch script: srun runs its command here (one node), scontrol notes a requeue
@@ -223,20 +223,14 @@ def run_restart_fleet(tmp_path: Path, steps: int = 40) -> dict[str, float]:
 
     rdzv_port, lighthouse_port = free_port(), free_port()
     coordinator = _coordinator(rdzv_port, lighthouse_port, tmp_path / "coordinator.log")
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "out": str(tmp_path / "out"),
-                "run": str(tmp_path / "run"),
-                "max_steps": steps,
-                "step_seconds": 0.25,
-                "every": 1000,  # durable only at the end: the restarts resume from memory
-                "snapshot_every": 1,
-                "strategy": {"pipeline_stages": "auto", "microbatches": "auto"},
-                "hold": {"world": 2, "step": steps - 8},  # (the pod made again joins before the end)
-            }
-        )
+    # snapshots every step, durable only at the end: the restart resumes from memory; the pod made again joins
+    # before the end
+    config = snapshot_config(
+        tmp_path,
+        max_steps=steps,
+        snapshot_every=1,
+        strategy={"pipeline_stages": "auto", "microbatches": "auto"},
+        hold={"world": 2, "step": steps - 8},
     )
     path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     fleet = Fleet(tmp_path, {**os.environ, "PATH": path, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})

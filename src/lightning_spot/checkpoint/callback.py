@@ -342,9 +342,9 @@ class SpotCheckpoint(L.Callback):
         left, took = notice.seconds_left(), self.saver.durable_seconds()
         short = self.snapshots is not None and left is not None and took is not None and took + STOP_MARGIN_S > left
         group = self.saver.group
-        if broadcast_object(short, group) if group is not None else short:  # (the first rank timed the saves)
+        if broadcast_object(short, group):  # (the first rank timed the saves)
             kept = self.saver.snapshot_now(trainer, _host(trainer))
-            if all(all_gather_object(kept, group) if group is not None else [kept]):
+            if all(all_gather_object(kept, group)):
                 snapshotter = self.saver.snapshotter
                 where = (
                     "copied to the next node"
