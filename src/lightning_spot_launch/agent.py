@@ -9,7 +9,9 @@ are restarted up to ``--max-restarts``) and ``--fresh-processes`` (start every w
 torchrun does).
 
 Its own exit code, for the scheduler that runs it: 0 when training ended, 75 when a notice (SIGTERM) stopped it,
-69 or 75 when its restarts are spent on lost peers or preemptions, 1 for an error of the job's code.
+69 or 75 when its restarts are spent on lost peers or preemptions, 69 when the rendezvous failed (its store, the
+coordinator, unreachable for longer than ``outage_timeout``; no peer within ``join_timeout``), 1 for an error of the
+job's code.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 
-from lightning_spot_launch import AGENT_PID_ENV, FAILED_EXIT_CODE, PREEMPTED_EXIT_CODE, rendezvous
+from lightning_spot_launch import AGENT_PID_ENV, FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, rendezvous
 from lightning_spot_launch.failures import agent_exit_code, limit_error_restarts
 from lightning_spot_launch.forked import forked_entrypoint
 
@@ -30,6 +32,7 @@ DEFAULT_MAX_FAILURES = 2
 def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
@@ -82,6 +85,14 @@ def main(argv: Sequence[str]) -> int:
                 f"lightning-spot run: stopped by {notice.sigval.name}: exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr
             )
             return PREEMPTED_EXIT_CODE
+        except (RendezvousConnectionError, RendezvousTimeoutError) as lost:  # the coordinator is gone, or no peer came
+            print(
+                f"lightning-spot run: the rendezvous failed ({type(lost).__name__}: {lost}): exit code "
+                f"{PEER_LOST_EXIT_CODE}. Relaunched once the rendezvous host (the coordinator) is back, the job resumes "
+                f"from its durable checkpoints.",
+                file=sys.stderr,
+            )
+            return PEER_LOST_EXIT_CODE
         except ChildFailedError as failed:  # (restarts spent) a scheduler recovers 75 and 69, fails the job on 1
             code = agent_exit_code(f.exitcode for f in failed.failures.values())
             if code == FAILED_EXIT_CODE:

@@ -12,6 +12,7 @@ torchrun's defaults. :func:`leave` takes the entry out as the agent's own next r
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,9 @@ BACKEND = "lightning-spot-c10d"
 
 _handlers: list[RendezvousHandler] = []
 #: how long an agent rides through an unreachable rendezvous store (a coordinator restarting) before it fails
-OUTAGE_S = 120.0
+OUTAGE_S = 120
+#: the ``--rdzv-conf`` key that sets it (``lightning-spot run --coordinator-outage``)
+OUTAGE_KEY = "outage_timeout"
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
@@ -36,12 +39,36 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     handler = create_handler(store, backend, params)
     handler.get_backend = lambda: BACKEND  # type: ignore[method-assign]  # the registry checks the name it asked for
     if params.get_as_bool("is_host") is False:  # (the store is a coordinator's: it may restart under us)
-        survive_store_restarts(backend, handler, params)
+        survive_store_restarts(backend, handler, params, float(params.get_as_int(OUTAGE_KEY, OUTAGE_S) or OUTAGE_S))
+    close_only_when_done(handler)
     _handlers.append(handler)
     return handler
 
 
-def survive_store_restarts(backend: Any, handler: Any, params: RendezvousParameters, outage: float = OUTAGE_S) -> None:
+def close_only_when_done(handler: Any) -> None:
+    """torch's launcher shuts the rendezvous down (closes it: no node may join that run id again) whenever its
+    agent ends, but for a signal. An agent that ends with a failure (restarts spent, the store gone: exit codes a
+    scheduler relaunches) only leaves the round here, so that its relaunch, and the nodes still there, can meet
+    again under the same id on a store that outlives it (a coordinator's); a job that ended well still closes it."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    close = handler.shutdown
+
+    def shutdown() -> bool:
+        failure = sys.exc_info()[1]  # (torch calls this in a `finally`: the exception ending the agent, if any)
+        if failure is None:
+            return bool(close())
+        if isinstance(failure, RendezvousConnectionError):  # (nothing to tell a store that cannot be reached)
+            handler._stop_heartbeats()
+            return False
+        return leave([handler])
+
+    handler.shutdown = shutdown
+
+
+def survive_store_restarts(
+    backend: Any, handler: Any, params: RendezvousParameters, outage: float = float(OUTAGE_S)
+) -> None:
     """Let a rendezvous whose store lives elsewhere (``lightning-spot coordinator``) ride through a restart of it.
 
     torch's agent reads the rendezvous state every monitor interval (are nodes waiting to join?) and fails the

@@ -3,6 +3,7 @@ restart of it within the timeouts stops no pipeline."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,4 +108,74 @@ def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: 
     print(
         f"\ncoordinator restart: down {back - killed:.1f} s (a new process importing torch), both pipelines in a "
         f"quorum of the new lighthouse {resumed - back:.1f} s after it was back"
+    )
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(240)
+def test_a_coordinator_down_longer_than_its_timeouts_ends_the_nodes_with_69_and_they_resume_from_durable_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """A pipeline (one agent, `--coordinator-outage 4`, `TorchFT(quorum_timeout=3)`, a durable checkpoint every 5 steps)
+    trains on the coordinator; the coordinator is killed and stays down. The ranks give up on the
+    lighthouse and the agent on the store: it exits with 69 (a lost peer, which every recipe relaunches; it was a
+    traceback and 1, which they fail the job on). The coordinator comes back, the agent is started again (the
+    scheduler's relaunch): it resumes from the newest durable checkpoint and ends equal to one process."""
+    from lightning_spot.cli.run import rendezvous_conf
+    from lightning_spot.torchft.running_quorum import read_running
+    from tests.elastic import Agent, agents_cleanup, port_open, wait_for
+
+    rdzv_port, lighthouse_port = free_port(), free_port()
+    lighthouse = f"http://127.0.0.1:{lighthouse_port}"
+    log = tmp_path / "coordinator.log"
+    coordinator = _coordinator(rdzv_port, lighthouse_port, log)
+    out, checkpoints, steps = tmp_path / "out", tmp_path / "checkpoints", 12
+    argv = [WORKER, str(out), "--stages", "0", "--steps", str(steps), "--step-sleep", "0.2"]
+    argv += ["--checkpoint", str(checkpoints), "--quorum-timeout", "3"]
+    conf = f"join_timeout=120,{rendezvous_conf(last_call=1, coordinator_outage=4)}"  # (--coordinator-outage 4)
+
+    def node(name: str) -> Agent:
+        env = {"REPLICA_GROUP_ID": "0", "TORCHFT_LIGHTHOUSE": lighthouse}
+        return Agent(name, rdzv_port, 1, argv, tmp_path / f"{name}.log", nnodes="1", env=env, rdzv_conf=conf)
+
+    def step() -> int:
+        running = read_running(lighthouse, timeout=2)
+        return max((m.step for m in running.members), default=-1) if running else -1
+
+    try:
+        wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
+        with agents_cleanup([]) as agents:
+            agents.append(node("first"))
+            wait_for(lambda: step() >= 7, 120, "the pipeline past its checkpoint of step 5", agents)
+            at_kill = step()
+            coordinator.kill()
+            coordinator.wait()
+            killed = time.time()
+            first = agents.pop()
+            try:
+                first.proc.wait(timeout=60)
+            finally:
+                first.kill()
+            gave_up = time.time() - killed
+            output = first.output()
+            assert first.proc.returncode == 69, output[-5000:]
+            assert "LighthouseLostError" in output and "exit code 69" in output, output[-5000:]
+            coordinator = _coordinator(rdzv_port, lighthouse_port, log)
+            wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator back", [])
+            agents.append(node("relaunched"))
+            wait_for(lambda: agents[0].proc.poll() is not None, 120, "the relaunched pipeline to end", agents)
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+    starts = [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()]
+    resumed = [s for s in starts if s["step"] > 0]
+    assert [s["step"] for s in resumed] == [5], starts  # (the newest durable step)
+    result = _results(out)["group0_rank0"]
+    assert result["global_step"] == steps
+    assert_same_params(result["state_dict"], _reference(steps))
+    print(
+        f"\ncoordinator gone for good: the agent exited 69 {gave_up:.1f} s after it (quorum_timeout 3 s, outage 4 s); "
+        f"relaunched, the pipeline resumed from step 5 (at step {at_kill} when it went: {at_kill - 5} steps trained "
+        f"again), nothing else lost"
     )

@@ -129,3 +129,18 @@ def test_lightning_spot_run_stopped_by_a_notice_exits_75(tmp_path: Path) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_that_cannot_reach_its_coordinator_exits_69(tmp_path: Path) -> None:
+    """A node (re)started while its coordinator is down: the rendezvous fails, and the agent exits with 69, which
+    every recipe relaunches (it was a traceback and exit code 1, which they fail the job on)."""
+    from tests.distributed import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    cmd = [sys.executable, "-m", "lightning_spot_launch", "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d"]
+    cmd += [f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-conf=is_host=false,read_timeout=2", "x.py"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 69, proc.stderr[-3000:]
+    assert "the rendezvous failed (RendezvousConnectionError" in proc.stderr and "exit code 69" in proc.stderr

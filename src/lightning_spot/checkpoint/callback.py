@@ -341,10 +341,11 @@ class SpotCheckpoint(L.Callback):
         lives on one node (said in the log). Returns what was committed."""
         left, took = notice.seconds_left(), self.saver.durable_seconds()
         short = self.snapshots is not None and left is not None and took is not None and took + STOP_MARGIN_S > left
-        group = self.saver.group
-        if broadcast_object(short, group):  # (the first rank timed the saves)
+        # (over the default group, which only this thread uses: the saver's carries the collectives of a background
+        # upload that may still be in flight, and two threads' collectives on one group pair up wrongly and hang)
+        if broadcast_object(short):  # (the first rank timed the saves)
             kept = self.saver.snapshot_now(trainer, _host(trainer))
-            if all(all_gather_object(kept, group)):
+            if all(all_gather_object(kept)):
                 snapshotter = self.saver.snapshotter
                 where = (
                     "copied to the next node"

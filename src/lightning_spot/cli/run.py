@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 
 from lightning_spot_launch.agent import DEFAULT_MAX_FAILURES
+from lightning_spot_launch.rendezvous import OUTAGE_KEY, OUTAGE_S
 
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 #: rendezvous heartbeat: a node that died is given up after 3 missed beats; each beat reads and writes the whole state
@@ -43,13 +44,15 @@ DEFAULT_RDZV_ID = "lightning-spot"
 
 
 def rendezvous_conf(
-    keep_alive: int = KEEP_ALIVE_SECONDS, last_call: int = LAST_CALL_SECONDS, external_store: bool = False
+    keep_alive: int = KEEP_ALIVE_SECONDS, last_call: int = LAST_CALL_SECONDS, coordinator_outage: int | None = None
 ) -> str:
     """torchrun's ``--rdzv-conf`` value: heartbeats every ``keep_alive`` s (3 missed: given up), rounds that close
-    ``last_call`` s after their last arrival; ``external_store``: the store is the coordinator's, no agent hosts
-    it."""
+    ``last_call`` s after their last arrival; ``coordinator_outage`` (a store that is the coordinator's, hosted by no
+    agent): seconds the agents ride through its being unreachable before they exit with code 69."""
     conf = f"keep_alive_interval={keep_alive},keep_alive_max_attempt=3,last_call_timeout={last_call}"
-    return conf + (",is_host=false" if external_store else "")
+    if coordinator_outage is None:
+        return conf
+    return f"{conf},is_host=false,{OUTAGE_KEY}={coordinator_outage}"
 
 
 def apply_coordinator(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
@@ -94,7 +97,11 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
             "--rdzv-conf="
-            + rendezvous_conf(args.keep_alive or keep_alive_for(args.nnodes), args.last_call, bool(args.coordinator)),
+            + rendezvous_conf(
+                args.keep_alive or keep_alive_for(args.nnodes),
+                args.last_call,
+                args.coordinator_outage if args.coordinator else None,
+            ),
         ]
     if args.shutdown_timeout is not None:
         cmd.append(f"--shutdown-timeout={args.shutdown_timeout}")
@@ -160,6 +167,14 @@ def main(argv: Sequence[str]) -> int:
         default=None,
         help="HOST[:PORT] of `lightning-spot coordinator`: the rendezvous on its store (per pipeline with "
         "REPLICA_GROUP_ID) and its torchft lighthouse; replaces --rdzv-endpoint",
+    )
+    parser.add_argument(
+        "--coordinator-outage",
+        type=int,
+        default=OUTAGE_S,
+        help=f"with --coordinator: seconds the agent rides through its being unreachable (a restart under a "
+        f"supervisor) before it exits with code 69 for its scheduler to relaunch it (default {OUTAGE_S}); torchft "
+        f"pipelines give up on its lighthouse after TorchFT(quorum_timeout) (60 s)",
     )
     parser.add_argument(
         "--max-restarts", type=int, default=100, help="restarts after preemptions, lost peers and killed workers"

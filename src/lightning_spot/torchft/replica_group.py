@@ -54,6 +54,7 @@ from lightning_spot.torchft.mixed_quorum import HolderReduce, quorum_plans
 from lightning_spot.torchft.process_groups import cross_pipeline_group
 from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, parse_replica_id, replica_id
 from lightning_spot.utils.distributed import broadcast_object
+from lightning_spot.watchdog import PEER_LOST_EXIT_CODE, CoordinatorLostError
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,12 @@ class StageModel(NamedTuple):
 
 
 class QuorumError(ConnectionError):
-    """No quorum from the lighthouse: the job's coordinator is gone (a failure of its own, not a lost peer)."""
+    """No quorum that this pipeline may train in (an error of the job: it ends with exit code 1)."""
+
+
+class LighthouseLostError(QuorumError, CoordinatorLostError):
+    """No quorum from the lighthouse within ``quorum_timeout``: the job's coordinator is gone. Every rank exits with
+    the lost-peer code (69), which schedulers relaunch; the pipelines resume from their durable checkpoints."""
 
 
 class ReplicaGroup:
@@ -488,10 +494,11 @@ class ReplicaGroup:
                     self._boundary.clear()
                     self._next_quorum = None
         except Exception as err:  # the lighthouse is gone or unreachable: no pipeline can agree on a step
-            raise QuorumError(
+            raise LighthouseLostError(
                 f"no quorum from the torchft lighthouse at {self.settings.lighthouse} within "
                 f"{self.settings.quorum_timeout:.0f} s ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
-                f"Restart the lighthouse (or the launch) and the pipelines resume from the durable checkpoints."
+                f"Every rank exits with code {PEER_LOST_EXIT_CODE}: restart the lighthouse (`lightning-spot "
+                f"coordinator` under a supervisor) and relaunch, and the pipelines resume from the durable checkpoints."
             ) from err
         quorum_id = self._quorum_id()
         if quorum_id is not None and self._last_quorum_id is not None and quorum_id < self._last_quorum_id:

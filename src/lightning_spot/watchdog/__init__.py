@@ -6,6 +6,7 @@ from lightning_spot.watchdog.watch import (
     DEFAULT_TIMEOUT,
     FAILED_EXIT_CODE,
     PEER_LOST_EXIT_CODE,
+    CoordinatorLostError,
     JobWatch,
 )
 
@@ -14,6 +15,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "FAILED_EXIT_CODE",
     "PEER_LOST_EXIT_CODE",
+    "CoordinatorLostError",
     "Failure",
     "FailureBoard",
     "JobWatch",

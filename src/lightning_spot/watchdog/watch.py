@@ -45,7 +45,14 @@ import torch.distributed as dist
 from lightning_spot.watchdog.board import Failure, FailureBoard
 from lightning_spot_launch import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
-__all__ = ["DEFAULT_STEP_TIMEOUT", "DEFAULT_TIMEOUT", "FAILED_EXIT_CODE", "PEER_LOST_EXIT_CODE", "JobWatch"]
+__all__ = [
+    "DEFAULT_STEP_TIMEOUT",
+    "DEFAULT_TIMEOUT",
+    "FAILED_EXIT_CODE",
+    "PEER_LOST_EXIT_CODE",
+    "CoordinatorLostError",
+    "JobWatch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,12 @@ _LOST_PEER = (
     "timeout caused pair closure",  # gloo, the next operation on that pair
     "before timing out",  # NCCL's watchdog: "... ran for 600019 milliseconds before timing out"
 )
+
+
+class CoordinatorLostError(ConnectionError):
+    """The job's coordinator (its rendezvous store, its torchft lighthouse) stayed unreachable longer than its
+    timeouts. Not an error of the job's code: every rank exits as for a lost peer (:data:`PEER_LOST_EXIT_CODE`), so
+    that a scheduler relaunches the job, which resumes from its durable checkpoints once the coordinator is back."""
 
 
 class JobWatch:
@@ -164,7 +177,7 @@ class JobWatch:
             )
             _end_uncaught(error, lambda: self.say(said), self.linger, PEER_LOST_EXIT_CODE)
         else:
-            if first is not None and lost:
+            if first is not None and lost and not any(isinstance(c, CoordinatorLostError) for c in _chain(error)):
                 log.error(
                     "lightning-spot: rank %d: a collective lost its peer and no other rank reported a failure: a peer "
                     "was killed, froze or lost its network (the collective timeout is SpotPipelineStrategy(timeout=...))",
@@ -247,9 +260,9 @@ def _one_line(error: BaseException) -> str:
 
 def _is_lost_peer(error: BaseException) -> bool:
     """Whether ``error``, or one it wraps (torch's "Failed to run stage backward" wraps a DDP all-reduce's), is a
-    collective that lost its peer."""
+    collective that lost its peer, or the job's coordinator that is gone."""
     return any(
-        isinstance(cause, getattr(dist, "DistError", ()))
+        isinstance(cause, (CoordinatorLostError, getattr(dist, "DistError", ())))
         or (isinstance(cause, RuntimeError) and any(w in str(cause).lower() for w in _LOST_PEER))
         for cause in _chain(error)
     )

@@ -109,11 +109,15 @@ def test_run_with_a_coordinator_meets_on_its_store_and_lighthouse(
     assert main(["run", "--dry-run", "--coordinator", "head", "--nnodes", "1:2", "train.py"]) == 0
     line = capsys.readouterr().out
     assert "TORCHFT_LIGHTHOUSE=http://head:29510" in line and "--rdzv-endpoint=head:29400" in line
-    assert "--rdzv-id=lightning-spot-pipeline-3" in line and ",is_host=false" in line
+    assert "--rdzv-id=lightning-spot-pipeline-3" in line and ",is_host=false,outage_timeout=120" in line
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://other:1")
     assert main(["run", "--dry-run", "--coordinator", "head:7000", "--nnodes", "1:2", "--rdzv-id", "mine", "x.py"]) == 0
     line = capsys.readouterr().out
     assert "TORCHFT_LIGHTHOUSE" not in line and "--rdzv-endpoint=head:7000" in line and "--rdzv-id=mine" in line
+    assert main(["run", "--dry-run", "--coordinator", "head", "--coordinator-outage", "30", "x.py"]) == 0
+    assert ",is_host=false,outage_timeout=30" in capsys.readouterr().out
+    assert main(["run", "--dry-run", "--rdzv-endpoint", "head:1", "--nnodes", "1:2", "x.py"]) == 0
+    assert "is_host" not in (out := capsys.readouterr().out) and "outage_timeout" not in out, "no coordinator"
 
 
 @pytest.mark.timeout(60)
@@ -165,4 +169,45 @@ def test_a_rendezvous_on_a_coordinators_store_rides_through_its_restart() -> Non
         node._stop_heartbeats()  # type: ignore[attr-defined]
         rendezvous._handlers.clear()
         del node
+        gc.collect()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_that_ends_in_failure_leaves_the_rendezvous_open_for_its_relaunch() -> None:
+    """torch's launcher closes the rendezvous when its agent ends (no node may join that id again): on a
+    coordinator's store, which outlives the agents, a scheduler's relaunch after exit code 69 or 75 would then fail
+    for good. An agent ending with a failure only leaves the round; the relaunched node meets under the same id; an
+    agent whose job ended well closes it."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from lightning_spot_launch import rendezvous
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
+
+    def node() -> object:
+        params = RendezvousParameters(
+            backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="relaunch", min_nodes=1, max_nodes=2, is_host=False,
+            join_timeout="10", last_call_timeout="1", keep_alive_interval="1", keep_alive_max_attempt="3",
+        )  # fmt: skip
+        return rendezvous._create(params)
+
+    try:
+        first = node()
+        assert first.next_rendezvous().world_size == 1  # type: ignore[attr-defined]
+        try:
+            raise RuntimeError("the workers failed, restarts spent")  # (the agent exits 69 or 75)
+        except RuntimeError:
+            assert first.shutdown()  # type: ignore[attr-defined]  (as torch's launcher calls it, in a `finally`)
+        relaunched = node()
+        assert not relaunched.is_closed()  # type: ignore[attr-defined]
+        assert relaunched.next_rendezvous().world_size == 1  # type: ignore[attr-defined]
+        assert relaunched.shutdown()  # type: ignore[attr-defined]  (the job ended well)
+        assert node().is_closed()  # type: ignore[attr-defined]
+    finally:
+        for handler in rendezvous._handlers:
+            handler._stop_heartbeats()  # type: ignore[attr-defined]
+        rendezvous._handlers.clear()
+        del server
         gc.collect()

@@ -23,3 +23,20 @@ def test_a_lost_peer_is_recognised_inside_the_error_that_wraps_it() -> None:
     assert _is_lost_peer(RuntimeError("Application timeout caused pair closure"))
     assert not _is_lost_peer(RuntimeError("feature store: request timeout after 3 retries"))
     assert not _is_lost_peer(RuntimeError("the tokenizer service timed out"))
+
+
+def test_a_lighthouse_that_stays_gone_exits_as_a_lost_peer_other_quorum_refusals_as_errors() -> None:
+    """No quorum from the lighthouse within quorum_timeout (the coordinator gone): exit code 69, which schedulers
+    relaunch (the pipelines resume from durable checkpoints); a quorum refused for a reason of the run's own (a
+    restart that would train from step 1): an error, 1."""
+    from lightning_spot.torchft.replica_group import LighthouseLostError, QuorumError
+    from lightning_spot.watchdog.watch import _is_lost_peer
+
+    try:
+        try:
+            raise TimeoutError("Timed out after 3s waiting for the lighthouse")
+        except TimeoutError as inner:
+            raise LighthouseLostError("no quorum from the torchft lighthouse at http://head:29510 within 3 s") from inner
+    except QuorumError as lost:
+        assert _is_lost_peer(lost)
+    assert not _is_lost_peer(QuorumError("no quorum with the pipelines that held step 8: it does not start the run"))
