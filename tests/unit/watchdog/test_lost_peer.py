@@ -36,7 +36,9 @@ def test_a_lighthouse_that_stays_gone_exits_as_a_lost_peer_other_quorum_refusals
         try:
             raise TimeoutError("Timed out after 3s waiting for the lighthouse")
         except TimeoutError as inner:
-            raise LighthouseLostError("no quorum from the torchft lighthouse at http://head:29510 within 3 s") from inner
+            raise LighthouseLostError(
+                "no quorum from the torchft lighthouse at http://head:29510 within 3 s"
+            ) from inner
     except QuorumError as lost:
         assert _is_lost_peer(lost)
     assert not _is_lost_peer(QuorumError("no quorum with the pipelines that held step 8: it does not start the run"))
