@@ -75,7 +75,7 @@ def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: 
             wait_for(lambda: len(steps()) == 2, 60, "both pipelines in a quorum of the new lighthouse", agents)
             resumed = time.time()
             first = steps()
-            time.sleep(3.0)
+            time.sleep(2.0)
             assert all(steps()[g] > first[g] for g in "01"), "both pipelines train on after the restart"
             joined = time.time()
             agents.append(node(1, "b"))
@@ -84,7 +84,7 @@ def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: 
                 return {h["rank"] for h in _heals(out, "1", after=joined)}
 
             wait_for(lambda: grown() == {0, 1}, 120, "pipeline 1 grown to depth 2 on the new store", agents)
-            time.sleep(2.0)
+            time.sleep(1.0)
             stop.touch()
             wait_for(lambda: all(a.proc.poll() is not None for a in agents), 120, "the pipelines to end", agents)
             codes = [a.proc.returncode for a in agents]

@@ -31,17 +31,18 @@ def test_a_fleet_of_recipes_rides_through_a_notice_a_lost_node_and_both_returns(
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_the_elastic_pytorchjob_recipe_restarts_on_the_pod_left_from_memory_and_grows_back(tmp_path: Path) -> None:
+def test_the_elastic_pytorchjob_recipe_restarts_on_the_pod_left_from_memory(tmp_path: Path) -> None:
     """The restart path under the Kubernetes recipe (its PyTorchJob pod's flags and environment): a pod killed, the
-    other restarts the job on itself from its memory (the time lost is printed), a pod made again joins; the
-    run equals one process."""
+    other restarts the job on itself from its memory (the time lost is printed); the run equals one process. (A
+    pod made again joins and the job grows back in `benchmarks/deploy_fleet.py --restart-path`; a node that joins an
+    elastic job is tested in test_preemption.py.)"""
     from tests.deploy_fleet import run_restart_fleet
     from tests.parity import merged_state, reference_run
 
-    steps = 40
-    figures = run_restart_fleet(tmp_path, steps)
+    steps = 24
+    figures = run_restart_fleet(tmp_path, steps, regrow=False)
     finals = [torch.load(path) for path in sorted((tmp_path / "out" / "final").glob("rank*.pt"))]
     case = {"model": {"scheduler": True}, "loader": {"batch_size": 16, "n": 80, "shuffle": True}}
     assert_same_params(merged_state(finals), reference_run({**case, "trainer": {"max_steps": steps}}))
     print("\nrestart fleet: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
-    assert figures["restarts"] >= 2 and figures["restart_time_lost_seconds"] < 30, figures
+    assert figures["restarts"] >= 1 and figures["restart_time_lost_seconds"] < 30, figures
