@@ -460,7 +460,8 @@ SLURM_COORDINATOR = """\
 #   sudo systemctl enable --now lightning-spot-coordinator
 #
 # ExecStart: the lightning-spot command of the environment the jobs use. A restart within the timeouts (the
-# stores' 120 s, torchft's quorum_timeout) stops no pipeline.
+# stores' 120 s, torchft's quorum_timeout) stops no pipeline; a longer outage ends every node with exit code 69,
+# which the job scripts relaunch: they resume from the newest durable checkpoint once the coordinator is back.
 [Unit]
 Description=lightning-spot coordinator (rendezvous store :29400, torchft lighthouse :29510)
 After=network-online.target

@@ -1,7 +1,7 @@
 """The quorum a pipeline is about to join: what the lighthouse's status page says of the pipelines training now.
 
     running = read_running("http://lighthouse:29510", timeout=5.0)   # None: the page could not be read
-    error = running.refusal(layout=layout_tag(2, [2]), group="1")     # None, or why this pipeline may not join
+    error = layouts_refusal(layouts_in(quorum_ids), layout_tag(2, [2]), "1")  # None, or why it may not train there
     step = running.latest_step(group="1")                             # the step the live pipelines hold
     holders = running.holders(group="1")                              # their replica ids
     read_running(...).any_live(holders)                               # later: still heartbeating?
@@ -105,10 +105,6 @@ class RunningQuorum:
     def any_live(self, replica_ids: Iterable[str]) -> bool:
         """Whether any of ``replica_ids`` still heartbeats (its last beat less than :data:`LIVE_SECONDS` ago)."""
         return any(self.heartbeats.get(r, LIVE_SECONDS) < LIVE_SECONDS for r in replica_ids)
-
-    def refusal(self, layout: str, group: str) -> str | None:
-        """Why pipeline ``group``, training ``layout``, may not join the live pipelines (``None``: it may)."""
-        return layouts_refusal([(m.group, m.layout, m.step) for m in self.others(group)], layout, group)
 
 
 def layouts_refusal(members: Iterable[tuple[str, str, int | None]], layout: str, group: str) -> str | None:

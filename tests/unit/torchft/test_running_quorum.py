@@ -15,6 +15,7 @@ from lightning_spot.torchft import TorchFT, replica_group
 from lightning_spot.torchft.replica_group import QuorumError, ReplicaGroup
 from lightning_spot.torchft.running_quorum import (
     layout_tag,
+    layouts_refusal,
     parse_replica_id,
     parse_status,
     replica_id,
@@ -54,8 +55,9 @@ def test_the_status_page_gives_the_live_pipelines_steps_and_layouts() -> None:
         ("1", "s2c2", 7, 2, False),
     ]
     assert running.latest_step("1") == 8 and running.latest_step("0") == 0, "live pipelines of other groups only"
-    assert running.refusal("s2c2", "1") is None
-    refusal = running.refusal(layout_tag(1, []), "1")
+    members = [(m.group, m.layout, m.step) for m in running.others("1")]
+    assert layouts_refusal(members, "s2c2", "1") is None
+    refusal = layouts_refusal(members, layout_tag(1, []), "1")
     assert refusal is not None and "pipeline 1 would train 1 stage(s)" in refusal
     assert "(pipeline 0 at step 8) train 2 stage(s) cut at layers [2]" in refusal
     assert "`--nnodes 2`" in refusal and "pipeline_stages=2, partition=[2]" in refusal
