@@ -66,25 +66,26 @@ def _assert_rule(reports: list[dict]) -> None:
     assert {r["host_malloc"] for r in reports} == {is_glibc()}, reports  # runtime.host_malloc, on every rank
 
 
-@pytest.mark.parametrize(
-    "timeline", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-timeline", "timeline"]
-)  # the quick set runs the variant without a timeline
-def test_script_with_lightnings_launcher(tmp_path: Path, timeline: bool) -> None:
-    out = run_command([sys.executable, WORKER, str(tmp_path), *(["--timeline"] if timeline else [])], timeout=180)
+def test_script_with_lightnings_launcher_and_its_logs(tmp_path: Path) -> None:
+    """A script under Lightning's launcher: the thread rule on every rank, said once; and its logs hold no warnings
+    that do not apply to the user (those that do are still shown). (With a timeline: ``test_lightning_cli`` and
+    ``lightning-spot run`` below.)"""
+    out = run_command([sys.executable, WORKER, str(tmp_path)], timeout=180)
     _assert_rule(_reports(tmp_path))
     assert out.count("CPU thread per process") + out.count("CPU threads per process") == 1, "said once, by rank 0"
+    # the strategy reduces logged values over replicas itself; Lightning's LeafSpec use is not the user's concern
+    assert "sync_dist=True" not in out, out[-3000:]
+    assert "LeafSpec" not in out, out[-3000:]
+    assert "a genuine warning from the user's training_step" in out, out[-3000:]
 
 
-@pytest.mark.parametrize(
-    "timeline", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-timeline", "timeline"]
-)  # the quick set runs the variant without a timeline
-def test_lightning_cli(tmp_path: Path, timeline: bool) -> None:
+def test_lightning_cli(tmp_path: Path) -> None:
+    """``lightning-spot fit`` with a PipelineTimeline among the config's callbacks: the rule, and the trace."""
     config = tmp_path / "config.yaml"
-    extra = TIMELINE.format(out=tmp_path) if timeline else ""
-    config.write_text(CLI_CONFIG.format(root=tmp_path / "root", out=tmp_path, timeline=extra))
+    config.write_text(CLI_CONFIG.format(root=tmp_path / "root", out=tmp_path, timeline=TIMELINE.format(out=tmp_path)))
     run_command([EXE, "fit", "--config", str(config)], timeout=180)
     _assert_rule(_reports(tmp_path))
-    assert (tmp_path / "timeline" / "trace.json").is_file() == timeline
+    assert (tmp_path / "timeline" / "trace.json").is_file()
 
 
 @pytest.mark.slow
@@ -112,12 +113,3 @@ def test_users_set_num_threads_wins(tmp_path: Path) -> None:
     run_command([sys.executable, WORKER, str(tmp_path), "--set-threads", "3"], timeout=180)
     reports = _reports(tmp_path)  # also in the process Lightning's launcher runs in, which resets the pool
     assert [(r["threads"], r["source"]) for r in reports] == [(3, "user")] * 2, reports
-
-
-def test_logs_hold_no_warnings_that_do_not_apply(tmp_path: Path) -> None:
-    out = run_command([sys.executable, WORKER, str(tmp_path)], timeout=180)
-    # the strategy reduces logged values over replicas itself; Lightning's LeafSpec use is not the user's concern
-    assert "sync_dist=True" not in out, out[-3000:]
-    assert "LeafSpec" not in out, out[-3000:]
-    # warnings that do apply are still shown
-    assert "a genuine warning from the user's training_step" in out, out[-3000:]
