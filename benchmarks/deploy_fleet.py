@@ -6,7 +6,12 @@ SkyPilot managed job's ``run`` (``examples/deploy/skypilot/pipeline.yaml``'s, un
 one CPU node each, ``fault_tolerance="torchft"`` on the test model (steps of about 0.15 s). Pipeline 1's node gets a
 notice (SIGTERM: it must exit 75) and is relaunched; then pipeline 0's node is SIGKILLed and requeued. Prints, per run
 and as medians, how long the notice took to exit and the longest pause the other pipeline saw (the lighthouse's
-steps sampled every 0.1 s). Goal (issue 63): <= 2 s with torchft.
+steps sampled every 0.1 s), and checks that each pipeline ends equal to one process. Goal (issue 63): <= 2 s with
+torchft.
+
+``--kubernetes``: pipeline 1 as a pod of the Kubernetes recipe's Indexed Job instead
+(``examples/deploy/kubernetes/torchft-pipelines.yaml``: its container's command and environment, the pod's hostname
+and completion index); the notice is the pod's deletion, the relaunch the pod made again.
 
 ``--restart-path``: ``tests/deploy_fleet.run_restart_fleet`` instead: two worker pods of the elastic PyTorchJob
 (``examples/deploy/kubernetes/elastic-pytorchjob.yaml``'s ``lightning-spot run`` flags, the training operator's pod
@@ -17,6 +22,7 @@ Usage::
 
     python benchmarks/deploy_fleet.py             # 3 runs
     python benchmarks/deploy_fleet.py --runs 5
+    python benchmarks/deploy_fleet.py --kubernetes
     python benchmarks/deploy_fleet.py --restart-path
 """
 
@@ -31,17 +37,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.deploy_fleet import run_fleet, run_restart_fleet
+from tests.integration.test_fault_tolerance import _reference, _results
+from tests.parity import assert_same_params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--restart-path", action="store_true", help="the elastic PyTorchJob's restart path instead")
+    parser.add_argument("--kubernetes", action="store_true", help="pipeline 1 as a pod of the Kubernetes Indexed Job")
     args = parser.parse_args()
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as folder:
-            figures = run_restart_fleet(Path(folder)) if args.restart_path else run_fleet(Path(folder))
+            if args.restart_path:
+                figures = run_restart_fleet(Path(folder))
+            else:
+                figures = run_fleet(Path(folder), "kubernetes" if args.kubernetes else "skypilot")
+                for group, result in sorted(_results(Path(folder) / "out").items()):  # (each pipeline's end)
+                    assert_same_params(result["state_dict"], _reference(result["global_step"]))
+                    print(f"{group}: equal to one process at step {result['global_step']}", flush=True)
         runs.append(figures)
         print(f"run {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)
     print("median: " + ", ".join(f"{k} {statistics.median(r[k] for r in runs):.2f}" for k in runs[0]))

@@ -72,6 +72,28 @@ def _skypilot_run(fleet: Fleet, name: str, group: int, coordinator: str, args: s
     return fleet.start(name, ["bash", "-c", task["run"]], env)
 
 
+def _kubernetes_pod(fleet: Fleet, name: str, group: int, coordinator: str, args: str) -> subprocess.Popen:
+    """A pod of pipeline ``group``'s Indexed Job (examples/deploy/kubernetes/torchft-pipelines.yaml): its container's
+    command and environment as written, the pod's hostname and completion index; one process, the test worker as
+    the script, the coordinator Service's name replaced by its local address."""
+    documents = yaml.safe_load_all((DEPLOY / "kubernetes" / "torchft-pipelines.yaml").read_text())
+    job = next(d for d in documents if d["kind"] == "Job" and d["metadata"]["labels"]["pipeline"] == str(group))
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    command = list(container["command"])
+    script = next(i for i, word in enumerate(command) if i > 1 and not word.startswith("-"))
+    flags = [
+        f"--coordinator={coordinator}"
+        if word.startswith("--coordinator=")
+        else "--nproc-per-node=1"
+        if word.startswith("--nproc-per-node=")
+        else word
+        for word in command[:script]
+    ]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    env.update(HOSTNAME=f"{job['metadata']['name']}-0-{name}", JOB_COMPLETION_INDEX="0")
+    return fleet.start(name, [*flags, WORKER, *args.split()], env)
+
+
 def _slurm_job(fleet: Fleet, name: str, group: int, coordinator: str, args: str, restarts: int) -> subprocess.Popen:
     """A one-node job of pipeline ``group`` as Slurm runs the batch script (``SLURM_*``; srun and scontrol shims)."""
     env = {"REPLICA_GROUP_ID": str(group), "COORDINATOR": coordinator, "SCRIPT": WORKER, "SCRIPT_ARGS": args}
@@ -109,12 +131,13 @@ class Sampler(threading.Thread):
             self.samples.append((time.time(), now))
 
 
-def run_fleet(tmp_path: Path) -> dict[str, float]:
+def run_fleet(tmp_path: Path, pipeline1: str = "skypilot") -> dict[str, float]:
     """The coordinator; pipeline 0 as a Slurm job (examples/deploy/slurm/pipeline.sbatch), pipeline 1 as a SkyPilot
-    managed job (examples/deploy/skypilot/pipeline.yaml's ``run``), one CPU node each, fault_tolerance="torchft".
-    Pipeline 1's node gets a notice (SIGTERM) and must exit 75; SkyPilot's relaunch joins again. Then pipeline 0's
-    node is killed (no notice); Slurm's requeue joins again. Both end (exit 0) after a stop file. Returns the
-    figures; the pipelines' results are in ``tmp_path / "out"`` (``group{G}_rank0.pt``)."""
+    managed job (examples/deploy/skypilot/pipeline.yaml's ``run``; ``pipeline1="kubernetes"``: a pod of the
+    Kubernetes recipe's Indexed Job instead), one CPU node each, fault_tolerance="torchft". Pipeline 1's node gets a
+    notice (SIGTERM) and must exit 75; SkyPilot's relaunch (the pod made again) joins again. Then pipeline 0's node
+    is killed (no notice); Slurm's requeue joins again. Both end (exit 0) after a stop file. Returns the figures; the
+    pipelines' results are in ``tmp_path / "out"`` (``group{G}_rank0.pt``)."""
     from tests.elastic import port_open, wait_for
 
     rdzv_port, lighthouse_port = free_port(), free_port()
@@ -144,7 +167,8 @@ def run_fleet(tmp_path: Path) -> dict[str, float]:
         wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
         sampler.start()
         slurm = _slurm_job(fleet, "slurm0", 0, address, args, restarts=0)
-        sky = _skypilot_run(fleet, "sky1", 1, address, args)
+        other = _kubernetes_pod if pipeline1 == "kubernetes" else _skypilot_run
+        sky = other(fleet, "sky1", 1, address, args)
         deadline = time.monotonic() + 200
         while not (len(steps()) == 2 and min(steps().values()) >= 5):
             assert time.monotonic() < deadline and slurm.poll() is None and sky.poll() is None, fail("both at step 5")
@@ -155,7 +179,7 @@ def run_fleet(tmp_path: Path) -> dict[str, float]:
         left = time.time()
         time.sleep(1.0)
         relaunched = time.time()
-        sky = _skypilot_run(fleet, "sky1-recovered", 1, address, args)  # (recover_on_exit_codes: [75])
+        sky = other(fleet, "sky1-recovered", 1, address, args)  # (recover_on_exit_codes: [75]; exit code 75: Ignore)
         deadline = time.monotonic() + 200
         while not _heals(out, "1", relaunched):
             assert time.monotonic() < deadline and sky.poll() is None, fail("pipeline 1 back")
