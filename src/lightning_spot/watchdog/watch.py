@@ -177,7 +177,7 @@ class JobWatch:
             )
             _end_uncaught(error, lambda: self.say(said), self.linger, PEER_LOST_EXIT_CODE)
         else:
-            if first is not None and lost and not any(isinstance(c, CoordinatorLostError) for c in _chain(error)):
+            if first is not None and lost and not _coordinator_lost(error):
                 log.error(
                     "lightning-spot: rank %d: a collective lost its peer and no other rank reported a failure: a peer "
                     "was killed, froze or lost its network (the collective timeout is SpotPipelineStrategy(timeout=...))",
@@ -261,11 +261,16 @@ def _one_line(error: BaseException) -> str:
 def _is_lost_peer(error: BaseException) -> bool:
     """Whether ``error``, or one it wraps (torch's "Failed to run stage backward" wraps a DDP all-reduce's), is a
     collective that lost its peer, or the job's coordinator that is gone."""
-    return any(
-        isinstance(cause, (CoordinatorLostError, getattr(dist, "DistError", ())))
+    return _coordinator_lost(error) or any(
+        isinstance(cause, getattr(dist, "DistError", ()))
         or (isinstance(cause, RuntimeError) and any(w in str(cause).lower() for w in _LOST_PEER))
         for cause in _chain(error)
     )
+
+
+def _coordinator_lost(error: BaseException) -> bool:
+    """Whether ``error``, or one it wraps, says the job's coordinator is gone (:class:`CoordinatorLostError`)."""
+    return any(isinstance(cause, CoordinatorLostError) for cause in _chain(error))
 
 
 def _exit_code(first: Failure) -> int:
