@@ -60,9 +60,11 @@ def lighthouse() -> Iterator[str]:
         server.shutdown()
 
 
-def _reference(steps: int, model: str = "tiny", accumulate: int = 1, family: str = "llama") -> dict[str, Any]:
+def _reference(
+    steps: int, model: str = "tiny", accumulate: int = 1, family: str = "llama", tied: bool = False
+) -> dict[str, Any]:
     if model == "finetune":
-        return reference_run(finetune_scenario(steps, accumulate, family))
+        return reference_run(finetune_scenario(steps, accumulate, family, tied))
     return reference_run(
         {"model": {"scheduler": True}, "loader": {"batch_size": BATCH, "n": SAMPLES}, "trainer": {"max_steps": steps}}
     )
@@ -596,21 +598,23 @@ def test_accumulated_batches_under_torchft_equal_one_process_through_a_kill(
 def test_pipelines_of_different_depths_train_in_one_quorum_equal_to_one_process(
     tmp_path: Path, lighthouse: str
 ) -> None:
-    """Pipelines [2, 1] from the start in one torchft quorum (min_replicas=2: the first quorum holds both):
-    pipeline 0 cut in two stages on two processes, pipeline 1 whole on one. Each parameter is averaged between its
-    two holders (pipeline 0's stage that holds it and pipeline 1's only rank), weighted by their rows, and the
-    logged loss is the whole batch's: both pipelines equal one process. Every 10 commits the pipelines' speeds (rows
+    """Pipelines [2, 1] from the start in one torchft quorum (min_replicas=2: the first quorum holds both), on GPT-2
+    with its embedding tied to its output layer: pipeline 0 runs four stages on two processes (Interleaved1F1B,
+    stages 0 and 2 on its first process), pipeline 1 the whole model on one. Each parameter is averaged between its
+    two holders (pipeline 0's process that holds it and pipeline 1's only rank), weighted by their rows; the tied
+    weight among all three copies (pipeline 0's two, which it summed first, and pipeline 1's one), each pipeline's
+    counted once; the logged loss is the whole batch's: both pipelines equal one process. Every 10 commits the pipelines' speeds (rows
     per second of their last schedule, summed over the last stages) set the next shares: both hold the same speeds,
     and each trains its proportional part (whole micro-batches)."""
     from lightning_spot.torchft.batch_split import proportional_units
 
     out = tmp_path / "out"
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
-    argv = [WORKER, str(out), "--steps", "12", "--min-replicas", "2", "--model", "finetune"]
+    argv = [WORKER, str(out), "--steps", "12", "--min-replicas", "2", "--model", "finetune", "--family", "gpt2"]
+    argv += ["--tied"]
+    looped = ["--stages", "2", "--schedule", "Interleaved1F1B"]
     with ExitStack() as stack:
-        deep = stack.enter_context(
-            _running(2, [*argv, "--stages", "2"], tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"})
-        )
+        deep = stack.enter_context(_running(2, [*argv, *looped], tmp_path / "logs0", {**env, "REPLICA_GROUP_ID": "0"}))
         whole = stack.enter_context(
             _running(1, [*argv, "--stages", "1"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
         )
@@ -622,7 +626,7 @@ def test_pipelines_of_different_depths_train_in_one_quorum_equal_to_one_process(
             raise WorkerFailure(f"exit codes {codes}", [*_logs(tmp_path / "logs0", 2), *_logs(tmp_path / "logs1", 1)])
     results = _results(out)
     assert sorted(results) == ["group0_rank0", "group0_rank1", "group1_rank0"]
-    ref = _reference(12, "finetune")
+    ref = _reference(12, "finetune", family="gpt2", tied=True)
     merged = {**results["group0_rank0"]["state_dict"], **results["group0_rank1"]["state_dict"]}
     assert_same_params(merged, ref)
     assert_same_params(results["group1_rank0"]["state_dict"], ref)
@@ -640,13 +644,15 @@ def test_pipelines_of_different_depths_train_in_one_quorum_equal_to_one_process(
 @needs_hostname
 @pytest.mark.timeout(300)
 def test_a_pipeline_deeper_than_the_live_one_joins_it_mid_run(tmp_path: Path, lighthouse: str) -> None:
-    """Pipeline 0, whole on one process, trains alone; at step 6 or later pipeline 1 joins, cut in two stages on two
-    processes: its first rank heals from pipeline 0's only rank (torchft's rule), its second rank, which pipeline 0
-    does not have, is pointed at the same rank (heal_across.heal_source_rank), and each keeps its own layers. The
-    two train together ([1, 2]) until a stop file; both equal one process."""
+    """GPT-2 with its embedding tied to its output layer. Pipeline 0, whole on one process, trains alone; at step 6
+    or later pipeline 1 joins, four stages on two processes (Interleaved1F1B): its first rank heals from pipeline
+    0's only rank (torchft's rule), its second rank, which pipeline 0 does not have, is pointed at the same rank
+    (heal_across.heal_source_rank), and each keeps its own layers (the tied weight's copy on each). The two train
+    together ([1, 2]) until a stop file; both equal one process."""
     out, stop = tmp_path / "out", tmp_path / "stop"
     env = {"TORCHFT_LIGHTHOUSE": lighthouse}
     argv = [WORKER, str(out), "--steps", "400", "--step-sleep", "0.1", "--stop-file", str(stop)]
+    argv += ["--model", "finetune", "--family", "gpt2", "--tied"]
 
     def healed() -> list[dict[str, Any]]:
         return _heals(out, "1")
@@ -660,7 +666,12 @@ def test_a_pipeline_deeper_than_the_live_one_joins_it_mid_run(tmp_path: Path, li
             assert time.monotonic() < deadline and whole[0].poll() is None, "pipeline 0 must train alone first"
             time.sleep(0.2)
         deep = stack.enter_context(
-            _running(2, [*argv, "--stages", "2"], tmp_path / "logs1", {**env, "REPLICA_GROUP_ID": "1"})
+            _running(
+                2,
+                [*argv, "--stages", "2", "--schedule", "Interleaved1F1B"],
+                tmp_path / "logs1",
+                {**env, "REPLICA_GROUP_ID": "1"},
+            )
         )
         while {h["rank"] for h in healed()} != {0, 1}:
             failed = [p.returncode for p in [*whole, *deep] if p.poll() is not None]
@@ -679,11 +690,11 @@ def test_a_pipeline_deeper_than_the_live_one_joins_it_mid_run(tmp_path: Path, li
     assert joined >= 6 and {h["step"] for h in healed()} == {joined}, healed()  # (both ranks at one step)
     steps = results["group0_rank0"]["global_step"]
     assert steps > joined
-    assert_same_params(results["group0_rank0"]["state_dict"], _reference(steps))
+    assert_same_params(results["group0_rank0"]["state_dict"], _reference(steps, "finetune", family="gpt2", tied=True))
     steps1 = results["group1_rank0"]["global_step"]  # (it may stop a step before or after pipeline 0)
     assert abs(steps1 - steps) <= 1 and results["group1_rank1"]["global_step"] == steps1
     merged = {**results["group1_rank0"]["state_dict"], **results["group1_rank1"]["state_dict"]}
-    assert_same_params(merged, _reference(steps1))
+    assert_same_params(merged, _reference(steps1, "finetune", family="gpt2", tied=True))
 
 
 def _heals(out: Path, group: str, after: float = 0.0) -> list[dict[str, Any]]:

@@ -20,7 +20,8 @@ every pipeline ends at that step. GROUP ``*``: after any pipeline's first such h
 ``--overlap``: ``TorchFT(overlap=True)`` (gradient buckets sent during the backward); ``--bucket-bytes N``: buckets
 of N bytes (the same on every pipeline: several on a tiny model).
 ``--min-replicas N``: ``TorchFT(min_replicas=N)`` (pipelines that must start together).
-``--accumulate K``: ``Trainer(accumulate_grad_batches=K)``.
+``--accumulate K``: ``Trainer(accumulate_grad_batches=K)``. ``--schedule NAME``: ``SpotPipelineStrategy(schedule=NAME)``
+(a looped one runs two stages per process). ``--tied``: ``--model finetune`` with its embedding tied to its output layer.
 ``--offload LEVEL``: ``SpotPipelineStrategy(offload=LEVEL)`` (``optimizer``: masters and Adam's state in host memory).
 ``--timeline DIR``: PipelineTimeline of every step into DIR (``trace.json``).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
@@ -56,12 +57,14 @@ FINETUNE_SAMPLES = 104
 GROUP = os.environ.get("REPLICA_GROUP_ID", "?")
 
 
-def finetune_scenario(steps: int, accumulate: int = 1, family: str = "llama") -> dict[str, Any]:
-    """``--model finetune`` as a scenario of ``tests.parity.reference_run`` (``--accumulate``: its batches per step)."""
+def finetune_scenario(steps: int, accumulate: int = 1, family: str = "llama", tied: bool = False) -> dict[str, Any]:
+    """``--model finetune`` as a scenario of ``tests.parity.reference_run`` (``--accumulate``: its batches per step;
+    ``--tied``: the input embedding shared with the output layer)."""
     return {
         "model": {
             "cls": "FineTune",
             "family": family,
+            "tied": tied,
             "kind": "causal",
             "lr": 1e-3,
             "scheduler": True,
@@ -193,6 +196,8 @@ def main() -> None:
     parser.add_argument("--offload", default=None, help="SpotPipelineStrategy(offload=...), e.g. optimizer")
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--family", default="llama", help="--model finetune: the transformers family (llama, gpt2)")
+    parser.add_argument("--tied", action="store_true", help="--model finetune: tie the embedding and the output layer")
+    parser.add_argument("--schedule", default="auto", help="SpotPipelineStrategy(schedule=...), e.g. Interleaved1F1B")
     parser.add_argument("--snapshot-every", type=int, default=None, help="SpotCheckpoint(snapshot_every_n_train_steps)")
     parser.add_argument("--device-memory", type=float, default=None, help="SpotPipelineStrategy(device_memory=...)")
     parser.add_argument("--min-replicas", type=int, default=1, help="TorchFT(min_replicas=...): the first quorum waits")
@@ -209,7 +214,7 @@ def main() -> None:
         group, rank, step = spec.split(":")
         die.append((group, int(rank), int(step)))
     if args.model == "finetune":
-        scenario = finetune_scenario(args.steps, args.accumulate, args.family)
+        scenario = finetune_scenario(args.steps, args.accumulate, args.family, args.tied)
         model, loader = make_model(**scenario["model"]), make_loader(**scenario["loader"])
     elif args.model == "gpt":  # the example GPT as its config trains it (batch 32, 64 bytes), on random bytes
         from examples.gpt.data import ByteWindows
@@ -227,6 +232,7 @@ def main() -> None:
         strategy=SpotPipelineStrategy(
             pipeline_stages=args.stages or int(os.environ["WORLD_SIZE"]),
             microbatches=4 if args.model == "gpt" else 2,
+            schedule=args.schedule,
             offload=args.offload,
             device_memory=args.device_memory,
             fault_tolerance=None

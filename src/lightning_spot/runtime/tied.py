@@ -62,6 +62,8 @@ class TiedCopies:
     ) -> None:
         """``plans``: the stage plan of every pipeline (replica); this rank is ``pp_rank`` in pipeline ``dp_rank``."""
         self.aliases = {alias: tie.name for tie in ties for alias in tie.aliases}
+        #: the model's tied parameters (those this rank holds no copy of too)
+        self.tied = tuple(ties)
         self._groups: list[_TieGroup] = []
         local = dict(module.named_parameters(remove_duplicate=False))
         plan = plans[dp_rank]

@@ -69,7 +69,8 @@ def attach(
             return {"stage": stage_state(trainer), "samples_seen": engine.samples_seen}
 
     settings = settings.resolved()
-    layout = layout_tag(engine.plan.num_stages, engine.plan.cuts)
+    plan = engine.plan
+    layout = layout_tag(plan.num_stages, plan.cuts, plan.pp_size, plan.style)
     latest, holders = _check_running_quorum(settings, engine)
     _check_memory(settings, engine, device_memory, offloaded, others_train=latest > 0)
     group = ReplicaGroup(
@@ -85,7 +86,7 @@ def attach(
     early = settings.overlap and engine.runner.scaler is None
     group.overlap(engine.params, engine.ties.copies, engine.runner.loss_weights, early=early)
     # (what pipelines of other cuts in the quorum need to find each parameter's holders)
-    group.model = StageModel(engine.module, engine.split, engine.plan, engine.ctx.pp_group)
+    group.model = StageModel(engine.module, engine.split, engine.plan, engine.ctx.pp_group, engine.ties.tied)
     group.pace = lambda: engine.last_step_seconds  # (its schedule's seconds: the pipeline's speed on its last stage)
     _settle_heap()
     group.join(latest_step=latest, still_held=lambda: _still_live(settings, holders, engine))

@@ -12,12 +12,16 @@ gets a process group of its own for the quorum, configured from the quorum's sto
 rank in several sets (a shallow pipeline's stage spans several of a deep one's) reduces in each. Every holder
 contributes its pipeline's weight times its mean gradient, with the weight riding in the bucket: the quorum's
 weighted mean per parameter, as one process on the whole batch gets it. The step's logged sums ride with the group
-of the pipelines' last stages.
+of the pipelines' last stages. A pipeline may run several stages per process (a looped or V-shaped schedule: its
+replica id says on how many processes, ``s4p2c1.2.3``). A tied parameter has a copy on every stage that uses it;
+after each pipeline summed its copies' gradients, the copies of every pipeline form one group in which each
+pipeline's reference copy carries its gradient and weight once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,9 +29,10 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_spot.layout import Layout, LayoutError
-from lightning_spot.partition.cuts import StagePlan
+from lightning_spot.partition.cuts import StagePlan, Style
 from lightning_spot.partition.discovery import ModelSplit
-from lightning_spot.runtime.cross_pipeline import holders_of
+from lightning_spot.partition.placement import TiedParameter
+from lightning_spot.runtime.cross_pipeline import holders_of, tie_holders
 from lightning_spot.torchft.early_buckets import weight_tail
 from lightning_spot.torchft.running_quorum import parse_replica_id, parse_tag
 
@@ -36,7 +41,7 @@ GroupFactory = Callable[[str, int, int], Any]
 
 
 def quorum_plans(replica_ids: Sequence[str], split: ModelSplit) -> list[StagePlan] | None:
-    """Each quorum member's stage plan (one stage per rank), in the quorum's order; None when they all cut alike
+    """Each quorum member's stage plan, in the quorum's order; None when they all cut alike
     (torchft's own per-stage groups serve them) or a member's layout cannot be read."""
     tags = []
     for replica in replica_ids:
@@ -51,15 +56,27 @@ def quorum_plans(replica_ids: Sequence[str], split: ModelSplit) -> list[StagePla
 
 
 def plan_of(tag: str, split: ModelSplit) -> StagePlan | None:
-    """The stage plan (one stage per rank) of a pipeline training the layout ``tag`` (``running_quorum.layout_tag``);
-    None if it cannot be read."""
-    stages, cuts = parse_tag(tag) or (0, [])
-    return StagePlan(bounds=(0, *cuts, split.num_layers), pp_size=stages) if stages >= 1 else None
+    """The stage plan of a pipeline training the layout ``tag`` (``running_quorum.layout_tag``: its stages, cuts and
+    the processes they are placed on); None if it cannot be read."""
+    parsed = parse_tag(tag)
+    if parsed is None or parsed.stages < 1:
+        return None
+    style: Style = "v" if parsed.style == "v" else "loop"
+    return StagePlan(bounds=(0, *parsed.cuts, split.num_layers), pp_size=parsed.ranks, style=style)
+
+
+@dataclass
+class _TiedEntry:
+    """One tied parameter on this rank: its copies here, and whether this rank holds its pipeline's reference copy."""
+
+    copies: list[Tensor]
+    contributes: bool
 
 
 class HolderReduce:
     """This rank's trainable parameters grouped by the ranks of the quorum that hold them; one all-reduce (sum)
-    per group per step, over a process group of the group's ranks."""
+    per group per step, over a process group of the group's ranks. A tied parameter (GPT-2's embedding and output
+    layer) is one group of every rank holding a copy, in which each pipeline's reference copy alone contributes."""
 
     def __init__(
         self,
@@ -70,23 +87,27 @@ class HolderReduce:
         *,
         me: tuple[int, int],
         pg: GroupFactory,
-        tied: Sequence[Tensor] = (),
+        ties: Sequence[TiedParameter] = (),
         device: torch.device | None = None,
     ) -> None:
         #: where a group without this rank's parameters makes what it sends (the process groups' device)
         self.device = device or torch.device("cpu")
-        if tied:
-            raise LayoutError(
-                "pipelines of different depths in one torchft quorum with parameters tied across stages (a shared "
-                "embedding) are not supported yet: untie them, or give every pipeline the same layout"
-            )
         grid = Layout.of_depths([p.pp_size for p in plans])
         rank = grid.rank_of(*me)
         self.params = list(params)
         wanted = {id(p) for p in self.params}
+        local = dict(module.named_parameters(remove_duplicate=False))
+        tied_names = {name for tie in ties for name in tie.stages}
+        by_ties: dict[tuple[int, ...], list[_TiedEntry]] = {}
+        for tie in sorted(ties, key=lambda t: t.name):  # (one order on every holder: by stored name)
+            names = [n for n in tie.stages if n in local]
+            copies: list[Tensor] = list({id(local[n]): local[n] for n in names}.values())
+            if copies and any(id(c) in wanted for c in copies):
+                every_copy = tie_holders(tie, split, grid, plans)
+                by_ties.setdefault(every_copy, []).append(_TiedEntry(copies, contributes=tie.name in names))
         by_holders: dict[tuple[int, ...], list[Tensor]] = {}
         for name, p in module.named_parameters():
-            if id(p) not in wanted:
+            if id(p) not in wanted or name in tied_names:
                 continue
             holders = holders_of(name, split, grid, plans)
             if holders is None or rank not in holders:
@@ -99,12 +120,20 @@ class HolderReduce:
         self._riders_key = last if rank in last else None
         if self._riders_key is not None:
             by_holders.setdefault(last, [])
-        #: (holders, this rank's parameters in them, the group) in one order on every rank: by holders
-        self.groups: list[tuple[tuple[int, ...], list[Tensor], Any]] = []
-        for holders in sorted(by_holders):
-            key = "-".join(map(str, holders))
-            group = pg(key, holders.index(rank), len(holders)) if len(holders) > 1 else None
-            self.groups.append((holders, by_holders[holders], group))
+
+        def made(key: str, holders: tuple[int, ...]) -> Any:
+            return pg(key, holders.index(rank), len(holders)) if len(holders) > 1 else None
+
+        # (every rank goes through its groups in one order over the quorum: the parameters' by holders, then the
+        # ties' by holders; so that ranks sharing several groups never wait on each other crosswise)
+        #: (holders, this rank's parameters in them, the group)
+        self.groups: list[tuple[tuple[int, ...], list[Tensor], Any]] = [
+            (h, by_holders[h], made("-".join(map(str, h)), h)) for h in sorted(by_holders)
+        ]
+        #: (holders of every copy, this rank's tied parameters among them, the group)
+        self.tie_groups: list[tuple[tuple[int, ...], list[_TiedEntry], Any]] = [
+            (h, by_ties[h], made("tied-" + "-".join(map(str, h)), h)) for h in sorted(by_ties)
+        ]
         self.launched_early = 0  # (nothing goes out during the backward: kept for EarlyBuckets' callers)
 
     def arm(self, microbatches: int, scale: float | None) -> None:
@@ -143,7 +172,30 @@ class HolderReduce:
                 means = _unflatten_dense_tensors(flat[:count].div_(summed), grads)
                 for p, mean in zip(params, means):
                     p.grad = mean.to(p.dtype)
+        for _, entries, group in self.tie_groups:
+            summed = self._reduce_tied(entries, group, float(weight))
         return summed
+
+    def _reduce_tied(self, entries: list[_TiedEntry], group: Any, weight: float) -> float:
+        """Each tied parameter's copies take the weighted mean of the pipelines' gradients: every copy in a pipeline
+        holds the pipeline's whole gradient already (``TiedCopies.sum_grads``), so the reference copy alone carries
+        it and the weight; each entry's weights' sum rides after the gradients. Returns the last one."""
+        grads = [
+            (e.copies[0].grad if e.copies[0].grad is not None and e.contributes else torch.zeros_like(e.copies[0]))
+            .float()
+            .mul(weight)
+            for e in entries
+        ]
+        weights = torch.tensor([weight if e.contributes else 0.0 for e in entries], device=grads[0].device)
+        flat = _flatten_dense_tensors([*grads, weights])
+        self._allreduce(group, flat)
+        count = sum(g.numel() for g in grads)
+        totals = flat[count:].tolist()
+        for e, total, summed in zip(entries, totals, _unflatten_dense_tensors(flat[:count], grads)):
+            mean = summed.div_(total) if total > 0 else summed
+            for copy in e.copies:
+                copy.grad = mean.to(copy.dtype).clone() if len(e.copies) > 1 else mean.to(copy.dtype)
+        return float(totals[-1])
 
     @torch.no_grad()
     def allreduce_small(self, t: Tensor, op: Any = None, riders: bool = False) -> None:
@@ -160,7 +212,7 @@ class HolderReduce:
 
     def abort(self) -> None:
         """After a step that did not commit: peers still inside an all-reduce with this rank fail now."""
-        for _, _, group in self.groups:
+        for _, _, group in [*self.groups, *self.tie_groups]:
             if group is not None:
                 try:
                     group.abort()

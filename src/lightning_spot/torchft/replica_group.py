@@ -140,12 +140,13 @@ class _StagePG:
 
 class StageModel(NamedTuple):
     """What this rank trains, for quorums of pipelines cut otherwise (set at attach): the module, the model's split,
-    this pipeline's stage plan and its process group."""
+    this pipeline's stage plan, its process group and the model's tied parameters."""
 
     module: Any
     split: Any
     plan: Any
     group: Any
+    ties: tuple[Any, ...] = ()
 
 
 class QuorumError(ConnectionError):
@@ -252,7 +253,6 @@ class ReplicaGroup:
         _map_heal_ranks(lambda rank: self._heal_from if rank == self.manager_rank else rank)
         #: the last quorum's id (a lower one next: the lighthouse restarted)
         self._last_quorum_id: int | None = None
-        self._tied: list[Tensor] = []
         #: seconds of this rank's last schedule (``PipelineEngine.last_step_seconds``), set at attach: its speed
         self.pace: Callable[[], float] | None = None
         #: each pipeline's speed as the last stages summed it at the last commit, with the quorum it was measured in;
@@ -307,14 +307,7 @@ class ReplicaGroup:
         if self._mixed is not None:
             self._mixed.abort()
         assert self.model is not None and self.buckets is not None
-        module, split, plan, pp_group = self.model
-        if plan.num_stages != plan.pp_size:
-            raise LayoutError(
-                f"pipeline {self.settings.replica_group} runs {plan.num_stages} stages on {plan.pp_size} processes; "
-                f"pipelines of other cuts in one torchft quorum need one stage per process (a looped schedule is not "
-                f"supported with them yet)"
-            )
-        pp_rank = self.manager_rank  # (one stage per process: its stage)
+        module, split, _, pp_group, ties = self.model
         timeout = timedelta(seconds=self.settings.timeout)
         # torchft spreads its stores over the quorum by stage (stage k's is member k's): every rank takes the one
         # its pipeline's first rank was given, member 0's, so that the holders of every group meet in one store
@@ -327,8 +320,8 @@ class ReplicaGroup:
             return made
 
         self._mixed = HolderReduce(
-            module, self.buckets.params, split, plans, me=(self.participant_rank, pp_rank), pg=group,
-            tied=self._tied, device=self.device,
+            module, self.buckets.params, split, plans, me=(self.participant_rank, self.manager_rank), pg=group,
+            ties=ties, device=self.device,
         )  # fmt: skip
         self._mixed_quorum = result.quorum_id
 
@@ -562,7 +555,6 @@ class ReplicaGroup:
         has finished it (not ``tied`` copies, whose gradients are whole only after the step; none with
         ``early=False``: ``TorchFT(overlap=False)``, the default, or fp16); ``loss_weights``: what the losses are
         means over (the scale of an early bucket)."""
-        self._tied = list(tied)
         self.buckets = EarlyBuckets(
             params,
             tied=tied,

@@ -21,10 +21,11 @@ import re
 import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 #: a member heartbeating less long ago than this is live (torchft's lighthouse gives up on one after 5 s by default)
 LIVE_SECONDS = 5.0
-_TAG = r"s(?P<stages>\d+)c(?P<cuts>[\d.]*)"
+_TAG = r"s(?P<stages>\d+)(?:p(?P<ranks>\d+)(?P<v>v?))?c(?P<cuts>[\d.]*)"
 _REPLICA_ID = re.compile(rf"^(?P<tag>{_TAG})_pipeline_(?P<group>[^:]+)")
 _MEMBER = re.compile(
     r"<b>(?P<id>[^<]+)</b>.*?Step:\s*(?P<step>\d+).*?World size:\s*(?P<world>\d+)", re.DOTALL
@@ -33,9 +34,12 @@ _HEARTBEAT = re.compile(r"(?P<id>[^\s<>]+):\s*seen\s+(?P<age>[\d.]+)(?P<unit>ms|
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 
 
-def layout_tag(stages: int, cuts: Sequence[int]) -> str:
-    """The layout a pipeline trains, as its replica id carries it: ``s2c2`` (two stages, cut at layer 2)."""
-    return f"s{stages}c{'.'.join(map(str, cuts))}"
+def layout_tag(stages: int, cuts: Sequence[int], ranks: int | None = None, style: str = "loop") -> str:
+    """The layout a pipeline trains, as its replica id carries it: ``s2c2`` (two stages, cut at layer 2, one per
+    process); a looped schedule's stages on fewer processes add their count, and ``v`` for a V-shaped placement:
+    ``s4p2c1.2.3``, ``s4p2vc1.2.3``."""
+    spread = f"p{ranks}{'v' if style == 'v' else ''}" if ranks is not None and ranks != stages else ""
+    return f"s{stages}{spread}c{'.'.join(map(str, cuts))}"
 
 
 def replica_id(group: str, layout: str) -> str:
@@ -51,21 +55,33 @@ def parse_replica_id(value: str) -> tuple[str, str] | None:
     return match["group"], match["tag"]
 
 
-def parse_tag(tag: str) -> tuple[int, list[int]] | None:
-    """(stages, cuts) of a :func:`layout_tag`; ``None`` for anything else."""
+class TagLayout(NamedTuple):
+    """What a :func:`layout_tag` says: the stages, the cuts between them, the processes they run on and how the
+    stages are placed on them (``loop``: stage ``s`` on process ``s % ranks``; ``v``: there and back)."""
+
+    stages: int
+    cuts: list[int]
+    ranks: int
+    style: str
+
+
+def parse_tag(tag: str) -> TagLayout | None:
+    """The layout of a :func:`layout_tag`; ``None`` for anything else."""
     match = re.fullmatch(_TAG, tag)
     if match is None:
         return None
-    return int(match["stages"]), [int(c) for c in match["cuts"].split(".") if c]
+    stages = int(match["stages"])
+    ranks = int(match["ranks"]) if match["ranks"] else stages
+    return TagLayout(stages, [int(c) for c in match["cuts"].split(".") if c], ranks, "v" if match["v"] else "loop")
 
 
 def describe_layout(tag: str) -> str:
-    """``s2c2`` as a person reads it: ``2 stage(s) cut at layers [2]``."""
+    """``s2c2`` as a person reads it: ``2 stage(s) cut at layers [2]`` (``... on 1 process(es)`` when fewer)."""
     parsed = parse_tag(tag)
     if parsed is None:
         return tag
-    stages, cuts = parsed
-    return f"{stages} stage(s){f' cut at layers {cuts}' if cuts else ''}"
+    on = f" on {parsed.ranks} process(es)" if parsed.ranks != parsed.stages else ""
+    return f"{parsed.stages} stage(s){on}{f' cut at layers {parsed.cuts}' if parsed.cuts else ''}"
 
 
 @dataclass(frozen=True)
@@ -113,15 +129,16 @@ def layouts_refusal(members: Iterable[tuple[str, str, int | None]], layout: str,
     if not other:
         return None
     theirs = other[0][1]
-    stages, cuts = parse_tag(theirs) or (1, [])
+    parsed = parse_tag(theirs)
+    ranks, cuts = (parsed.ranks, parsed.cuts) if parsed is not None else (1, [])
     held = ", ".join(f"pipeline {g}" + (f" at step {s}" if s is not None else "") for g, _, s in other)
     return (
         f"pipeline {group} would train {describe_layout(layout)}, but the running pipelines ({held}) train "
         f"{describe_layout(theirs)}, and the state it took from them does not say which layers it holds (a "
         f"pipeline of another lightning-spot version?), so it cannot be completed rank by rank. Instead: start this "
         f"pipeline with "
-        f"their layout (as many nodes or processes as their stages, e.g. `--nnodes {stages}`, or "
-        f"SpotPipelineStrategy(pipeline_stages={stages}, partition={cuts})) so that it takes a "
+        f"their layout (as many nodes or processes as theirs, e.g. `--nnodes {ranks}`, or "
+        f"SpotPipelineStrategy(pipeline_stages={ranks}, partition={cuts})) so that it takes a "
         f"peer's state and trains with them; or stop every pipeline and start them all again at one layout: they "
         f"resume from the run's durable checkpoints (SpotCheckpoint), never from step 0."
     )

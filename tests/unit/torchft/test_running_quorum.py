@@ -14,10 +14,12 @@ from lightning_spot.layout import LayoutError
 from lightning_spot.torchft import TorchFT, replica_group
 from lightning_spot.torchft.replica_group import QuorumError, ReplicaGroup
 from lightning_spot.torchft.running_quorum import (
+    describe_layout,
     layout_tag,
     layouts_refusal,
     parse_replica_id,
     parse_status,
+    parse_tag,
     replica_id,
 )
 
@@ -83,6 +85,21 @@ def test_a_replica_id_carries_the_layout_and_ends_with_the_group_torchft_reads()
     assert made == "s4c1.2.3_pipeline_3"
     assert parse_replica_id(f"{made}:9b1f") == ("3", "s4c1.2.3")
     assert extract_trailing_digits(made) == 3, "torchft ranks replicas by the digits that end the id"
+
+
+def test_a_looped_layout_says_how_many_processes_run_its_stages() -> None:
+    """Four stages on four processes and four stages on two (a looped or V-shaped schedule) place the layers on
+    different processes: their tags differ, and a tag of one stage per process reads as before."""
+    tags = [layout_tag(4, [1, 2, 3]), layout_tag(4, [1, 2, 3], 2), layout_tag(4, [1, 2, 3], 2, "v")]
+    assert tags == ["s4c1.2.3", "s4p2c1.2.3", "s4p2vc1.2.3"]
+    assert [parse_tag(t) for t in tags] == [
+        (4, [1, 2, 3], 4, "loop"),
+        (4, [1, 2, 3], 2, "loop"),
+        (4, [1, 2, 3], 2, "v"),
+    ]
+    assert parse_replica_id("s4p2vc1.2.3_pipeline_0:ab") == ("0", "s4p2vc1.2.3")
+    assert describe_layout("s4p2c1.2.3") == "4 stage(s) on 2 process(es) cut at layers [1, 2, 3]"
+    assert layout_tag(1, [], 1) == "s1c" and parse_tag("s2x") is None
 
 
 class _Manager:
