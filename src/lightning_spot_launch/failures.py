@@ -15,15 +15,16 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from lightning_spot_launch import FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
+from lightning_spot_launch import FAILED_EXIT_CODE, MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 #: exit codes that a restart is for
 RESTARTED = frozenset({PREEMPTED_EXIT_CODE, PEER_LOST_EXIT_CODE})
 
 
 def is_error(exit_codes: Iterable[int | None]) -> bool:
-    """Whether a failed worker group failed by an error of the job's code (see the module docstring)."""
-    return any(code is not None and code > 0 and code not in RESTARTED for code in exit_codes)
+    """Whether a failed worker group failed by an error of the job's code (see the module docstring; workers
+    leaving for another pipeline, ``moves``, are not)."""
+    return any(code is not None and code > 0 and code not in {*RESTARTED, MOVED_EXIT_CODE} for code in exit_codes)
 
 
 def agent_exit_code(exit_codes: Iterable[int | None]) -> int:

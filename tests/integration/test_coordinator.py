@@ -179,3 +179,89 @@ def test_a_coordinator_down_longer_than_its_timeouts_ends_the_nodes_with_69_and_
         f"relaunched, the pipeline resumed from step 5 (at step {at_kill} when it went: {at_kill - 5} steps trained "
         f"again), nothing else lost"
     )
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(300)
+def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that_never_stops(tmp_path: Path) -> None:
+    """Oobleck's merge. Three pipelines on one coordinator, an agent per node (`--nnodes 1:2`): pipeline 0, whole
+    on one node with room for the model; pipelines 1 and 2 on devices of 15 kB (device_memory), which hold the tiny
+    model's training state (20 kB) on two nodes, not one. Pipeline 2 has one node only (its second never came): it
+    waits. Node b of pipeline 1 is lost for good: node a waits too. The two survivors merge: pipeline 2's node
+    joins pipeline 1's rendezvous (its agent starts again there), and pipeline 1 trains at depth 2 again, having
+    taken pipeline 0's state at the quorum's step; pipeline 0 never stops. All end equal to one process."""
+    from lightning_spot.torchft.running_quorum import read_running
+    from tests.elastic import RDZV_CONF, Agent, agents_cleanup, port_open, wait_for
+
+    rdzv_port, lighthouse_port = free_port(), free_port()
+    lighthouse = f"http://127.0.0.1:{lighthouse_port}"
+    coordinator = _coordinator(rdzv_port, lighthouse_port, tmp_path / "coordinator.log")
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
+    small = [*argv, "--device-memory", "15000"]
+    conf = f"{RDZV_CONF},is_host=false"  # (what `lightning-spot run --coordinator` passes)
+
+    def node(group: int, name: str, args: list[str]) -> Agent:
+        env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
+        log = tmp_path / f"pipeline{group}{name}.log"
+        return Agent(
+            f"{group}{name}", rdzv_port, 1, args, log, nnodes="1:2", env=env, rdzv_conf=conf, rdzv_id=f"p{group}"
+        )
+
+    def steps() -> dict[str, int]:
+        running = read_running(lighthouse, timeout=2)
+        return {m.group: m.step for m in running.members if m.live} if running else {}
+
+    try:
+        wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
+        with agents_cleanup([]) as agents:
+            agents += [node(0, "a", argv), node(1, "a", small), node(1, "b", small)]
+            wait_for(
+                lambda: len(steps()) == 2 and min(steps().values()) >= 6, 200, "pipelines 0 and 1 at step 6", agents
+            )
+            agents.append(node(2, "a", small))
+            lone = tmp_path / "pipeline2a.log"
+            wait_for(lambda: "waits for its nodes to return" in lone.read_text(), 120, "pipeline 2 to wait", agents)
+            agents[2].kill_node()  # node b of pipeline 1, gone for good
+            killed = time.time()
+            live = [agents[0], agents[1], agents[3]]
+
+            def merged() -> list[dict[str, Any]]:
+                return _heals(out, "1", after=killed)
+
+            survivor = tmp_path / "pipeline1a.log"
+            wait_for(lambda: "waits for its nodes" in survivor.read_text(), 120, "node 1a to wait", live)
+            waits = time.time()
+            wait_for(lambda: "joins pipeline 1, whose" in lone.read_text(), 60, "pipeline 2 to move", live)
+            moves = time.time()
+            wait_for(lambda: {h["rank"] for h in merged()} == {0, 1}, 120, "the survivors merged at depth 2", live)
+            trained = max(h["time"] for h in merged())
+            time.sleep(2.0)
+            stop.touch()
+            wait_for(lambda: all(a.proc.poll() is not None for a in live), 120, "the pipelines to end", live)
+            codes = [a.proc.returncode for a in live]
+            assert codes == [0, 0, 0], (codes, agents[3].output()[-5000:])
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+    text = lone.read_text()
+    assert "pipeline 2 joins pipeline 1, whose survivors wait too" in text, text[-3000:]
+    assert "it joins pipeline 1 (rendezvous p1)" in text, text[-3000:]  # (the agent, executed again)
+    started = sorted(p.name.rsplit("_", 1)[0] for p in (out / "started").iterdir())
+    assert started.count("group0_rank0") == 1, "pipeline 0 was restarted"
+    assert "group1_rank1" in started and started.count("group2_rank0") == 1, started
+    assert min(h["step"] for h in merged()) > 6, "merged at the quorum's step, never from step 0"
+    results = _results(out)
+    assert sorted(results) == ["group0_rank0", "group1_rank0", "group1_rank1"], sorted(results)
+    steps0 = results["group0_rank0"]["global_step"]
+    assert_same_params(results["group0_rank0"]["state_dict"], _reference(steps0))
+    steps1 = results["group1_rank0"]["global_step"]
+    assert steps1 > min(h["step"] for h in merged()) and results["group1_rank1"]["global_step"] == steps1
+    assert_same_params(
+        {**results["group1_rank0"]["state_dict"], **results["group1_rank1"]["state_dict"]}, _reference(steps1)
+    )
+    print(
+        f"\nmerge: node lost -> the merged pipeline trains at depth 2 {trained - killed:.2f} s (node 1a waits at "
+        f"{waits - killed:.2f} s, pipeline 2 moves at {moves - killed:.2f} s)"
+    )

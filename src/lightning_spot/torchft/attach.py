@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
+import uuid
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from lightning_spot.runtime.engine import PipelineEngine
 from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
+from lightning_spot.torchft.merge import SurvivorMerge
 from lightning_spot.torchft.replica_group import ReplicaGroup, StageModel
 from lightning_spot.torchft.running_quorum import layout_tag, read_running
 from lightning_spot.torchft.stage_memory import memory_shortfall, wait_for_nodes
@@ -131,13 +133,15 @@ def _check_memory(
     others_train: bool,
 ) -> None:
     """Stages that cannot hold their training state: wait for the nodes to return while other pipelines train (a
-    pipeline re-formed on too few nodes), else fail with the fix."""
+    pipeline re-formed on too few nodes; or merge with another's survivors, ``merge``), else fail with the fix."""
     short = memory_shortfall(engine, device_memory, offloaded)
     if short is None:
         return
     who = f"pipeline {settings.replica_group}"
     if others_train:
-        wait_for_nodes(short, who, first_rank=engine.ctx.pp_rank == 0)
+        token = broadcast_object(uuid.uuid4().hex if engine.ctx.pp_rank == 0 else None, group=engine.ctx.pp_group)
+        merge = SurvivorMerge.from_env(str(settings.replica_group), str(token))
+        wait_for_nodes(short, who, first_rank=engine.ctx.pp_rank == 0, merge=merge)
     raise LayoutError(
         f"{who} does not fit its devices: {short}. Give it more nodes or processes (deeper stages hold less), "
         f"offload='optimizer', or set device_memory= if the devices hold more than reported."

@@ -12,8 +12,8 @@ state (weights; for what trains also its gradients and Adam's two moments, or on
 device memory (``device_memory``, or what the device reports). Activations come on top and are not counted.
 
 Survivors that cannot hold the model wait, outside the quorum, for their nodes to return: torchrun's agent
-(``--nnodes MIN:MAX``) starts them again, deeper, as soon as a node joins their rendezvous. They do not merge with
-another broken pipeline's survivors (each pipeline has its own rendezvous).
+(``--nnodes MIN:MAX``) starts them again, deeper, as soon as a node joins their rendezvous. When the pipelines share
+a coordinator's store, they merge with another broken pipeline's survivors meanwhile (``merge``).
 """
 
 from __future__ import annotations
@@ -32,14 +32,19 @@ from lightning_spot.preemption import PREEMPTED_EXIT_CODE
 from lightning_spot.preemption.signals import SIGNALS
 from lightning_spot.utils.distributed import all_gather_object, broadcast_object
 from lightning_spot.utils.units import format_bytes
+from lightning_spot_launch import MOVED_EXIT_CODE
+from lightning_spot_launch.moves import write_move
 
 if TYPE_CHECKING:
     from lightning_spot.runtime.engine import PipelineEngine
+    from lightning_spot.torchft.merge import SurvivorMerge
 
 #: training state per byte of a trained parameter: weights, gradients, Adam's two moments (``Hardware``'s default)
 STATE_FACTOR = Hardware().state_factor
 #: the same with ``offload="optimizer"``: weights and gradients on the device, the rest in host memory
 OFFLOADED_STATE_FACTOR = 2.0
+#: how often a waiting pipeline looks for survivors to merge with (and heartbeats its own wait)
+MERGE_TICK_SECONDS = 1.0
 
 
 def training_state_bytes(module: torch.nn.Module, offloaded: tuple[str, ...] = ()) -> int:
@@ -86,15 +91,22 @@ def memory_shortfall(engine: PipelineEngine, device_memory: float | None, offloa
     return broadcast_object(verdict, group=engine.ctx.pp_group)
 
 
-def wait_for_nodes(why: str, who: str, *, first_rank: bool) -> NoReturn:
+def wait_for_nodes(why: str, who: str, *, first_rank: bool, merge: SurvivorMerge | None = None) -> NoReturn:
     """Stay out of the quorum until torchrun's agent stops this process (a node joined the pipeline's rendezvous:
-    it starts the pipeline again, deeper) or a notice arrives; exits with the preemption code then."""
+    it starts the pipeline again, deeper) or a notice arrives; exits with the preemption code then. With ``merge``
+    (the pipelines share a coordinator's store), join another waiting pipeline's survivors when together they are
+    enough nodes: exit with ``MOVED_EXIT_CODE``, the agent joining that pipeline's rendezvous."""
     if first_rank:
+        how = (
+            "or it joins another pipeline's survivors that wait too, when together they are enough nodes"
+            if merge is not None
+            else "(survivors of two broken pipelines merge only when the pipelines share a coordinator: "
+            "`lightning-spot run --coordinator`)"
+        )
         print(
             f"lightning-spot: {who} waits for its nodes to return: {why}. It does not join the quorum; the other "
             f"pipelines train on. When a node joins this pipeline's rendezvous (`--nnodes MIN:MAX`), torchrun's agent "
-            f"starts it again at the larger depth and it takes a live pipeline's state. (Survivors of two broken "
-            f"pipelines are not merged into one.)",
+            f"starts it again at the larger depth and it takes a live pipeline's state; {how}.",
             file=sys.stderr,
             flush=True,
         )
@@ -105,4 +117,15 @@ def wait_for_nodes(why: str, who: str, *, first_rank: bool) -> NoReturn:
     for signum in (signal.SIGTERM, signal.SIGINT):  # the agent's restart, or a notice
         SIGNALS.add(signum, "torchft_wait", leave)
     while True:
-        time.sleep(3600)
+        target = merge.tick(decide_here=first_rank) if merge is not None else None
+        if target is not None:
+            if first_rank:
+                print(
+                    f"lightning-spot: {who} joins pipeline {target.group}, whose survivors wait too: its nodes leave "
+                    f"for that pipeline's rendezvous",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            write_move(target)
+            os._exit(MOVED_EXIT_CODE)
+        time.sleep(MERGE_TICK_SECONDS if merge is not None else 3600)

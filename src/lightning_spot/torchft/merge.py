@@ -1,0 +1,128 @@
+"""Survivors of two broken pipelines merge into one (Oobleck's merge), over the coordinator's store.
+
+    merge = SurvivorMerge.from_env(group="2", token=token)   # None: no store shared by the pipelines
+    target = merge.tick(decide=first_rank)                   # every second while the pipeline waits for nodes
+
+A pipeline whose nodes cannot hold the model waits for them (``stage_memory.wait_for_nodes``). While it waits, its
+first rank keeps an entry in a registry on the rendezvous store every pipeline shares (``lightning-spot
+coordinator``'s): its group, its nodes, the most nodes its rendezvous takes, its rendezvous id and a heartbeat.
+When another pipeline waits too, with a lower group, and its nodes plus this one's fit its rendezvous, this one
+moves there: in one compare-and-set it leaves the registry, adds its nodes to the other's entry (so that no third
+pipeline moves there too) and records the move under its wait's token. Every rank of the pipeline reads the move,
+writes it for its agent and exits with ``MOVED_EXIT_CODE``; the agents join the other pipeline's rendezvous
+(``lightning_spot_launch.moves``), whose agent starts it again, deeper, and it takes a live pipeline's state.
+Entries whose heartbeat is older than :data:`FRESH_SECONDS` are ignored (a pipeline that started again, or died).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from lightning_spot_launch.moves import MAX_NODES_ENV, SHARED_STORE_ENV, Target
+
+#: the registry's key on the shared store
+REGISTRY_KEY = "lightning-spot/waiting-pipelines"
+#: an entry heartbeating less long ago than this is a pipeline still waiting
+FRESH_SECONDS = 5.0
+#: moves are kept this long in the registry (for the ranks of the moving pipeline to read)
+MOVES_KEPT_SECONDS = 120.0
+
+
+def group_order(group: str) -> tuple[int, int | str]:
+    """Groups in order, numbers by value: the pipeline of the lower group is the one others move to."""
+    return (0, int(group)) if group.isdigit() else (1, group)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A pipeline waiting for nodes, as the registry holds it."""
+
+    group: str
+    nodes: int
+    max_nodes: int
+    run_id: str
+    beat: float
+
+
+def decide(registry: dict[str, Any], me: Waiting, token: str, now: float) -> dict[str, Any]:
+    """The registry after ``me``'s heartbeat: with a move of ``me`` to a waiting pipeline of a lower group that has
+    room for its nodes, when there is one (pure: the compare-and-set retries it)."""
+    waiting = {g: Waiting(**w) for g, w in registry.get("waiting", {}).items()}
+    moves = {t: m for t, m in registry.get("moves", {}).items() if now - m["time"] < MOVES_KEPT_SECONDS}
+    if token not in moves:
+        waiting[me.group] = me
+        room = [
+            w
+            for w in waiting.values()
+            if w.group != me.group
+            and now - w.beat < FRESH_SECONDS
+            and group_order(w.group) < group_order(me.group)
+            and w.nodes + me.nodes <= w.max_nodes
+        ]
+        if room:
+            target = min(room, key=lambda w: group_order(w.group))
+            del waiting[me.group]
+            waiting[target.group] = Waiting(**{**target.__dict__, "nodes": target.nodes + me.nodes})
+            moves[token] = {"group": target.group, "run_id": target.run_id, "time": now}
+    return {"waiting": {g: w.__dict__ for g, w in waiting.items()}, "moves": moves}
+
+
+class SurvivorMerge:
+    """One waiting pipeline's side of the registry (see the module's text)."""
+
+    def __init__(self, store: Any, me: Waiting, token: str) -> None:
+        self.store = store
+        self.me = me
+        self.token = token
+
+    @classmethod
+    def from_env(cls, group: str, token: str) -> SurvivorMerge | None:
+        """From the agent's environment (``lightning_spot_launch.moves.worker_env``); ``None`` when the pipelines
+        share no store (each hosts its own rendezvous) or it cannot be reached."""
+        address = os.environ.get(SHARED_STORE_ENV)
+        if not address:
+            return None
+        from torch.distributed import TCPStore
+
+        host, _, port = address.rpartition(":")
+        try:
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        except (RuntimeError, ValueError, TimeoutError):
+            return None
+        nodes = max(1, int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        me = Waiting(
+            group=group,
+            nodes=nodes,
+            max_nodes=int(os.environ.get(MAX_NODES_ENV, nodes)),
+            run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            beat=0.0,
+        )
+        return cls(store, me, token)
+
+    def tick(self, decide_here: bool) -> Target | None:
+        """Heartbeat (and move, when there is room elsewhere) if ``decide_here`` (the pipeline's first rank); the
+        pipeline's move, once one is recorded for this wait."""
+        if decide_here:
+            self._update(lambda registry: decide(registry, self._beat(), self.token, time.time()))
+        move = self._read().get("moves", {}).get(self.token)
+        return Target(move["group"], move["run_id"]) if move is not None else None
+
+    def _beat(self) -> Waiting:
+        return Waiting(**{**self.me.__dict__, "beat": time.time()})
+
+    def _read(self) -> dict[str, Any]:
+        raw = self.store.compare_set(REGISTRY_KEY, "", "{}")  # (the value, created empty if missing)
+        return json.loads(raw) if raw else {}
+
+    def _update(self, change: Any) -> None:
+        for _ in range(20):  # (compare-and-set: another pipeline may write between the read and the write)
+            raw = self.store.compare_set(REGISTRY_KEY, "", "{}")
+            new = json.dumps(change(json.loads(raw) if raw else {})).encode()
+            if self.store.compare_set(REGISTRY_KEY, raw, new) == new:
+                return
+            time.sleep(0.05)

@@ -1,0 +1,71 @@
+"""Survivors of broken pipelines merging (Oobleck's merge): which pipeline moves where, over a real TCPStore, and
+how its agent's command line changes."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from lightning_spot.torchft.merge import FRESH_SECONDS, SurvivorMerge, Waiting, decide
+from lightning_spot_launch import MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE
+from lightning_spot_launch.failures import agent_exit_code, is_error
+from lightning_spot_launch.moves import Target, with_run_id
+
+
+def _waiting(group: str, nodes: int = 1, max_nodes: int = 2, beat: float = 100.0) -> Waiting:
+    return Waiting(group=group, nodes=nodes, max_nodes=max_nodes, run_id=f"p{group}", beat=beat)
+
+
+def test_the_pipeline_of_the_higher_group_moves_to_a_waiting_one_with_room() -> None:
+    registry = decide({}, _waiting("1"), "t1", now=100.0)
+    assert registry["moves"] == {} and list(registry["waiting"]) == ["1"], "alone: it only waits"
+    registry = decide(registry, _waiting("2"), "t2", now=100.5)
+    assert registry["moves"]["t2"]["group"] == "1" and registry["moves"]["t2"]["run_id"] == "p1"
+    assert registry["waiting"] == {"1": {**_waiting("1").__dict__, "nodes": 2}}, "its nodes count at the target now"
+    # a third survivor finds no room there (2 of 2 nodes), and the lower group never moves to a higher one
+    registry = decide(registry, _waiting("3"), "t3", now=101.0)
+    assert "t3" not in registry["moves"]
+    assert "t0" not in decide({"waiting": {"5": _waiting("5").__dict__}}, _waiting("0"), "t0", now=100.0)["moves"]
+
+
+def test_a_stale_or_full_pipeline_is_not_a_target_and_groups_are_ordered_by_number() -> None:
+    stale = {"waiting": {"1": _waiting("1", beat=100.0 - FRESH_SECONDS - 1).__dict__}}
+    assert decide(stale, _waiting("2"), "t", now=100.0)["moves"] == {}
+    big = {"waiting": {"1": _waiting("1", nodes=3, max_nodes=4).__dict__}}
+    assert decide(big, _waiting("2", nodes=2), "t", now=100.0)["moves"] == {}, "3 + 2 nodes > 4"
+    assert decide(big, _waiting("2", nodes=1), "t", now=100.0)["moves"]["t"]["group"] == "1"
+    ten = {"waiting": {"10": _waiting("10").__dict__}}
+    assert decide(ten, _waiting("9"), "t", now=100.0)["moves"] == {}, "9 < 10: pipeline 10 moves to 9, not back"
+
+
+def test_waiting_pipelines_meet_in_the_registry_on_a_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two waiting pipelines' first ranks and the second rank of the one that moves, each a client of one TCPStore
+    (as the coordinator's): the move is decided once and read by every rank of the moving pipeline."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("LIGHTNING_SPOT_SHARED_STORE", f"127.0.0.1:{server.port}")
+    monkeypatch.setenv("LIGHTNING_SPOT_MAX_NODES", "2")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "p1")
+    one = SurvivorMerge.from_env("1", "token-1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "p2")
+    two, two_rank1 = SurvivorMerge.from_env("2", "token-2"), SurvivorMerge.from_env("2", "token-2")
+    assert one is not None and two is not None and two_rank1 is not None
+    assert one.tick(decide_here=True) is None
+    assert two_rank1.tick(decide_here=False) is None, "only the first rank decides"
+    assert two.tick(decide_here=True) == Target("1", "p1")
+    assert two_rank1.tick(decide_here=False) == Target("1", "p1")
+    assert one.tick(decide_here=True) is None, "the target stays where it is"
+    monkeypatch.delenv("LIGHTNING_SPOT_SHARED_STORE")
+    assert SurvivorMerge.from_env("3", "t") is None, "no shared store (each pipeline hosts its rendezvous): no merge"
+
+
+def test_a_moving_node_keeps_its_agent_flags_under_the_target_rendezvous_id() -> None:
+    assert with_run_id(["--nnodes=1:2", "--rdzv-id=p2", "--max-restarts=3"], "p1") == [
+        "--nnodes=1:2",
+        "--max-restarts=3",
+        "--rdzv-id=p1",
+    ]
+    assert with_run_id(["--rdzv_id", "p2", "--nnodes", "1:2"], "p1") == ["--nnodes", "1:2", "--rdzv-id=p1"]
+    assert not is_error([MOVED_EXIT_CODE]) and agent_exit_code([MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE]) == 69
