@@ -8,8 +8,8 @@ Takes torchrun's flags, plus ``--preload MODULES`` (more modules for the fork se
 are restarted up to ``--max-restarts``) and ``--fresh-processes`` (start every worker as a new interpreter, as
 torchrun does).
 
-A node whose workers exit with ``MOVED_EXIT_CODE`` joins the pipeline they named instead (``moves``): this process
-is executed again as that pipeline's node.
+A node whose workers exit with ``MOVED_EXIT_CODE`` joins the pipeline they named instead (``moves``): the agent runs
+again as that pipeline's node.
 
 Its own exit code, for the scheduler that runs it: 0 when training ended, 75 when a notice (SIGTERM) stopped it,
 69 or 75 when its restarts are spent on lost peers or preemptions, 69 when the rendezvous failed (its store, the
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from lightning_spot_launch import AGENT_PID_ENV, FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, rendezvous
 from lightning_spot_launch.failures import agent_exit_code, limit_error_restarts
 from lightning_spot_launch.forked import forked_entrypoint
-from lightning_spot_launch.moves import MovedToPipeline, rejoin, watch_moves, worker_env
+from lightning_spot_launch.moves import MovedToPipeline, relaunch_as, watch_moves, worker_env
 
 #: an error of the job's code is run again this many times (a transient one may pass), then ends the job
 DEFAULT_MAX_FAILURES = 2
@@ -83,17 +83,20 @@ def main(argv: Sequence[str]) -> int:
 
     @record
     def launch() -> int:
+        how = (entrypoint, call_args)
         try:
-            elastic_launch(config, entrypoint)(*call_args)
+            while True:
+                try:
+                    elastic_launch(config, how[0])(*how[1])
+                    return 0
+                except MovedToPipeline as moved:  # (its workers stopped, its rendezvous left): a node of another
+                    how = relaunch_as(moved.target, config, entrypoint, call_args)
         except SignalException as notice:
             rendezvous.leave()  # stopped by a notice: the others need not wait for this node's keep-alive
             print(
                 f"lightning-spot run: stopped by {notice.sigval.name}: exit code {PREEMPTED_EXIT_CODE}", file=sys.stderr
             )
             return PREEMPTED_EXIT_CODE
-        except MovedToPipeline as moved:  # (its workers stopped, its rendezvous left)
-            script = len(args.training_script_args) + 1  # (the script and its arguments end the command line)
-            rejoin(moved.target, list(argv)[:-script], list(argv)[-script:])
         except (RendezvousConnectionError, RendezvousTimeoutError) as lost:  # the coordinator is gone, or no peer came
             print(
                 f"lightning-spot run: the rendezvous failed ({type(lost).__name__}: {lost}): exit code "
@@ -108,6 +111,5 @@ def main(argv: Sequence[str]) -> int:
                 raise
             print(f"lightning-spot run: restarts spent ({failed.failures}): exit code {code}", file=sys.stderr)
             return code
-        return 0
 
     return launch() or 0

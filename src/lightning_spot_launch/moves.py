@@ -1,17 +1,18 @@
 """A node that moves to another pipeline: its workers asked for it, its agent joins that pipeline's rendezvous.
 
-    os.environ.update(worker_env(config, argv))   # before the agent starts: what the workers need to ask
-    watch_moves()                                 # patches torchrun's agent: workers exiting with MOVED_EXIT_CODE
+    os.environ.update(worker_env(config, os.getpid()))   # before the agent starts: what the workers need to ask
+    watch_moves()                       # patches torchrun's agent: workers exiting with MOVED_EXIT_CODE end its run
     ...
-    except MovedToPipeline as moved:              # (out of the agent's run, after it stopped its workers)
-        rejoin(moved.target, flags, script)       # this process becomes the agent of that pipeline's node
+    except MovedToPipeline as moved:    # (out of the agent's run, after it stopped its workers and left)
+        entrypoint, args = relaunch_as(moved.target, config, base_entrypoint, base_args)   # then run it again
 
 Each pipeline of a torchft job has its own rendezvous (``--rdzv-id``) and ``REPLICA_GROUP_ID``. The survivors of a
 pipeline that cannot hold the model wait for their nodes; when another pipeline's survivors wait too and together
 they are enough nodes, one of them moves (``lightning_spot.torchft.merge`` decides, over the coordinator's store):
 its workers write the target into :data:`MOVE_FILE_ENV`'s file and exit with :data:`MOVED_EXIT_CODE`, and the agent
-leaves its rendezvous (it stays open: that pipeline may come back) and starts again as a node of the target, whose
-agent sees a node waiting and starts its pipeline again, deeper.
+leaves its rendezvous (it stays open: that pipeline may come back) and runs again, in the same process, as a node
+of the target (its rendezvous id, its ``REPLICA_GROUP_ID``; its warm fork server kept: the workers start without
+importing torch again), whose agent sees a node waiting and starts its pipeline again, deeper.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from lightning_spot_launch import MOVED_EXIT_CODE
 
@@ -100,25 +101,14 @@ def watch_moves() -> None:
     LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
 
 
-def with_run_id(flags: Sequence[str], run_id: str) -> list[str]:
-    """The agent's own flags (what comes before the training script) with ``--rdzv-id`` (any spelling) replaced by
-    ``run_id``."""
-    out: list[str] = []
-    skip = False
-    for arg in flags:
-        if skip:
-            skip = False
-            continue
-        if arg.split("=", 1)[0] in ("--rdzv-id", "--rdzv_id"):
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return [*out, f"--rdzv-id={run_id}"]
+def relaunch_as(
+    target: Target, config: Any, entrypoint: Callable[..., None] | str, args: tuple[Any, ...]
+) -> tuple[Callable[..., None] | str, tuple[Any, ...]]:
+    """Make this agent a node of pipeline ``target``: its rendezvous id in ``config``, ``REPLICA_GROUP_ID`` in its
+    environment; the workers' entry point and arguments (``entrypoint``, ``args``: the agent's own) to launch with.
+    Forked workers take their environment from the fork server, started under the old group: they are given it."""
+    from lightning_spot_launch import rendezvous
 
-
-def rejoin(target: Target, flags: Sequence[str], script: Sequence[str]) -> NoReturn:
-    """Become the agent of a node of pipeline ``target`` (this process, executed again with its ``flags`` and
-    ``script`` and the script's arguments: its parent, a scheduler or ``lightning-spot run``, keeps waiting on it)."""
     print(
         f"lightning-spot run: this node's pipeline could not train on the nodes it has left; it joins pipeline "
         f"{target.group} (rendezvous {target.run_id}), whose survivors wait too",
@@ -129,6 +119,15 @@ def rejoin(target: Target, flags: Sequence[str], script: Sequence[str]) -> NoRet
         os.remove(os.environ.get(MOVE_FILE_ENV, ""))
     except OSError:
         pass
-    env = {**os.environ, "REPLICA_GROUP_ID": target.group}
-    argv = [*with_run_id(flags, target.run_id), *script]
-    os.execve(sys.executable, [sys.executable, "-m", "lightning_spot_launch", *argv], env)
+    config.run_id = target.run_id
+    os.environ["REPLICA_GROUP_ID"] = target.group
+    rendezvous.forget()  # (the rendezvous it left: a later notice leaves the new one only)
+    if callable(entrypoint):
+        return run_with_env, ({"REPLICA_GROUP_ID": target.group}, entrypoint, *args)
+    return entrypoint, args  # (a new interpreter per worker: it takes the agent's environment)
+
+
+def run_with_env(env: dict[str, str], run: Callable[..., None], *args: Any) -> None:
+    """(A forked worker) ``run(*args)`` with ``env`` set first."""
+    os.environ.update(env)
+    run(*args)

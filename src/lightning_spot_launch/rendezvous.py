@@ -145,6 +145,11 @@ def register() -> str:
     return BACKEND
 
 
+def forget() -> None:
+    """Forget the rendezvous made so far (this agent left them and runs again under another id)."""
+    _handlers.clear()
+
+
 def leave(handlers: list[RendezvousHandler] | None = None, seconds: float = 5.0) -> bool:
     """Remove this node from the rendezvous of ``handlers`` (default: every one made here); ``False`` (with a
     warning) when torch's rendezvous does not have the parts this relies on: the others then wait for the

@@ -3,6 +3,8 @@ how its agent's command line changes."""
 
 from __future__ import annotations
 
+import os
+import types
 from datetime import timedelta
 
 import pytest
@@ -11,7 +13,7 @@ from torch.distributed import TCPStore
 from lightning_spot.torchft.merge import FRESH_SECONDS, SurvivorMerge, Waiting, decide
 from lightning_spot_launch import MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE
 from lightning_spot_launch.failures import agent_exit_code, is_error
-from lightning_spot_launch.moves import Target, with_run_id
+from lightning_spot_launch.moves import Target, relaunch_as, run_with_env
 
 
 def _waiting(group: str, nodes: int = 1, max_nodes: int = 2, beat: float = 100.0) -> Waiting:
@@ -61,11 +63,18 @@ def test_waiting_pipelines_meet_in_the_registry_on_a_shared_store(monkeypatch: p
     assert SurvivorMerge.from_env("3", "t") is None, "no shared store (each pipeline hosts its rendezvous): no merge"
 
 
-def test_a_moving_node_keeps_its_agent_flags_under_the_target_rendezvous_id() -> None:
-    assert with_run_id(["--nnodes=1:2", "--rdzv-id=p2", "--max-restarts=3"], "p1") == [
-        "--nnodes=1:2",
-        "--max-restarts=3",
-        "--rdzv-id=p1",
-    ]
-    assert with_run_id(["--rdzv_id", "p2", "--nnodes", "1:2"], "p1") == ["--nnodes", "1:2", "--rdzv-id=p1"]
+def test_a_moving_node_runs_its_agent_again_under_the_target_rendezvous_and_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent's configuration takes the target's rendezvous id and its environment the target's group; forked
+    workers (whose environment is the fork server's, started under the old group) are handed it."""
+    monkeypatch.setenv("REPLICA_GROUP_ID", "2")
+    config = types.SimpleNamespace(run_id="p2")
+
+    def train(*args: str) -> None: ...
+
+    entrypoint, args = relaunch_as(Target("1", "p1"), config, train, ("train.py", "--x"))
+    assert config.run_id == "p1" and os.environ["REPLICA_GROUP_ID"] == "1"
+    assert entrypoint is run_with_env and args == ({"REPLICA_GROUP_ID": "1"}, train, "train.py", "--x")
+    assert relaunch_as(Target("1", "p1"), config, "python", ("-u", "train.py")) == ("python", ("-u", "train.py"))
     assert not is_error([MOVED_EXIT_CODE]) and agent_exit_code([MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE]) == 69
