@@ -18,6 +18,7 @@ importing torch again), whose agent sees a node waiting and starts its pipeline 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -99,6 +100,13 @@ def watch_moves() -> None:
         return result
 
     LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
+    # (torch logs every worker that exits with a code as a failure, with a traceback: not one that moves)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NotAMove())
+
+
+class _NotAMove(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.args and isinstance(record.args, tuple) and record.args[0] == MOVED_EXIT_CODE)
 
 
 def relaunch_as(
