@@ -190,7 +190,9 @@ def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that
     model's training state (20 kB) on two nodes, not one. Pipeline 2 has one node only (its second never came): it
     waits. Node b of pipeline 1 is lost for good: node a waits too. The two survivors merge: pipeline 2's node
     joins pipeline 1's rendezvous (its agent starts again there), and pipeline 1 trains at depth 2 again, having
-    taken pipeline 0's state at the quorum's step; pipeline 0 never stops. All end equal to one process."""
+    taken pipeline 0's state at the quorum's step; pipeline 0 never stops, and trains on while they wait (neither
+    joins the quorum at depth 1). All end equal to one process. (A node that comes back to its own pipeline grows
+    it the same way: `test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join`.)"""
     from lightning_spot.torchft.running_quorum import read_running
     from tests.elastic import RDZV_CONF, Agent, agents_cleanup, port_open, wait_for
 
@@ -224,7 +226,7 @@ def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that
             lone = tmp_path / "pipeline2a.log"
             wait_for(lambda: "waits for its nodes to return" in lone.read_text(), 120, "pipeline 2 to wait", agents)
             agents[2].kill_node()  # node b of pipeline 1, gone for good
-            killed = time.time()
+            killed, before = time.time(), steps()["0"]
             live = [agents[0], agents[1], agents[3]]
 
             def merged() -> list[dict[str, Any]]:
@@ -235,6 +237,7 @@ def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that
             waits = time.time()
             wait_for(lambda: "joins pipeline 1, whose" in lone.read_text(), 60, "pipeline 2 to move", live)
             moves = time.time()
+            assert steps()["0"] > before, "pipeline 0 must train on while the survivors wait"
             wait_for(lambda: {h["rank"] for h in merged()} == {0, 1}, 120, "the survivors merged at depth 2", live)
             trained = max(h["time"] for h in merged())
             time.sleep(2.0)
@@ -252,6 +255,9 @@ def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that
     assert started.count("group0_rank0") == 1, "pipeline 0 was restarted"
     assert "group1_rank1" in started and started.count("group2_rank0") == 1, started
     assert min(h["step"] for h in merged()) > 6, "merged at the quorum's step, never from step 0"
+    assert all(h["time"] > moves for h in merged()), "node 1a must not join at depth 1: its stage does not fit"
+    waited = survivor.read_text()
+    assert "pipeline 1 waits for its nodes to return: at depth 1, rank 0 of this pipeline needs 19.5 KiB" in waited
     results = _results(out)
     assert sorted(results) == ["group0_rank0", "group1_rank0", "group1_rank1"], sorted(results)
     steps0 = results["group0_rank0"]["global_step"]

@@ -383,63 +383,6 @@ def _start_pipelines_of_two_nodes(
 @pytest.mark.slow
 @needs_hostname
 @pytest.mark.timeout(300)
-def test_survivors_that_cannot_hold_the_model_wait_for_their_node_and_grow_back(
-    tmp_path: Path, lighthouse: str
-) -> None:
-    """As above, on devices of 15 kB (device_memory): the tiny model's training state (20 kB: weights, gradients,
-    Adam's moments) fits two stages, not one. Node b of pipeline 1 is gone for good after step 6: node a's worker
-    says that it waits for its nodes and stays out of the quorum (pipeline 0 trains on alone); a node comes back:
-    pipeline 1, at depth 2 again, takes pipeline 0's state at the quorum's step. Both end equal to one process."""
-    from tests.elastic import Agent, agents_cleanup, wait_for
-
-    out, stop = tmp_path / "out", tmp_path / "stop"
-    argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
-    argv += ["--device-memory", "15000"]
-    ports = [free_port(), free_port()]
-
-    with agents_cleanup([]) as agents:
-        _start_pipelines_of_two_nodes(agents, ports, argv, tmp_path, lighthouse)
-        wait_for(lambda: _all_at_step(lighthouse, 6), 200, "both pipelines at step 6", agents)
-        agents[3].kill_node()  # node b of pipeline 1 is gone for good, with its agent
-        killed = time.time()
-        survivors, waiting = agents[:3], tmp_path / "pipeline1a.log"
-        wait_for(lambda: "waits for its nodes to return" in waiting.read_text(), 120, "node 1a to wait", survivors)
-        waited = time.time()
-        before = _step_of(lighthouse, "0")
-        time.sleep(3.0)  # (pipeline 0 trains on alone meanwhile)
-        assert _step_of(lighthouse, "0") > before, "pipeline 0 must train on while pipeline 1 waits"
-        assert not _heals(out, "1", killed), "pipeline 1 must not join at depth 1: its stage does not fit"
-        returned = time.time()
-        env = {"REPLICA_GROUP_ID": "1", "TORCHFT_LIGHTHOUSE": lighthouse}
-        agents.append(Agent("1c", ports[1], 1, argv, tmp_path / "pipeline1c.log", nnodes="1:2", env=env))
-        live = [*survivors, agents[4]]
-        wait_for(
-            lambda: {h["rank"] for h in _heals(out, "1", returned)} == {0, 1}, 120, "pipeline 1 back at depth 2", live
-        )
-        time.sleep(2.0)
-        stop.touch()
-        wait_for(lambda: all(a.proc.poll() is not None for a in live), 120, "the pipelines to end", live)
-        codes = [a.proc.returncode for a in live]
-        assert codes == [0, 0, 0, 0], (codes, survivors[2].output()[-5000:])
-    print(f"\nwait: node lost -> node 1a says it waits {waited - killed:.2f} s; node back -> depth 2 again "
-          f"{max(h['time'] for h in _heals(out, '1', returned)) - returned:.2f} s")  # fmt: skip
-    text = waiting.read_text()
-    assert "pipeline 1 waits for its nodes to return: at depth 1, rank 0 of this pipeline needs 19.5 KiB" in text, text
-    started = sorted(p.name.rsplit("_", 1)[0] for p in (out / "started").iterdir())
-    assert started.count("group0_rank0") == 1 and started.count("group0_rank1") == 1, "pipeline 0 was restarted"
-    results = _results(out)
-    grown = _heals(out, "1", returned)
-    assert min(h["step"] for h in grown) > 6, "grew back at the quorum's step, never from step 0"
-    for g in range(2):
-        steps = results[f"group{g}_rank0"]["global_step"]
-        assert steps > min(h["step"] for h in grown) and results[f"group{g}_rank1"]["global_step"] == steps
-        merged = {**results[f"group{g}_rank0"]["state_dict"], **results[f"group{g}_rank1"]["state_dict"]}
-        assert_same_params(merged, _reference(steps))
-
-
-@pytest.mark.slow
-@needs_hostname
-@pytest.mark.timeout(300)
 def test_every_pipeline_restarted_resumes_from_its_own_snapshots_and_a_laggard_takes_the_newest(
     tmp_path: Path, lighthouse: str
 ) -> None:
