@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,6 +80,7 @@ class SurvivorMerge:
         self.store = store
         self.me = me
         self.token = token
+        self._warned = False
 
     @classmethod
     def from_env(cls, group: str, token: str) -> SurvivorMerge | None:
@@ -107,9 +109,19 @@ class SurvivorMerge:
     def tick(self, decide_here: bool) -> Target | None:
         """Heartbeat (and move, when there is room elsewhere) if ``decide_here`` (the pipeline's first rank); the
         pipeline's move, once one is recorded for this wait."""
-        if decide_here:
-            self._update(lambda registry: decide(registry, self._beat(), self.token, time.time()))
-        move = self._read().get("moves", {}).get(self.token)
+        try:
+            if decide_here:
+                self._update(lambda registry: decide(registry, self._beat(), self.token, time.time()))
+            move = self._read().get("moves", {}).get(self.token)
+        except (RuntimeError, TimeoutError, ValueError) as err:  # (the store unreachable: a coordinator restarting)
+            if not self._warned:
+                print(
+                    f"lightning-spot: the registry of waiting pipelines cannot be read now ({err}); waiting on",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._warned = True
+            return None
         return Target(move["group"], move["run_id"]) if move is not None else None
 
     def _beat(self) -> Waiting:

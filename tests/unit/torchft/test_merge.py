@@ -78,3 +78,16 @@ def test_a_moving_node_runs_its_agent_again_under_the_target_rendezvous_and_grou
     assert entrypoint is run_with_env and args == ({"REPLICA_GROUP_ID": "1"}, train, "train.py", "--x")
     assert relaunch_as(Target("1", "p1"), config, "python", ("-u", "train.py")) == ("python", ("-u", "train.py"))
     assert not is_error([MOVED_EXIT_CODE]) and agent_exit_code([MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE]) == 69
+
+
+def test_a_registry_that_cannot_be_reached_leaves_the_pipeline_waiting(capsys: pytest.CaptureFixture[str]) -> None:
+    """The coordinator restarting while survivors wait: no move, no crash (a crash would count as an error of the
+    job's code), one line said."""
+
+    class _Gone:
+        def compare_set(self, *args: object) -> bytes:
+            raise RuntimeError("connection reset")
+
+    merge = SurvivorMerge(_Gone(), _waiting("2"), "t")
+    assert merge.tick(decide_here=True) is None and merge.tick(decide_here=False) is None
+    assert capsys.readouterr().err.count("cannot be read now (connection reset)") == 1
