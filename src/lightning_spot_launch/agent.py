@@ -28,6 +28,7 @@ from lightning_spot_launch import AGENT_PID_ENV, FAILED_EXIT_CODE, PEER_LOST_EXI
 from lightning_spot_launch.failures import agent_exit_code, limit_error_restarts
 from lightning_spot_launch.forked import forked_entrypoint
 from lightning_spot_launch.moves import MovedToPipeline, relaunch_as, watch_moves, worker_env
+from lightning_spot_launch.waiting import returning_node_target
 
 #: an error of the job's code is run again this many times (a transient one may pass), then ends the job
 DEFAULT_MAX_FAILURES = 2
@@ -84,6 +85,10 @@ def main(argv: Sequence[str]) -> int:
     @record
     def launch() -> int:
         how = (entrypoint, call_args)
+        elsewhere = returning_node_target(config)  # (its pipeline full, its place taken by a moved node)
+        if elsewhere is not None:
+            full = f"pipeline {os.environ.get('REPLICA_GROUP_ID', '?')} is full (a moved node took this node's place)"
+            how = relaunch_as(elsewhere, config, entrypoint, call_args, why=full)
         try:
             while True:
                 try:

@@ -110,16 +110,18 @@ class _NotAMove(logging.Filter):
 
 
 def relaunch_as(
-    target: Target, config: Any, entrypoint: Callable[..., None] | str, args: tuple[Any, ...]
+    target: Target, config: Any, entrypoint: Callable[..., None] | str, args: tuple[Any, ...], why: str = ""
 ) -> tuple[Callable[..., None] | str, tuple[Any, ...]]:
     """Make this agent a node of pipeline ``target``: its rendezvous id in ``config``, ``REPLICA_GROUP_ID`` in its
-    environment; the workers' entry point and arguments (``entrypoint``, ``args``: the agent's own) to launch with.
+    environment; the workers' entry point and arguments (``entrypoint``, ``args``: the agent's own) to launch with
+    (``why``: what the line it prints gives as the reason).
     Forked workers take their environment from the fork server, started under the old group: they are given it."""
     from lightning_spot_launch import rendezvous
 
+    why = why or "this node's pipeline could not train on the nodes it has left"
     print(
-        f"lightning-spot run: this node's pipeline could not train on the nodes it has left; it joins pipeline "
-        f"{target.group} (rendezvous {target.run_id}), whose survivors wait too",
+        f"lightning-spot run: {why}; it joins pipeline {target.group} (rendezvous {target.run_id}), whose survivors "
+        f"wait too",
         file=sys.stderr,
         flush=True,
     )

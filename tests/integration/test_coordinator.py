@@ -271,3 +271,66 @@ def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that
         f"\nmerge: node lost -> the merged pipeline trains at depth 2 {trained - killed:.2f} s (node 1a waits at "
         f"{waits - killed:.2f} s, pipeline 2 moves at {moves - killed:.2f} s)"
     )
+
+
+@pytest.mark.slow
+@needs_hostname
+@pytest.mark.timeout(240)
+def test_a_node_back_to_a_full_pipeline_fills_a_waiting_one(tmp_path: Path) -> None:
+    """After a merge a pipeline may be full when its own node comes back (the moved node took its place). Pipeline 1
+    trains on two nodes; pipeline 2 has one node on devices of 15 kB and waits. A node of pipeline 1 starts (`1c`):
+    its rendezvous is full, so its agent takes the place pipeline 2 waits to fill and joins pipeline 2's rendezvous;
+    pipeline 2 trains at depth 2, having taken pipeline 1's state, and pipeline 1 never stops. Both equal one
+    process."""
+    from lightning_spot.torchft.running_quorum import read_running
+    from tests.elastic import RDZV_CONF, Agent, agents_cleanup, port_open, wait_for
+
+    rdzv_port, lighthouse_port = free_port(), free_port()
+    lighthouse = f"http://127.0.0.1:{lighthouse_port}"
+    coordinator = _coordinator(rdzv_port, lighthouse_port, tmp_path / "coordinator.log")
+    out, stop = tmp_path / "out", tmp_path / "stop"
+    argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
+    argv += ["--device-memory", "15000"]
+    conf = f"{RDZV_CONF},is_host=false"
+
+    def node(group: int, name: str) -> Agent:
+        env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
+        log = tmp_path / f"pipeline{group}{name}.log"
+        return Agent(
+            f"{group}{name}", rdzv_port, 1, argv, log, nnodes="1:2", env=env, rdzv_conf=conf, rdzv_id=f"p{group}"
+        )
+
+    def steps() -> dict[str, int]:
+        running = read_running(lighthouse, timeout=2)
+        return {m.group: m.step for m in running.members if m.live} if running else {}
+
+    try:
+        wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
+        with agents_cleanup([]) as agents:
+            agents += [node(1, "a"), node(1, "b")]
+            wait_for(lambda: steps().get("1", 0) >= 5, 200, "pipeline 1 at step 5", agents)
+            agents.append(node(2, "a"))
+            lone = tmp_path / "pipeline2a.log"
+            wait_for(lambda: "waits for its nodes to return" in lone.read_text(), 120, "pipeline 2 to wait", agents)
+            back = time.time()
+            agents.append(node(1, "c"))
+            wait_for(lambda: {h["rank"] for h in _heals(out, "2", after=back)} == {0, 1}, 120, "pipeline 2", agents)
+            trained = max(h["time"] for h in _heals(out, "2", after=back))
+            time.sleep(1.0)
+            stop.touch()
+            wait_for(lambda: all(a.proc.poll() is not None for a in agents), 120, "the pipelines to end", agents)
+            assert [a.proc.returncode for a in agents] == [0, 0, 0, 0], agents[3].output()[-5000:]
+            text = agents[3].output()
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+    assert "pipeline 1 is full (a moved node took this node's place); it joins pipeline 2 (rendezvous p2)" in text
+    started = sorted(p.name.rsplit("_", 1)[0] for p in (out / "started").iterdir())
+    assert started.count("group1_rank0") == started.count("group1_rank1") == 1, "pipeline 1 was restarted"
+    results = _results(out)
+    assert sorted(results) == ["group1_rank0", "group1_rank1", "group2_rank0", "group2_rank1"], sorted(results)
+    for group in (1, 2):
+        done = results[f"group{group}_rank0"]["global_step"]
+        got = {**results[f"group{group}_rank0"]["state_dict"], **results[f"group{group}_rank1"]["state_dict"]}
+        assert_same_params(got, _reference(done))
+    print(f"\nnode back to a full pipeline: pipeline 2 trains at depth 2 {trained - back:.2f} s after the node started")

@@ -4,80 +4,34 @@
     target = merge.tick(decide=first_rank)                   # every second while the pipeline waits for nodes
 
 A pipeline whose nodes cannot hold the model waits for them (``stage_memory.wait_for_nodes``). While it waits, its
-first rank keeps an entry in a registry on the rendezvous store every pipeline shares (``lightning-spot
-coordinator``'s): its group, its nodes, the most nodes its rendezvous takes, its rendezvous id and a heartbeat.
+first rank keeps an entry in the registry of waiting pipelines on the rendezvous store every pipeline shares
+(``lightning-spot coordinator``'s; ``lightning_spot_launch.waiting``): its group, its nodes, the most nodes its
+rendezvous takes, its rendezvous id and a heartbeat.
 When another pipeline waits too, with a lower group, and its nodes plus this one's fit its rendezvous, this one
 moves there: in one compare-and-set it leaves the registry, adds its nodes to the other's entry (so that no third
 pipeline moves there too) and records the move under its wait's token. Every rank of the pipeline reads the move,
 writes it for its agent and exits with ``MOVED_EXIT_CODE``; the agents join the other pipeline's rendezvous
 (``lightning_spot_launch.moves``), whose agent starts it again, deeper, and it takes a live pipeline's state.
-Entries whose heartbeat is older than :data:`FRESH_SECONDS` are ignored (a pipeline that started again, or died).
+Entries whose heartbeat is older than ``waiting.FRESH_SECONDS`` are ignored (a pipeline that started again, or died).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from lightning_spot_launch.moves import MAX_NODES_ENV, SHARED_STORE_ENV, Target
-
-#: the registry's key on the shared store
-REGISTRY_KEY = "lightning-spot/waiting-pipelines"
-#: an entry heartbeating less long ago than this is a pipeline still waiting
-FRESH_SECONDS = 5.0
-#: moves are kept this long in the registry (for the ranks of the moving pipeline to read)
-MOVES_KEPT_SECONDS = 120.0
-
-
-def group_order(group: str) -> tuple[int, int | str]:
-    """Groups in order, numbers by value: the pipeline of the lower group is the one others move to."""
-    return (0, int(group)) if group.isdigit() else (1, group)
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A pipeline waiting for nodes, as the registry holds it."""
-
-    group: str
-    nodes: int
-    max_nodes: int
-    run_id: str
-    beat: float
-
-
-def decide(registry: dict[str, Any], me: Waiting, token: str, now: float) -> dict[str, Any]:
-    """The registry after ``me``'s heartbeat: with a move of ``me`` to a waiting pipeline of a lower group that has
-    room for its nodes, when there is one (pure: the compare-and-set retries it)."""
-    waiting = {g: Waiting(**w) for g, w in registry.get("waiting", {}).items()}
-    moves = {t: m for t, m in registry.get("moves", {}).items() if now - m["time"] < MOVES_KEPT_SECONDS}
-    if token not in moves:
-        waiting[me.group] = me
-        room = [
-            w
-            for w in waiting.values()
-            if w.group != me.group
-            and now - w.beat < FRESH_SECONDS
-            and group_order(w.group) < group_order(me.group)
-            and w.nodes + me.nodes <= w.max_nodes
-        ]
-        if room:
-            target = min(room, key=lambda w: group_order(w.group))
-            del waiting[me.group]
-            waiting[target.group] = Waiting(**{**target.__dict__, "nodes": target.nodes + me.nodes})
-            moves[token] = {"group": target.group, "run_id": target.run_id, "time": now}
-    return {"waiting": {g: w.__dict__ for g, w in waiting.items()}, "moves": moves}
+from lightning_spot_launch.waiting import Registry, Waiting, decide
 
 
 class SurvivorMerge:
     """One waiting pipeline's side of the registry (see the module's text)."""
 
     def __init__(self, store: Any, me: Waiting, token: str) -> None:
-        self.store = store
+        self.registry = Registry(store)
         self.me = me
         self.token = token
         self._warned = False
@@ -111,8 +65,8 @@ class SurvivorMerge:
         pipeline's move, once one is recorded for this wait."""
         try:
             if decide_here:
-                self._update(lambda registry: decide(registry, self._beat(), self.token, time.time()))
-            move = self._read().get("moves", {}).get(self.token)
+                self.registry.update(lambda registry: decide(registry, self._beat(), self.token, time.time()))
+            move = self.registry.read().get("moves", {}).get(self.token)
         except (RuntimeError, TimeoutError, ValueError) as err:  # (the store unreachable: a coordinator restarting)
             if not self._warned:
                 print(
@@ -126,15 +80,3 @@ class SurvivorMerge:
 
     def _beat(self) -> Waiting:
         return Waiting(**{**self.me.__dict__, "beat": time.time()})
-
-    def _read(self) -> dict[str, Any]:
-        raw = self.store.compare_set(REGISTRY_KEY, "", "{}")  # (the value, created empty if missing)
-        return json.loads(raw) if raw else {}
-
-    def _update(self, change: Any) -> None:
-        for _ in range(20):  # (compare-and-set: another pipeline may write between the read and the write)
-            raw = self.store.compare_set(REGISTRY_KEY, "", "{}")
-            new = json.dumps(change(json.loads(raw) if raw else {})).encode()
-            if self.store.compare_set(REGISTRY_KEY, raw, new) == new:
-                return
-            time.sleep(0.05)

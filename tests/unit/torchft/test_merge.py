@@ -3,17 +3,28 @@ how its agent's command line changes."""
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import time
 import types
 from datetime import timedelta
 
 import pytest
 from torch.distributed import TCPStore
 
-from lightning_spot.torchft.merge import FRESH_SECONDS, SurvivorMerge, Waiting, decide
+from lightning_spot.torchft.merge import SurvivorMerge
 from lightning_spot_launch import MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE
 from lightning_spot_launch.failures import agent_exit_code, is_error
 from lightning_spot_launch.moves import Target, relaunch_as, run_with_env
+from lightning_spot_launch.waiting import (
+    FRESH_SECONDS,
+    REGISTRY_KEY,
+    Waiting,
+    claim,
+    decide,
+    target_for_returning_node,
+)
 
 
 def _waiting(group: str, nodes: int = 1, max_nodes: int = 2, beat: float = 100.0) -> Waiting:
@@ -91,3 +102,25 @@ def test_a_registry_that_cannot_be_reached_leaves_the_pipeline_waiting(capsys: p
     merge = SurvivorMerge(_Gone(), _waiting("2"), "t")
     assert merge.tick(decide_here=True) is None and merge.tick(decide_here=False) is None
     assert capsys.readouterr().err.count("cannot be read now (connection reset)") == 1
+
+
+def test_a_node_back_to_a_full_pipeline_takes_a_place_in_a_waiting_one() -> None:
+    """After a merge, pipeline 1 is full (its node b's place went to pipeline 2's node). Node 1b comes back: its
+    rendezvous (torch's c10d state on the store) is complete with 2 of 2 nodes, so it takes the place pipeline 2
+    waits to fill, in the registry; once that is taken, or with room in its own pipeline, it joins its own."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    assert target_for_returning_node(store, "p1", max_nodes=2) is None, "no round yet: its own pipeline"
+    state = _RendezvousState()
+    state.complete = True
+    state.participants = {_NodeDesc("a", 1, 0): 0, _NodeDesc("b", 1, 0): 1}
+    backend = C10dRendezvousBackend(store, "p1")
+    backend.set_state(pickle.dumps(state))
+    registry = {"waiting": {"2": _waiting("2", beat=time.time()).__dict__}}
+    store.set(REGISTRY_KEY, json.dumps(registry))
+    assert target_for_returning_node(store, "p1", max_nodes=3) is None, "room in its own pipeline (2 of 3)"
+    assert target_for_returning_node(store, "p1", max_nodes=2) == Target("2", "p2")
+    assert target_for_returning_node(store, "p1", max_nodes=2) is None, "pipeline 2's place is taken now"
+    assert claim({}, 1, now=0.0) == ({}, None)
