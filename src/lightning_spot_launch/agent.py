@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from lightning_spot_launch import AGENT_PID_ENV, FAILED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE, rendezvous
-from lightning_spot_launch.failures import agent_exit_code, limit_error_restarts
+from lightning_spot_launch.failures import agent_exit_code, limit_error_restarts, mark_restarts
 from lightning_spot_launch.forked import forked_entrypoint
 from lightning_spot_launch.moves import MovedToPipeline, relaunch_as, watch_moves, worker_env
 from lightning_spot_launch.waiting import returning_node_target
@@ -71,6 +71,7 @@ def main(argv: Sequence[str]) -> int:
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     os.environ.update(worker_env(config, os.getpid()))
     limit_error_restarts(args.max_failures)
+    mark_restarts()
     watch_moves()
     entrypoint: Callable[..., None] | str
     if forked:

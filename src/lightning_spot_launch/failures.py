@@ -11,11 +11,17 @@ killed: the OOM killer, a node going away); after ``max_failures`` restarts for 
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Iterable
 from typing import Any
 
 from lightning_spot_launch import FAILED_EXIT_CODE, MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+#: a file that exists while an agent stops its workers for a restart (a worker failed, a node joined): their SIGTERM
+#: then is not a preemption notice
+RESTARTING_MARK = "lightning-spot-restarting-{pid}"
 
 #: exit codes that a restart is for
 RESTARTED = frozenset({PREEMPTED_EXIT_CODE, PEER_LOST_EXIT_CODE})
@@ -66,3 +72,32 @@ def limit_error_restarts(max_failures: int) -> None:
         return result
 
     LocalElasticAgent._monitor_workers = monitored  # type: ignore[method-assign]
+
+
+def restarting_mark(agent_pid: int) -> str:
+    """The path of :data:`RESTARTING_MARK` for the agent ``agent_pid``."""
+    return os.path.join(tempfile.gettempdir(), RESTARTING_MARK.format(pid=agent_pid))
+
+
+def is_restarting(agent_pid: int) -> bool:
+    """(A worker, on SIGTERM) whether its agent is stopping it for a restart rather than for a notice."""
+    return os.path.exists(restarting_mark(agent_pid))
+
+
+def mark_restarts() -> None:
+    """Make torchrun's agent (this process's) say, while it stops its workers for a restart, that it does
+    (:func:`is_restarting`): they log a restart, not a preemption notice."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    def restart(self: Any, worker_group: Any) -> None:  # (torch's _restart_workers, the stop marked)
+        mark = restarting_mark(os.getpid())
+        open(mark, "w").close()
+        try:
+            self._stop_workers(worker_group)
+        finally:
+            os.remove(mark)
+        worker_group.state = WorkerState.STOPPED
+        self._initialize_workers(worker_group)
+
+    LocalElasticAgent._restart_workers = restart  # type: ignore[method-assign]

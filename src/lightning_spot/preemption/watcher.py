@@ -12,6 +12,7 @@ A signal handler only records the notice; the training loop acts on it at the ne
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -22,6 +23,8 @@ from typing import Union
 from lightning_spot.preemption.cloud import DEFAULT_ENDPOINTS, POLLERS, CloudPoller, detect_cloud
 from lightning_spot.preemption.notice import Notice
 from lightning_spot.preemption.signals import SIGNALS
+from lightning_spot_launch import AGENT_PID_ENV
+from lightning_spot_launch.failures import is_restarting
 
 #: the watcher's name among the parts that act on a signal (``signals.SIGNALS``)
 _PART = "preemption_watcher"
@@ -74,15 +77,23 @@ class PreemptionWatcher:
     def notice(self) -> Notice | None:
         return self._notice
 
-    def trigger(self, notice: Notice) -> None:
-        """Record ``notice`` unless one was recorded already (the first one counts)."""
+    def trigger(self, notice: Notice, said: bool = False) -> None:
+        """Record ``notice`` unless one was recorded already (the first one counts); ``said``: already logged."""
         with self._lock:
             if self._notice is None:
                 self._notice = notice
-                log.warning("lightning-spot: preemption notice: %s", notice.describe())
+                if not said:
+                    log.warning("lightning-spot: preemption notice: %s", notice.describe())
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.trigger(Notice(signal.Signals(signum).name, time.time()))
+        agent = os.environ.get(AGENT_PID_ENV)
+        restart = signum == signal.SIGTERM and agent is not None and is_restarting(int(agent))
+        if restart and self._notice is None:  # (not a preemption: the agent stops its workers to start them again)
+            log.warning(
+                "lightning-spot: SIGTERM from this node's agent, which restarts the pipeline (a process failed or a node joined)"
+            )
+        why = "from the agent, for a restart" if restart else ""
+        self.trigger(Notice(signal.Signals(signum).name, time.time(), detail=why), said=restart)
 
     def start(self) -> None:
         """Install the signal handlers (main thread only) and start the cloud pollers."""

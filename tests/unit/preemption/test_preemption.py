@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +93,27 @@ def test_the_watcher_takes_over_lightnings_per_step_sigterm_broadcast() -> None:
     assert watcher.notice is not None and watcher.notice.source == "SIGTERM"
     assert take_over_sigterm(trainer, PreemptionWatcher(signals=("SIGUSR1",), cloud=None)) is not None
     assert "_broadcast_sigterm_tensor" not in vars(loop)  # not watching SIGTERM: Lightning keeps its own
+
+
+def test_a_sigterm_from_an_agent_restarting_its_workers_is_logged_as_a_restart(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """torchrun's agent stops every worker with SIGTERM to restart them (a process failed, a node joined); while it
+    does, its mark exists (``failures.mark_restarts``), and the workers say so instead of "preemption notice"."""
+    from lightning_spot.preemption import PreemptionWatcher
+    from lightning_spot_launch import AGENT_PID_ENV, failures
+
+    monkeypatch.setattr(failures.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv(AGENT_PID_ENV, "4242")
+    watcher = PreemptionWatcher(cloud=None)
+    open(failures.restarting_mark(4242), "w").close()
+    with caplog.at_level("WARNING"):
+        watcher._on_signal(signal.SIGTERM, None)
+    assert "SIGTERM from this node's agent, which restarts the pipeline" in caplog.text
+    assert "preemption notice" not in caplog.text and watcher.notice is not None  # (it stops as before)
+    os.remove(failures.restarting_mark(4242))
+    caplog.clear()
+    again = PreemptionWatcher(cloud=None)
+    with caplog.at_level("WARNING"):
+        again._on_signal(signal.SIGTERM, None)
+    assert "preemption notice: SIGTERM" in caplog.text, "no mark: a notice (forwarded by the agent)"
