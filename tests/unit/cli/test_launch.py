@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -211,3 +212,29 @@ def test_an_agent_that_ends_in_failure_leaves_the_rendezvous_open_for_its_relaun
         rendezvous._handlers.clear()
         del server
         gc.collect()
+
+
+def test_an_agent_marks_the_stop_of_a_restart_and_only_that(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """torchrun's agent restarting its workers (a process failed, a node joined): its mark exists while it stops
+    them (their SIGTERM is then not a notice) and is gone once they start again."""
+    import os
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from lightning_spot_launch import failures
+
+    monkeypatch.setattr(failures.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(LocalElasticAgent, "_restart_workers", LocalElasticAgent._restart_workers)
+    failures.mark_restarts()
+    seen: list[tuple[str, bool]] = []
+
+    class _Agent:
+        def _stop_workers(self, group: Any) -> None:
+            seen.append(("stop", failures.is_restarting(os.getpid())))
+
+        def _initialize_workers(self, group: Any) -> None:
+            seen.append(("start", failures.is_restarting(os.getpid())))
+
+    group = type("Group", (), {"state": None})()
+    LocalElasticAgent._restart_workers(_Agent(), group)  # type: ignore[arg-type]
+    assert seen == [("stop", True), ("start", False)] and str(group.state).endswith("STOPPED")
