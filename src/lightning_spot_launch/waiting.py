@@ -20,7 +20,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_spot_launch.moves import SHARED_STORE_ENV, Target
@@ -31,6 +31,8 @@ REGISTRY_KEY = "lightning-spot/waiting-pipelines"
 FRESH_SECONDS = 5.0
 #: moves are kept this long in the registry (for the ranks of the moving pipeline to read)
 MOVES_KEPT_SECONDS = 120.0
+#: a place taken in a waiting pipeline is kept this long for the node on its way (its agent's start and join)
+ARRIVAL_SECONDS = 60.0
 
 
 def group_order(group: str) -> tuple[int, int | str]:
@@ -40,48 +42,70 @@ def group_order(group: str) -> tuple[int, int | str]:
 
 @dataclass(frozen=True)
 class Waiting:
-    """A pipeline waiting for nodes, as the registry holds it."""
+    """A pipeline waiting for nodes, as the registry holds it; ``incoming``: ``[nodes, time]`` of the nodes that
+    took a place in it (a move, a returning node) and may still be on their way (its heartbeat keeps them)."""
 
     group: str
     nodes: int
     max_nodes: int
     run_id: str
     beat: float
+    token: str = ""
+    incoming: tuple[tuple[int, float], ...] = ()
+
+    def room(self, now: float) -> int:
+        """Places left: its most nodes, less its own and those on their way (for :data:`ARRIVAL_SECONDS`)."""
+        coming = sum(n for n, since in self.incoming if now - since < ARRIVAL_SECONDS)
+        return self.max_nodes - self.nodes - coming
+
+    def taking(self, nodes: int, now: float) -> Waiting:
+        """This pipeline with ``nodes`` more on their way."""
+        return replace(self, incoming=(*map(tuple, self.incoming), (nodes, now)))  # type: ignore[arg-type]
+
+
+def _waiting_of(registry: dict[str, Any]) -> dict[str, Waiting]:
+    return {g: Waiting(**w) for g, w in registry.get("waiting", {}).items()}
+
+
+def _best(candidates: list[Waiting]) -> Waiting | None:
+    return min(candidates, key=lambda w: group_order(w.group)) if candidates else None
 
 
 def decide(registry: dict[str, Any], me: Waiting, token: str, now: float) -> dict[str, Any]:
-    """The registry after ``me``'s heartbeat: with a move of ``me`` to a waiting pipeline of a lower group that has
-    room for its nodes, when there is one (pure: the compare-and-set retries it)."""
-    waiting = {g: Waiting(**w) for g, w in registry.get("waiting", {}).items()}
+    """The registry after ``me``'s heartbeat (the wait ``token``): with a move of ``me`` to a waiting pipeline of a
+    lower group that has room for its nodes, when there is one (pure: the compare-and-set retries it)."""
+    waiting = _waiting_of(registry)
     moves = {t: m for t, m in registry.get("moves", {}).items() if now - m["time"] < MOVES_KEPT_SECONDS}
     if token not in moves:
-        waiting[me.group] = me
-        room = [
-            w
-            for w in waiting.values()
-            if w.group != me.group
-            and now - w.beat < FRESH_SECONDS
-            and group_order(w.group) < group_order(me.group)
-            and w.nodes + me.nodes <= w.max_nodes
-        ]
-        if room:
-            target = min(room, key=lambda w: group_order(w.group))
+        held = waiting.get(me.group)
+        kept = held.incoming if held is not None and held.token == token else ()  # (a new wait starts afresh)
+        waiting[me.group] = replace(me, token=token, incoming=kept)
+        target = _best(
+            [
+                w
+                for w in waiting.values()
+                if w.group != me.group
+                and now - w.beat < FRESH_SECONDS
+                and group_order(w.group) < group_order(me.group)
+                and w.room(now) >= me.nodes
+            ]
+        )
+        if target is not None:
             del waiting[me.group]
-            waiting[target.group] = Waiting(**{**target.__dict__, "nodes": target.nodes + me.nodes})
+            waiting[target.group] = target.taking(me.nodes, now)
             moves[token] = {"group": target.group, "run_id": target.run_id, "time": now}
-    return {"waiting": {g: w.__dict__ for g, w in waiting.items()}, "moves": moves}
+    return {"waiting": {g: asdict(w) for g, w in waiting.items()}, "moves": moves}
 
 
 def claim(registry: dict[str, Any], nodes: int, now: float) -> tuple[dict[str, Any], Target | None]:
     """The registry after a node (``nodes`` of them) that comes back to a full pipeline took a place in the waiting
     pipeline of the lowest group with room, and that pipeline (``None``: no room anywhere) (pure)."""
-    waiting = {g: Waiting(**w) for g, w in registry.get("waiting", {}).items()}
-    room = [w for w in waiting.values() if now - w.beat < FRESH_SECONDS and w.nodes + nodes <= w.max_nodes]
-    if not room:
+    waiting = _waiting_of(registry)
+    target = _best([w for w in waiting.values() if now - w.beat < FRESH_SECONDS and w.room(now) >= nodes])
+    if target is None:
         return registry, None
-    target = min(room, key=lambda w: group_order(w.group))
-    waiting[target.group] = Waiting(**{**target.__dict__, "nodes": target.nodes + nodes})
-    return {**registry, "waiting": {g: w.__dict__ for g, w in waiting.items()}}, Target(target.group, target.run_id)
+    waiting[target.group] = target.taking(nodes, now)
+    return {**registry, "waiting": {g: asdict(w) for g, w in waiting.items()}}, Target(target.group, target.run_id)
 
 
 class Registry:

@@ -18,6 +18,7 @@ from lightning_spot_launch import MOVED_EXIT_CODE, PEER_LOST_EXIT_CODE
 from lightning_spot_launch.failures import agent_exit_code, is_error
 from lightning_spot_launch.moves import Target, relaunch_as, run_with_env
 from lightning_spot_launch.waiting import (
+    ARRIVAL_SECONDS,
     FRESH_SECONDS,
     REGISTRY_KEY,
     Waiting,
@@ -36,10 +37,16 @@ def test_the_pipeline_of_the_higher_group_moves_to_a_waiting_one_with_room() -> 
     assert registry["moves"] == {} and list(registry["waiting"]) == ["1"], "alone: it only waits"
     registry = decide(registry, _waiting("2"), "t2", now=100.5)
     assert registry["moves"]["t2"]["group"] == "1" and registry["moves"]["t2"]["run_id"] == "p1"
-    assert registry["waiting"] == {"1": {**_waiting("1").__dict__, "nodes": 2}}, "its nodes count at the target now"
-    # a third survivor finds no room there (2 of 2 nodes), and the lower group never moves to a higher one
+    target = Waiting(**registry["waiting"]["1"])
+    assert list(registry["waiting"]) == ["1"] and target.room(100.5) == 0, "its node is on its way to the target"
+    # the target's next heartbeat (same wait) keeps the place taken: a third survivor finds no room there
+    registry = decide(registry, _waiting("1", beat=101.0), "t1", now=101.0)
     registry = decide(registry, _waiting("3"), "t3", now=101.0)
     assert "t3" not in registry["moves"]
+    # a place is kept while the node may still be on its way; a new wait of the target starts afresh
+    assert Waiting(**registry["waiting"]["1"]).room(100.5 + ARRIVAL_SECONDS + 1) == 1
+    assert Waiting(**decide(registry, _waiting("1"), "t1-again", now=101.0)["waiting"]["1"]).room(101.0) == 1
+    # the lower group never moves to a higher one
     assert "t0" not in decide({"waiting": {"5": _waiting("5").__dict__}}, _waiting("0"), "t0", now=100.0)["moves"]
 
 
