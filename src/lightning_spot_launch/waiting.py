@@ -158,9 +158,10 @@ def target_for_returning_node(store: Any, run_id: str, max_nodes: int, nodes: in
     return taken[0]
 
 
-def returning_node_target(config: Any) -> Target | None:
-    """(The agent, before it joins its rendezvous) where this node goes: :func:`target_for_returning_node` on the
-    coordinator's store; ``None`` without one, or when it cannot be read (torch's join then says why)."""
+def shared_store() -> Any | None:
+    """A client of the rendezvous store every pipeline shares (a coordinator's, named by the agent in the
+    environment: ``moves.worker_env``); ``None`` without one (each pipeline hosts its own) or when it cannot be
+    reached."""
     address = os.environ.get(SHARED_STORE_ENV)
     if not address:
         return None
@@ -170,7 +171,18 @@ def returning_node_target(config: Any) -> Target | None:
 
     host, _, port = address.rpartition(":")
     try:
-        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    except (RuntimeError, ValueError, TimeoutError):
+        return None
+
+
+def returning_node_target(config: Any) -> Target | None:
+    """(The agent, before it joins its rendezvous) where this node goes: :func:`target_for_returning_node` on the
+    coordinator's store; ``None`` without one, or when it cannot be read (torch's join then says why)."""
+    store = shared_store()
+    if store is None:
+        return None
+    try:
         return target_for_returning_node(store, config.run_id, int(config.max_nodes))
     except (RuntimeError, ValueError, TimeoutError):
         return None

@@ -26,6 +26,25 @@ def _coordinator(rdzv_port: int, lighthouse_port: int, log: Path) -> subprocess.
         return subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
+def _live_steps(lighthouse: str) -> dict[str, int]:
+    """The step of each live pipeline, by group, on the lighthouse's page."""
+    from lightning_spot.torchft.running_quorum import read_running
+
+    running = read_running(lighthouse, timeout=2)
+    return {m.group: m.step for m in running.members if m.live} if running else {}
+
+
+def _pipeline_node(logs: Path, rdzv_port: int, lighthouse: str, group: int, name: str, args: list[str]) -> Any:
+    """Node ``name`` of pipeline ``group``: one agent of one process, `--nnodes 1:2`, its rendezvous ``p{group}`` on
+    the coordinator's store (what `lightning-spot run --coordinator` passes); its log ``pipeline{group}{name}.log``."""
+    from tests.elastic import RDZV_CONF, Agent
+
+    env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
+    log = logs / f"pipeline{group}{name}.log"
+    conf = f"{RDZV_CONF},is_host=false"
+    return Agent(f"{group}{name}", rdzv_port, 1, args, log, nnodes="1:2", env=env, rdzv_conf=conf, rdzv_id=f"p{group}")
+
+
 @pytest.mark.slow
 @needs_hostname
 @pytest.mark.timeout(300)
@@ -36,8 +55,7 @@ def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: 
     store's outage and give the new store their rendezvous state; torchft asks the new lighthouse for quorums).
     Then a node joins pipeline 1's rendezvous on the new store: pipeline 1 grows to depth 2 and takes pipeline 0's
     state. Both end equal to one process."""
-    from lightning_spot.torchft.running_quorum import read_running
-    from tests.elastic import RDZV_CONF, Agent, agents_cleanup, port_open, wait_for
+    from tests.elastic import agents_cleanup, port_open, wait_for
 
     rdzv_port, lighthouse_port = free_port(), free_port()
     lighthouse = f"http://127.0.0.1:{lighthouse_port}"
@@ -45,18 +63,12 @@ def test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join(tmp_path: 
     coordinator = _coordinator(rdzv_port, lighthouse_port, log)
     out, stop = tmp_path / "out", tmp_path / "stop"
     argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
-    conf = f"{RDZV_CONF},is_host=false"  # (what `lightning-spot run --coordinator` passes)
 
-    def node(group: int, name: str) -> Agent:
-        env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
-        log = tmp_path / f"pipeline{group}{name}.log"
-        return Agent(
-            f"{group}{name}", rdzv_port, 1, argv, log, nnodes="1:2", env=env, rdzv_conf=conf, rdzv_id=f"p{group}"
-        )
+    def node(group: int, name: str) -> Any:
+        return _pipeline_node(tmp_path, rdzv_port, lighthouse, group, name, argv)
 
     def steps() -> dict[str, int]:
-        running = read_running(lighthouse, timeout=2)
-        return {m.group: m.step for m in running.members if m.live} if running else {}
+        return _live_steps(lighthouse)
 
     try:
         wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
@@ -193,8 +205,7 @@ def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that
     taken pipeline 0's state at the quorum's step; pipeline 0 never stops, and trains on while they wait (neither
     joins the quorum at depth 1). All end equal to one process. (A node that comes back to its own pipeline grows
     it the same way: `test_a_coordinator_restart_stops_no_pipeline_and_nodes_still_join`.)"""
-    from lightning_spot.torchft.running_quorum import read_running
-    from tests.elastic import RDZV_CONF, Agent, agents_cleanup, port_open, wait_for
+    from tests.elastic import agents_cleanup, port_open, wait_for
 
     rdzv_port, lighthouse_port = free_port(), free_port()
     lighthouse = f"http://127.0.0.1:{lighthouse_port}"
@@ -202,18 +213,12 @@ def test_survivors_of_two_broken_pipelines_merge_into_one_beside_a_pipeline_that
     out, stop = tmp_path / "out", tmp_path / "stop"
     argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
     small = [*argv, "--device-memory", "15000"]
-    conf = f"{RDZV_CONF},is_host=false"  # (what `lightning-spot run --coordinator` passes)
 
-    def node(group: int, name: str, args: list[str]) -> Agent:
-        env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
-        log = tmp_path / f"pipeline{group}{name}.log"
-        return Agent(
-            f"{group}{name}", rdzv_port, 1, args, log, nnodes="1:2", env=env, rdzv_conf=conf, rdzv_id=f"p{group}"
-        )
+    def node(group: int, name: str, args: list[str]) -> Any:
+        return _pipeline_node(tmp_path, rdzv_port, lighthouse, group, name, args)
 
     def steps() -> dict[str, int]:
-        running = read_running(lighthouse, timeout=2)
-        return {m.group: m.step for m in running.members if m.live} if running else {}
+        return _live_steps(lighthouse)
 
     try:
         wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])
@@ -282,8 +287,7 @@ def test_a_node_back_to_a_full_pipeline_fills_a_waiting_one(tmp_path: Path) -> N
     its rendezvous is full, so its agent takes the place pipeline 2 waits to fill and joins pipeline 2's rendezvous;
     pipeline 2 trains at depth 2, having taken pipeline 1's state, and pipeline 1 never stops. Both equal one
     process."""
-    from lightning_spot.torchft.running_quorum import read_running
-    from tests.elastic import RDZV_CONF, Agent, agents_cleanup, port_open, wait_for
+    from tests.elastic import agents_cleanup, port_open, wait_for
 
     rdzv_port, lighthouse_port = free_port(), free_port()
     lighthouse = f"http://127.0.0.1:{lighthouse_port}"
@@ -291,18 +295,12 @@ def test_a_node_back_to_a_full_pipeline_fills_a_waiting_one(tmp_path: Path) -> N
     out, stop = tmp_path / "out", tmp_path / "stop"
     argv = [WORKER, str(out), "--stages", "0", "--steps", "400", "--step-sleep", "0.2", "--stop-file", str(stop)]
     argv += ["--device-memory", "15000"]
-    conf = f"{RDZV_CONF},is_host=false"
 
-    def node(group: int, name: str) -> Agent:
-        env = {"REPLICA_GROUP_ID": str(group), "TORCHFT_LIGHTHOUSE": lighthouse}
-        log = tmp_path / f"pipeline{group}{name}.log"
-        return Agent(
-            f"{group}{name}", rdzv_port, 1, argv, log, nnodes="1:2", env=env, rdzv_conf=conf, rdzv_id=f"p{group}"
-        )
+    def node(group: int, name: str) -> Any:
+        return _pipeline_node(tmp_path, rdzv_port, lighthouse, group, name, argv)
 
     def steps() -> dict[str, int]:
-        running = read_running(lighthouse, timeout=2)
-        return {m.group: m.step for m in running.members if m.live} if running else {}
+        return _live_steps(lighthouse)
 
     try:
         wait_for(lambda: port_open(rdzv_port) and port_open(lighthouse_port), 90, "the coordinator", [])

@@ -30,7 +30,7 @@ over every copy of every pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,13 @@ def tie_holders(tie: TiedParameter, split: ModelSplit, grid: Layout, plans: Sequ
     for name in tie.stages:
         ranks.update(holders_of(name, split, grid, plans) or ())
     return tuple(sorted(ranks))
+
+
+def local_copies(tie: TiedParameter, local: Mapping[str, Tensor]) -> tuple[list[Tensor], bool]:
+    """This rank's copies of ``tie`` (``local``: its parameters by every name, ``remove_duplicate=False``), one per
+    tensor, and whether it holds the reference copy (the stored name's: its pipeline's gradient counts there)."""
+    names = [n for n in tie.stages if n in local]
+    return list({id(local[n]): local[n] for n in names}.values()), tie.name in names
 
 
 def holder_sets(split: ModelSplit, grid: Layout, plans: Sequence[StagePlan]) -> dict[Holders, int]:
@@ -138,12 +145,11 @@ class CrossPipelineSync:
         tied: dict[Holders, list[_Entry]] = {}
         tie_order = sorted(t.name for t in ties)  # ties in one order on every holder: by stored name
         for tie in ties:
-            names = [n for n in tie.stages if n in local]
+            copies, reference = local_copies(tie, local)
             tie_set = tie_holders(tie, split, grid, plans)
-            if not names or not local[names[0]].requires_grad or ("ties", tie_set) not in self.groups:
+            if not copies or not copies[0].requires_grad or ("ties", tie_set) not in self.groups:
                 continue
-            copies: list[Tensor] = list({id(local[n]): local[n] for n in names}.values())
-            tied.setdefault(tie_set, []).append(_Entry(tie_order.index(tie.name), copies, tie.name in names))
+            tied.setdefault(tie_set, []).append(_Entry(tie_order.index(tie.name), copies, reference))
         for name, p in local.items():
             held = holders_of(name, split, grid, plans)
             if name in tied_names or not p.requires_grad or held is None or ("params", held) not in self.groups:

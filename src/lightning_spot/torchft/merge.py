@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-from datetime import timedelta
+from dataclasses import replace
 from typing import Any
 
-from lightning_spot_launch.moves import MAX_NODES_ENV, SHARED_STORE_ENV, Target
-from lightning_spot_launch.waiting import Registry, Waiting, decide
+from lightning_spot_launch.moves import MAX_NODES_ENV, Target
+from lightning_spot_launch.waiting import Registry, Waiting, decide, shared_store
 
 
 class SurvivorMerge:
@@ -40,15 +40,8 @@ class SurvivorMerge:
     def from_env(cls, group: str, token: str) -> SurvivorMerge | None:
         """From the agent's environment (``lightning_spot_launch.moves.worker_env``); ``None`` when the pipelines
         share no store (each hosts its own rendezvous) or it cannot be reached."""
-        address = os.environ.get(SHARED_STORE_ENV)
-        if not address:
-            return None
-        from torch.distributed import TCPStore
-
-        host, _, port = address.rpartition(":")
-        try:
-            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-        except (RuntimeError, ValueError, TimeoutError):
+        store = shared_store()
+        if store is None:
             return None
         nodes = max(1, int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         me = Waiting(
@@ -79,4 +72,4 @@ class SurvivorMerge:
         return Target(move["group"], move["run_id"]) if move is not None else None
 
     def _beat(self) -> Waiting:
-        return Waiting(**{**self.me.__dict__, "beat": time.time()})
+        return replace(self.me, beat=time.time())

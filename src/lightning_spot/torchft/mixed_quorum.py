@@ -32,7 +32,7 @@ from lightning_spot.layout import Layout, LayoutError
 from lightning_spot.partition.cuts import StagePlan, Style
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import TiedParameter
-from lightning_spot.runtime.cross_pipeline import holders_of, tie_holders
+from lightning_spot.runtime.cross_pipeline import holders_of, local_copies, tie_holders
 from lightning_spot.torchft.early_buckets import weight_tail
 from lightning_spot.torchft.running_quorum import parse_replica_id, parse_tag
 
@@ -100,11 +100,10 @@ class HolderReduce:
         tied_names = {name for tie in ties for name in tie.stages}
         by_ties: dict[tuple[int, ...], list[_TiedEntry]] = {}
         for tie in sorted(ties, key=lambda t: t.name):  # (one order on every holder: by stored name)
-            names = [n for n in tie.stages if n in local]
-            copies: list[Tensor] = list({id(local[n]): local[n] for n in names}.values())
-            if copies and any(id(c) in wanted for c in copies):
+            copies, reference = local_copies(tie, local)
+            if any(id(c) in wanted for c in copies):
                 every_copy = tie_holders(tie, split, grid, plans)
-                by_ties.setdefault(every_copy, []).append(_TiedEntry(copies, contributes=tie.name in names))
+                by_ties.setdefault(every_copy, []).append(_TiedEntry(copies, contributes=reference))
         by_holders: dict[tuple[int, ...], list[Tensor]] = {}
         for name, p in module.named_parameters():
             if id(p) not in wanted or name in tied_names:
