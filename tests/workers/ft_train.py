@@ -26,6 +26,9 @@ of N bytes (the same on every pipeline: several on a tiny model).
 ``--timeline DIR``: PipelineTimeline of every step into DIR (``trace.json``).
 ``--checkpoint DIR``: SpotCheckpoint(dirpath=DIR, every_n_train_steps=5, save_on_train_end=False).
 ``--step-sleep S``: sleep S seconds after every step (time for a replacement to start and join).
+``--sgd``: the tiny model with SGD (lr 0.05, momentum 0.9) and no schedule (long runs whose batch shares change stay
+within float32's noise of one process; Adam does not, see FIELD-NOTES). ``--step-log``: every process appends
+``step time`` to ``OUT_DIR/steps/group{G}_rank{R}_{pid}`` at each step's end (a run's step history, read live).
 ``--model finetune``: a transformers Llama fine-tuned on padded batches whose labels are -100 on prompts and padding
 (a loss averaged over a varying number of tokens), ``FINETUNE_SAMPLES`` samples so that each epoch ends with a
 short batch, StepLR per epoch; see :func:`finetune_scenario`. ``--model gpt``: the example GPT (``examples/gpt``, its
@@ -75,6 +78,11 @@ def finetune_scenario(steps: int, accumulate: int = 1, family: str = "llama", ti
     }
 
 
+def tiny_model_kwargs(sgd: bool = False) -> dict[str, Any]:
+    """The tiny model's settings: Adam with StepLR per epoch (schedules must follow commits), or ``sgd``."""
+    return {"seed": 7, "optimizer": "sgd", "lr": 0.05} if sgd else {"seed": 7, "scheduler": True}
+
+
 class Report(L.Callback):
     def __init__(
         self,
@@ -85,8 +93,13 @@ class Report(L.Callback):
         full: int,
         freeze: bool,
         stop_file: Path | None = None,
+        step_log: bool = False,
     ) -> None:
         self.out, self.die, self.sleep, self.full, self.freeze = out, die, sleep, full, freeze
+        self.step_log = None
+        if step_log:
+            (out / "steps").mkdir(parents=True, exist_ok=True)
+            self.step_log = open(out / "steps" / f"group{GROUP}_rank{os.environ['RANK']}_{os.getpid()}", "a")
         self.stop_file = stop_file
         self.end = tuple(end.split(":")) if end else None
         self.ended: list[tuple[int, float]] = []
@@ -95,6 +108,9 @@ class Report(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.ended.append((trainer.global_step, time.time()))
+        if self.step_log is not None:
+            self.step_log.write(f"{trainer.global_step} {self.ended[-1][1]:.3f}\n")
+            self.step_log.flush()
         time.sleep(self.sleep)
         # (agreed over the pipeline's ranks: one that saw the file a step before its peer would leave it inside a
         # collective, and the peer's agent would start it again alone)
@@ -201,6 +217,8 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=None, help="SpotCheckpoint(snapshot_every_n_train_steps)")
     parser.add_argument("--device-memory", type=float, default=None, help="SpotPipelineStrategy(device_memory=...)")
     parser.add_argument("--min-replicas", type=int, default=1, help="TorchFT(min_replicas=...): the first quorum waits")
+    parser.add_argument("--sgd", action="store_true", help="the tiny model with SGD and no learning-rate schedule")
+    parser.add_argument("--step-log", action="store_true", help="each step's end appended to OUT/steps/...")
     args = parser.parse_args()
     if args.bucket_bytes:  # (several buckets on a tiny model, so that some can go out during the backward)
         from lightning_spot.torchft import early_buckets
@@ -225,7 +243,8 @@ def main() -> None:
         data = torch.randint(0, 256, (32 * 64 * (args.steps + 1),), generator=torch.Generator().manual_seed(0))
         loader = torch.utils.data.DataLoader(ByteWindows(data, block_size=64, stride=64), batch_size=32)
     else:  # StepLR per epoch: schedules must follow commits
-        model, loader = make_model(seed=7, scheduler=True, width=args.width), make_loader(batch_size=BATCH, n=SAMPLES)
+        model = make_model(**tiny_model_kwargs(args.sgd), width=args.width)
+        loader = make_loader(batch_size=BATCH, n=SAMPLES)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -252,7 +271,16 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[
-            Report(args.out, die, args.step_sleep, args.end_after_heal, args.groups, args.freeze, args.stop_file),
+            Report(
+                args.out,
+                die,
+                args.step_sleep,
+                args.end_after_heal,
+                args.groups,
+                args.freeze,
+                args.stop_file,
+                args.step_log,
+            ),
             *(
                 [
                     SpotCheckpoint(

@@ -23,6 +23,7 @@ from lightning_spot.runtime.offload import OptimizerOffload
 from lightning_spot.torchft.config import TorchFT
 from lightning_spot.torchft.heal import HEAL_URL, apply_stage_state, stage_state
 from lightning_spot.torchft.merge import SurvivorMerge
+from lightning_spot.torchft.peer_exits import PeerExits
 from lightning_spot.torchft.replica_group import ReplicaGroup, StageModel
 from lightning_spot.torchft.running_quorum import layout_tag, read_running
 from lightning_spot.torchft.stage_memory import memory_shortfall, wait_for_nodes
@@ -90,6 +91,7 @@ def attach(
     # (what pipelines of other cuts in the quorum need to find each parameter's holders)
     group.model = StageModel(engine.module, engine.split, engine.plan, engine.ctx.pp_group, engine.ties.tied)
     group.pace = lambda: engine.last_step_seconds  # (its schedule's seconds: the pipeline's speed on its last stage)
+    group.peer_exits = PeerExits.start(engine.ctx.pp_rank, group_size, group.leave_broken)
     _settle_heap()
     group.join(latest_step=latest, still_held=lambda: _still_live(settings, holders, engine))
     group.held_logs = engine.held_logs  # (the engine holds the step's logged values until the commit)

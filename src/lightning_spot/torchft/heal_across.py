@@ -48,6 +48,19 @@ def heal_source_rank(rank: int, names: Iterable[str], split: ModelSplit, layout:
     return min(holders) if holders else 0
 
 
+def serves_unassigned(result: Any) -> bool:
+    """Whether this rank, in quorum ``result`` (torchft's ``QuorumResult``; its pipelines cut the model otherwise),
+    serves its state to joiners torchft did not assign to it. torchft assigns each joiner a source per stage rank,
+    round-robin over the peers at the newest step starting at the stage's rank (``(i + rank) % peers``): with three
+    pipelines or more, rank 1 of the peer a joiner heals rank 0 from is another peer's source, and serves nothing.
+    A joiner cut otherwise fetches every rank it needs from its own source, so every rank at the newest step serves
+    while a pipeline is behind (with ``init_sync=False`` those are the members not at the newest step)."""
+    if getattr(result, "heal", False) or getattr(result, "recover_dst_replica_ranks", None):
+        return False  # (healing itself, or torchft serves this rank's state anyway)
+    behind = int(getattr(result, "replica_world_size", 0)) - int(getattr(result, "max_world_size", 0))
+    return getattr(result, "max_replica_rank", None) is not None and behind > 0
+
+
 def merged(own: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
     """One stage state (``heal.stage_state``'s) of ``own`` with the tensors and optimizer values of ``others``
     added under their stored names; random state and Lightning's part stay ``own``'s."""

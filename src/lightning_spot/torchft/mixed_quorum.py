@@ -33,6 +33,7 @@ from lightning_spot.partition.cuts import StagePlan, Style
 from lightning_spot.partition.discovery import ModelSplit
 from lightning_spot.partition.placement import TiedParameter
 from lightning_spot.runtime.cross_pipeline import holders_of, local_copies, tie_holders
+from lightning_spot.torchft.arrival import GroupAbandoned
 from lightning_spot.torchft.early_buckets import weight_tail
 from lightning_spot.torchft.running_quorum import parse_replica_id, parse_tag
 
@@ -217,3 +218,25 @@ class HolderReduce:
                     group.abort()
                 except Exception:  # (already broken)
                     pass
+
+
+class BrokenReduce:
+    """The reduction of a quorum whose groups could not be made (a member gone or giving up): every call fails with
+    that error, which the step reports (it does not commit, and is run again with the next quorum)."""
+
+    launched_early = 0
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def arm(self, microbatches: int, scale: float | None) -> None:
+        """(EarlyBuckets' interface) nothing is sent during the backward."""
+
+    def reduce(self, weight: float, riders: Tensor | None = None) -> float:
+        raise GroupAbandoned(f"no groups for this quorum: {self.error}") from self.error
+
+    def allreduce_small(self, t: Tensor, op: Any = None, riders: bool = False) -> None:
+        raise GroupAbandoned(f"no groups for this quorum: {self.error}") from self.error
+
+    def abort(self) -> None:
+        """Nothing to abort: the groups made were aborted when one failed."""

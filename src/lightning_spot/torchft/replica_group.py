@@ -45,14 +45,22 @@ from lightning_spot.runtime.clock import StepClock
 from lightning_spot.runtime.held_logs import HeldLogs
 from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.runtime.step_runner import batch_size_of
+from lightning_spot.torchft.arrival import Arrival
 from lightning_spot.torchft.batch_split import participant_rows, take_rows
 from lightning_spot.torchft.config import TorchFT, check_reachable, require_torchft
 from lightning_spot.torchft.early_buckets import EarlyBuckets
-from lightning_spot.torchft.heal_across import heal_source_rank, healed_across
+from lightning_spot.torchft.heal_across import heal_source_rank, healed_across, serves_unassigned
 from lightning_spot.torchft.leave import LeaveOnSignal
-from lightning_spot.torchft.mixed_quorum import HolderReduce, quorum_plans
+from lightning_spot.torchft.mixed_quorum import BrokenReduce, HolderReduce, quorum_plans
+from lightning_spot.torchft.peer_exits import PeerExits
 from lightning_spot.torchft.process_groups import cross_pipeline_group
-from lightning_spot.torchft.running_quorum import layouts_in, layouts_refusal, parse_replica_id, replica_id
+from lightning_spot.torchft.running_quorum import (
+    layouts_in,
+    layouts_refusal,
+    parse_replica_id,
+    read_running,
+    replica_id,
+)
 from lightning_spot.utils.distributed import broadcast_object
 from lightning_spot.watchdog import PEER_LOST_EXIT_CODE, CoordinatorLostError
 
@@ -129,10 +137,23 @@ class _StagePG:
         #: the quorum's step, added to the store prefix torchft gives (``s12``): a restarted lighthouse numbers its
         #: quorums from 1 again, and the keys an earlier quorum of that number left in the store must not be read
         self.epoch = ""
+        #: how the members meet before the group is configured (set once the replica group exists)
+        self.arrival: Arrival | None = None
 
-    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
-        if not self.mixed:
-            self._inner.configure(f"{store_addr}/{self.epoch}" if self.epoch else store_addr, *args, **kwargs)
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args: Any, **kw: Any) -> None:
+        """(torchft's quorum thread) the members meet first (``arrival``): one gone or giving up fails this at once,
+        and torchft reports it as the step's error (the step is run again with the next quorum)."""
+        if self.mixed:
+            return
+        addr = f"{store_addr}/{self.epoch}" if self.epoch else store_addr
+        try:
+            if self.arrival is not None:
+                self.arrival.meet(f"{addr}/meet", rank, world_size)
+            self._inner.configure(addr, replica_id, rank, world_size, *args, **kw)
+        except Exception as err:
+            if self.arrival is not None:
+                self.arrival.abandon(f"{addr}/meet", f"{replica_id} rank {rank}: {err}")
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -203,6 +224,8 @@ class ReplicaGroup:
             init_sync=False,  # every pipeline starts from the same seed: nothing to copy at step 0
         )
         self._state_dict = state_dict
+        self.arrival = Arrival(self._quorum_alive, timeout=settings.timeout, connect_timeout=settings.connect_timeout)
+        self._pg.arrival = self.arrival
         #: this pipeline's stages and cuts (``running_quorum.layout_tag``), carried by its replica id
         self.layout = layout
         #: the last quorum torchft's client got (its members' replica ids carry their layouts)
@@ -246,7 +269,7 @@ class ReplicaGroup:
         #: (pipelines of other cuts in the quorum) what this rank's stage is (the module, the model's split, its
         #: stage in its pipeline), set at attach, and the reduction among each parameter's holders, per quorum
         self.model: StageModel | None = None
-        self._mixed: HolderReduce | None = None
+        self._mixed: HolderReduce | BrokenReduce | None = None
         self._mixed_quorum = -1
         #: the rank of the peer torchft heals this rank from (``_heal_source``), set before its heal asks for it
         self._heal_from = group_rank
@@ -260,6 +283,8 @@ class ReplicaGroup:
         self._measured: tuple[list[float], int] | None = None
         self.shares: tuple[list[float], int] | None = None
         self.rows = 0
+        #: (on the first rank) the exit of another rank of the pipeline, seen at once (set at attach)
+        self.peer_exits: PeerExits | None = None
         #: SIGTERM (its torchrun stopping it, or a notice) makes the pipeline leave at once
         self._leave = LeaveOnSignal(self._stop_manager, who=f"pipeline {settings.replica_group} rank {group_rank}")
         self._leave.start()
@@ -271,6 +296,35 @@ class ReplicaGroup:
         self._pg.mixed = len(tags) > 1
         self._pg.epoch = f"s{getattr(result, 'max_step', 0)}"
         self._heal_from = self._heal_source(result)
+        if self._pg.mixed and serves_unassigned(result):
+            self._serve_state(int(result.max_step))
+
+    def _serve_state(self, step: int) -> None:
+        """(torchft's quorum thread) Serve this rank's state at ``step`` to whoever asks, as torchft's transport does
+        for the joiners it assigned to this rank: a joiner cut otherwise completes its state from the other ranks of
+        the peer it heals from, which torchft assigned to other peers (``heal_across.serves_unassigned``). The state
+        stays served until this rank's commit vote, which waits for the transfers to end."""
+        try:
+            self.manager._checkpoint_transport.send_checkpoint(
+                dst_ranks=[],
+                step=step,
+                state_dict=self.manager._manager_state_dict(),
+                timeout=timedelta(seconds=self.settings.timeout),
+            )
+        except Exception as err:  # (the joiner's fetch fails; this step does not commit)
+            log.warning(
+                "lightning-spot: rank %d could not serve its state at step %d: %s", self.manager_rank, step, err
+            )
+            self.manager.report_error(err)
+
+    def _quorum_alive(self) -> bool:
+        """Whether every pipeline of the last quorum still heartbeats to the lighthouse (True when its page cannot
+        be read: a lighthouse restarting says nothing)."""
+        result = self._client.last if self._client is not None else None
+        ids = list(getattr(result, "replica_ids", None) or [])
+        assert self.settings.lighthouse is not None
+        running = read_running(self.settings.lighthouse, timeout=min(1.0, self.settings.connect_timeout))
+        return running is None or not running.stopped(ids)
 
     def _heal_source(self, result: Any) -> int:
         """The rank of the peer that torchft heals this rank from in quorum ``result``: its own rank, unless the
@@ -314,29 +368,54 @@ class ReplicaGroup:
         store = broadcast_object(result.store_address if self.manager_rank == 0 else None, group=pp_group)
         prefix = f"{store}/lightning-spot/{result.quorum_id}/s{result.max_step}"  # (see _StagePG.epoch)
 
-        def group(key: str, rank: int, size: int) -> Any:
-            made = cross_pipeline_group(self.device, timeout)
-            made.configure(f"{prefix}/{key}", str(self.settings.replica_group), rank, size)
-            return made
+        made: list[tuple[str, Any]] = []
 
-        self._mixed = HolderReduce(
-            module, self.buckets.params, split, plans, me=(self.participant_rank, self.manager_rank), pg=group,
-            ties=ties, device=self.device,
-        )  # fmt: skip
+        def group(key: str, rank: int, size: int) -> Any:
+            pg = cross_pipeline_group(self.device, timeout)
+            made.append((f"{prefix}/{key}", pg))
+            self.arrival.meet(f"{prefix}/{key}/meet", rank, size)
+            pg.configure(f"{prefix}/{key}", str(self.settings.replica_group), rank, size)
+            return pg
+
+        try:
+            self._mixed = HolderReduce(
+                module, self.buckets.params, split, plans, me=(self.participant_rank, self.manager_rank), pg=group,
+                ties=ties, device=self.device,
+            )  # fmt: skip
+        except Exception as err:  # (a member gone or giving up: this step does not commit, the next quorum is asked)
+            why = f"pipeline {self.settings.replica_group} rank {self.manager_rank}: {err}"
+            for addr, pg in made:
+                self.arrival.abandon(f"{addr}/meet", why)
+                with contextlib.suppress(Exception):
+                    pg.abort()
+            log.warning("lightning-spot: %s; this step is run again with the next quorum", why.splitlines()[0][:300])
+            self.manager.report_error(err)
+            self._mixed = BrokenReduce(err)
         self._mixed_quorum = result.quorum_id
 
     def _keep_state(self, state: Any) -> None:
         """A peer's state, torchft's heal of this stage; from a peer cut otherwise, completed with what its other
         ranks hold of this rank's layers (``heal_across``)."""
         if self.model is not None and isinstance(state, dict) and state.get("layout") not in (None, self.layout):
-            state = healed_across(
-                state,
-                layout=self.layout,
-                rank=self._heal_from,
-                names=self._stored_names(),
-                split=self.model.split,
-                fetch=self._fetch_peer_rank,
-            )
+            try:
+                state = healed_across(
+                    state,
+                    layout=self.layout,
+                    rank=self._heal_from,
+                    names=self._stored_names(),
+                    split=self.model.split,
+                    fetch=self._fetch_peer_rank,
+                )
+            except Exception as err:  # (a peer gone meanwhile: no state taken; the join asks again)
+                log.warning(
+                    "lightning-spot: pipeline %s could not complete its state from the peer's other ranks (%s: %s); "
+                    "it asks again",
+                    self.settings.replica_group,
+                    type(err).__name__,
+                    str(err).splitlines()[0][:200] if str(err) else "",
+                )
+                self.manager.report_error(err)
+                return
         self.healed_state = state
 
     def _fetch_peer_rank(self, rank: int) -> Any:
@@ -504,6 +583,10 @@ class ReplicaGroup:
         self.participant_rank = rank if rank is not None else 0
         if self.model is not None:
             self._use_mixed()
+            if self._joining and self.manager.errored() is not None and self._mixed is not None:
+                # (its heal failed: it does not train this step; the others' all-reduce with it fails now, not at
+                # their timeout, and they ask for the next quorum, in which it heals again)
+                self._mixed.abort()
         self.last_quorum_seconds = time.monotonic() - started
         if before and self.participants != before:
             self.quorum_changes += 1
@@ -715,8 +798,11 @@ class ReplicaGroup:
         """The logged values' largest and smallest over the quorum (the last stages)."""
         if self._mixed is None:
             self.manager.allreduce(t, reduce_op=op).wait()
-        else:
+            return
+        try:
             self._mixed.allreduce_small(t, op, riders=True)
+        except Exception as err:  # (a peer lost: the step does not commit)
+            self.manager.report_error(err)
 
     @contextlib.contextmanager
     def _span(self, name: str) -> Iterator[None]:
@@ -800,7 +886,22 @@ class ReplicaGroup:
     def _stop_manager(self) -> None:
         self.manager.shutdown(wait=False)
 
+    def leave_broken(self, peer: int, why: str) -> None:
+        """(``PeerExits``' thread, on the first rank) rank ``peer`` of this pipeline exited: stop heartbeating now, so
+        that the other pipelines' next quorum does not wait for this one, and exit as for a lost peer (its agent
+        starts the pipeline again on the nodes it has)."""
+        print(
+            f"lightning-spot: pipeline {self.settings.replica_group}: rank {peer} exited ({why}); this pipeline leaves "
+            f"the quorum at once and its agent starts it again",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._stop_manager()
+        os._exit(PEER_LOST_EXIT_CODE)
+
     def shutdown(self) -> None:
         """Stop heartbeating (a pipeline that leaves must not hold up the others' quorum); from the main thread."""
+        if self.peer_exits is not None:
+            self.peer_exits.close()
         self._leave.stop()
         self._stop_manager()

@@ -25,6 +25,9 @@ from typing import NamedTuple
 
 #: a member heartbeating less long ago than this is live (torchft's lighthouse gives up on one after 5 s by default)
 LIVE_SECONDS = 5.0
+#: a member whose managers have not heartbeat for this long has left (they beat every 0.1 s; the lighthouse of
+#: ``lightning-spot coordinator`` drops one after 1 s)
+GONE_SECONDS = 1.5
 _TAG = r"s(?P<stages>\d+)(?:p(?P<ranks>\d+)(?P<v>v?))?c(?P<cuts>[\d.]*)"
 _REPLICA_ID = re.compile(rf"^(?P<tag>{_TAG})_pipeline_(?P<group>[^:]+)")
 _MEMBER = re.compile(
@@ -117,6 +120,11 @@ class RunningQuorum:
         """The replica ids of the live pipelines of other groups that hold :meth:`latest_step`."""
         latest = self.latest_step(group)
         return [m.replica_id for m in self.others(group) if m.step == latest and latest > 0]
+
+    def stopped(self, replica_ids: Iterable[str], after: float = GONE_SECONDS) -> list[str]:
+        """Those of ``replica_ids`` whose heartbeats stopped (the last more than ``after`` s ago; one the page does
+        not list is not known to have stopped: a lighthouse that restarted has not heard from it yet)."""
+        return [r for r in replica_ids if self.heartbeats.get(r, 0.0) > after]
 
     def any_live(self, replica_ids: Iterable[str]) -> bool:
         """Whether any of ``replica_ids`` still heartbeats (its last beat less than :data:`LIVE_SECONDS` ago)."""
