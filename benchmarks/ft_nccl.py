@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from examples.gpt.model import TinyGPT
     from lightning_spot import SpotPipelineStrategy
     from lightning_spot.torchft import TorchFT, process_groups, replica_group
-    from lightning_spot.torchft.lighthouse import start_lighthouse
+    from lightning_spot_launch.lighthouse import start_lighthouse
 
     cuda = torch.cuda.is_available()
     if args.group == "gloo":  # (what ReplicaGroup makes its groups with, told the device is the CPU)

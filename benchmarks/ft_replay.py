@@ -29,7 +29,7 @@ def replay_ft(
     """Run the replay in ``out``: a lighthouse here, one torchrun (one pipeline) per node of the trace;
     ``step_gpu_seconds``: a step's work, shared by the pipelines of the quorum."""
     from benchmarks.spot_replay import replay_config
-    from lightning_spot.torchft.lighthouse import start_lighthouse
+    from lightning_spot_launch.lighthouse import start_lighthouse
     from tests.distributed import free_port
     from tests.elastic import Agent
 

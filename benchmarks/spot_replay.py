@@ -152,7 +152,7 @@ def replay(
     ``lightning-spot run``'s defaults unless given.
     ``lead_seconds``: how long after a metadata notice (``m``) the node is killed (AWS's 2 minutes, compressed).
     ``step_gpu_seconds``: a step's work, shared by the processes that train it (added to ``step_seconds``)."""
-    from lightning_spot.cli.run import KEEP_ALIVE_SECONDS, LAST_CALL_SECONDS, rendezvous_conf
+    from lightning_spot_launch.run import KEEP_ALIVE_SECONDS, LAST_CALL_SECONDS, rendezvous_conf
     from tests.distributed import free_port
     from tests.elastic import Agent, port_open, wait_for
 

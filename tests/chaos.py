@@ -50,6 +50,8 @@ class Event:
     pauses: dict[str, float] = field(default_factory=dict)
     #: pipelines the event did not touch whose processes restarted meanwhile
     restarted: list[str] = field(default_factory=list)
+    #: seconds from the event to its end (a coordinator restart: until its ports were open again)
+    downtime: float = 0.0
 
     @property
     def goal(self) -> float:
@@ -86,7 +88,10 @@ class SoakReport:
         lines = []
         for i, e in enumerate(self.events):
             pauses = ", ".join(f"{g}: {p:.2f}" for g, p in sorted(e.pauses.items()))
-            lines.append(f"| {self.seed} | {i + 1} | {e.at:.0f} | {e.kind} {e.node} | {pauses} | {e.longest():.2f} |")
+            down = f"{e.downtime:.1f}" if e.kind == "coordinator" else ""
+            lines.append(
+                f"| {self.seed} | {i + 1} | {e.at:.0f} | {e.kind} {e.node} | {down} | {pauses} | {e.longest():.2f} |"
+            )
         return lines
 
 
@@ -213,11 +218,13 @@ class ChaosSoak:
         weights.append(0.6)
         return self.rng.choices(options, weights)[0]
 
-    def _apply(self, kind: str, node: str) -> None:
+    def _apply(self, kind: str, node: str) -> float:
+        """Apply the event; returns when it was done (the coordinator's ports open again, for a restart)."""
         if kind == "kill":
             self.nodes[node].kill_node()
             self.down.add(node)
-        elif kind == "notice":
+            return time.time()
+        if kind == "notice":
             self._notice(node)
         elif kind == "return":
             self._start_node(node)
@@ -225,6 +232,7 @@ class ChaosSoak:
             self._kill_coordinator()
             time.sleep(self.rng.uniform(0.5, 3.0))
             self._start_coordinator()
+        return time.time()
 
     def _wait(self, what: str, condition: Any, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -251,8 +259,8 @@ class ChaosSoak:
             for _ in range(self.event_count):
                 kind, node = self._choose()
                 at = time.time()
-                self._apply(kind, node)
-                events.append(Event(kind, node, at - self.started))
+                done = self._apply(kind, node)
+                events.append(Event(kind, node, at - self.started, downtime=round(done - at, 2)))
                 time.sleep(self.rng.uniform(*self.gap))
             back = sorted(self.down)  # every node back, then a few steps of every pipeline at depth 2
             for node in back:
@@ -334,10 +342,27 @@ class ChaosSoak:
         found = []
         for g in map(str, range(self.pipelines)):
             times = self._pipeline_times(history, g)
-            pause = self._pause(times, self.started, ended)
-            if pause > HANG_S:
-                found.append(f"pipeline {g} went {pause:.0f} s without a step")
+            for start, end in self._up_spans(events, g, ended):
+                pause = self._pause(times, start, end)
+                if pause > HANG_S:
+                    found.append(f"pipeline {g} went {pause:.0f} s without a step with a node up")
         return found
+
+    def _up_spans(self, events: list[Event], group: str, ended: float) -> list[tuple[float, float]]:
+        """The spans of time (wall clock) in which at least one node of pipeline ``group`` was up."""
+        up, since, spans = 2, self.started, []
+        for e in events:
+            hit = [n for n in e.node.split("+") if n and n[:-1] == group] if e.kind != "coordinator" else []
+            before = up
+            up += len(hit) if e.kind == "return" else -len(hit) if e.kind in ("kill", "notice") else 0
+            at = self.started + e.at
+            if before > 0 and up == 0:
+                spans.append((since, at))
+            elif before == 0 and up > 0:
+                since = at
+        if up > 0:
+            spans.append((since, ended))
+        return spans
 
     def _final_steps(self) -> dict[str, int]:
         from tests.integration.test_fault_tolerance import _results

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning_spot.cli.run import rendezvous_conf
+from lightning_spot_launch.run import rendezvous_conf
 from tests.distributed import REPO
 
 #: the rendezvous settings of the test agents: lightning-spot run's heartbeat; a round closes 3 s after its last member

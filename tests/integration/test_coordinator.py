@@ -19,7 +19,7 @@ from tests.parity import assert_same_params
 
 
 def _coordinator(rdzv_port: int, lighthouse_port: int, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "lightning_spot.cli", "coordinator", "--rdzv-port", str(rdzv_port)]
+    argv = [sys.executable, "-m", "lightning_spot_launch.coordinator", "--rdzv-port", str(rdzv_port)]
     argv += ["--lighthouse-port", str(lighthouse_port), "--log-every", "0.5"]
     with open(log, "a") as f:
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
@@ -134,8 +134,8 @@ def test_a_coordinator_down_longer_than_its_timeouts_ends_the_nodes_with_69_and_
     lighthouse and the agent on the store: it exits with 69 (a lost peer, which every recipe relaunches; it was a
     traceback and 1, which they fail the job on). The coordinator comes back, the agent is started again (the
     scheduler's relaunch): it resumes from the newest durable checkpoint and ends equal to one process."""
-    from lightning_spot.cli.run import rendezvous_conf
     from lightning_spot.torchft.running_quorum import read_running
+    from lightning_spot_launch.run import rendezvous_conf
     from tests.elastic import Agent, agents_cleanup, port_open, wait_for
 
     rdzv_port, lighthouse_port = free_port(), free_port()

@@ -51,7 +51,7 @@ WORKER = "tests/workers/ft_train.py"
 
 @pytest.fixture
 def lighthouse() -> Iterator[str]:
-    from lightning_spot.torchft.lighthouse import start_lighthouse
+    from lightning_spot_launch.lighthouse import start_lighthouse
 
     server = start_lighthouse()
     try:
@@ -223,7 +223,7 @@ def test_a_lighthouse_that_dies_mid_run_stops_every_pipeline_with_a_clear_error(
     next quorum within quorum_timeout (5 s here) with an error that names the lighthouse, and exit code 69 (the
     coordinator lost, not an error of the job's code: a scheduler relaunches it)."""
     port = free_port()
-    code = f"from lightning_spot.torchft.lighthouse import start_lighthouse as s; x = s({port}); input()"
+    code = f"from lightning_spot_launch.lighthouse import start_lighthouse as s; x = s({port}); input()"
     server = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, start_new_session=True)
     address = f"http://127.0.0.1:{port}"
     up = time.monotonic() + 90  # its process imports torch first: the pipelines must not start before it listens

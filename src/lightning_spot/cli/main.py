@@ -66,11 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return plan_main(args[1:])
     if args[0] == "run":
-        from lightning_spot.cli.run import main as run_main
+        from lightning_spot_launch.run import main as run_main
 
         return run_main(args[1:])
     if args[0] == "coordinator":
-        from lightning_spot.cli.coordinator import main as coordinator_main
+        from lightning_spot_launch.coordinator import main as coordinator_main
 
         return coordinator_main(args[1:])
     if args[0] == "deploy":

@@ -20,7 +20,7 @@ def test_replica_groups_share_the_cores_among_all_pipelines(monkeypatch: pytest.
     user's OMP_NUM_THREADS wins; 'gpu'/'cpu' process counts are left to torchrun."""
     import os
 
-    from lightning_spot.cli.run import _threads_per_process
+    from lightning_spot_launch.run import _threads_per_process
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)

@@ -58,7 +58,7 @@ def rendezvous_conf(
 def apply_coordinator(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """``--coordinator HOST[:PORT]``: the rendezvous on its store (each pipeline under its own id when
     ``REPLICA_GROUP_ID`` is set) and, unless ``TORCHFT_LIGHTHOUSE`` is set, its lighthouse; the environment to add."""
-    from lightning_spot.cli.coordinator import LIGHTHOUSE_PORT, RDZV_PORT
+    from lightning_spot_launch.coordinator import LIGHTHOUSE_PORT, RDZV_PORT
 
     host, _, port = args.coordinator.rpartition(":") if ":" in args.coordinator else (args.coordinator, "", "")
     args.rdzv_endpoint = f"{host}:{port or RDZV_PORT}"
@@ -126,7 +126,7 @@ def _threads_per_process(groups: int, nproc_per_node: str) -> int | None:
 
 def run_replica_groups(args: argparse.Namespace, cmd: list[str]) -> int:
     """One torchrun per pipeline beside an embedded lighthouse; the worst exit code of them all."""
-    from lightning_spot.torchft.lighthouse import start_lighthouse
+    from lightning_spot_launch.lighthouse import start_lighthouse
 
     lighthouse = start_lighthouse(args.lighthouse_port)
     address = lighthouse.address()

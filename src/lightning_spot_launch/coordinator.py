@@ -8,10 +8,11 @@
 
 It hosts the c10d rendezvous store of every pipeline (one TCPStore, several ``--rdzv-id``; the agents only connect
 to it: ``is_host=false``) and, unless told not to, the torchft lighthouse with the spot timeouts of
-``torchft/lighthouse.py``. With it no spot node hosts anything the others need: torchrun's c10d rendezvous otherwise
+``lightning_spot_launch/lighthouse.py``. With it no spot node hosts anything the others need: torchrun's c10d rendezvous otherwise
 lives in the agent of the node named by ``--rdzv-endpoint``, and the lighthouse in the process that started it.
 It logs the lighthouse's membership (pipelines, their steps) as it changes. Stopped by SIGTERM or SIGINT (exit 0);
-run it under a supervisor (systemd, a Kubernetes Deployment) that restarts it.
+run it under a supervisor (systemd, a Kubernetes Deployment) that restarts it. It imports torch and torchft, not
+Lightning, so that a restart is back in about a second (``python -m lightning_spot_launch.coordinator`` too).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Coordinator:
         )  # fmt: skip
         self.rdzv_port = int(self.store.port)
         if self.lighthouse_port is not None:
-            from lightning_spot.torchft.lighthouse import start_lighthouse
+            from lightning_spot_launch.lighthouse import start_lighthouse
 
             self.lighthouse = start_lighthouse(self.lighthouse_port)
         return self
@@ -61,7 +62,7 @@ class Coordinator:
 
     def membership(self) -> Optional[str]:
         """The lighthouse's latest quorum in one line (``None``: no lighthouse, or its page could not be read)."""
-        from lightning_spot.torchft.running_quorum import read_running
+        from lightning_spot_launch.lighthouse import read_running
 
         address = self.lighthouse_address
         running = read_running(address, timeout=2.0) if address else None
@@ -118,3 +119,7 @@ def main(argv: Sequence[str]) -> int:
         coordinator.stop()
     print("lightning-spot coordinator: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
