@@ -107,7 +107,10 @@ class ChaosSoak:
         events: int = 8,
         gap: tuple[float, float] = (10.0, 22.0),
         step_sleep: float = 0.2,
+        script: list[tuple[str, str, float]] | None = None,
     ) -> None:
+        """``script``: the events to play instead of seeded ones: (kind, node, seconds to wait after it)."""
+        self.script = list(script) if script is not None else None
         self.folder, self.seed, self.pipelines, self.event_count = folder, seed, pipelines, events
         self.gap, self.rng = gap, random.Random(seed)
         self.out, self.stop = folder / "out", folder / "stop"
@@ -118,6 +121,7 @@ class ChaosSoak:
         self.coordinator: subprocess.Popen | None = None
         self.nodes: dict[str, Agent] = {}
         self.down: set[str] = set()
+        self.launches: dict[str, int] = {}
         self.started = 0.0
 
     # ------------------------------------------------------------------ processes
@@ -139,7 +143,8 @@ class ChaosSoak:
     def _start_node(self, node: str) -> None:
         group = node[:-1]
         env = {"REPLICA_GROUP_ID": group, "TORCHFT_LIGHTHOUSE": self.lighthouse}
-        log = self.folder / f"pipeline{node}.log"
+        self.launches[node] = self.launches.get(node, 0) + 1
+        log = self.folder / f"pipeline{node}-{self.launches[node]}.log"  # (a log per launch of the node)
         self.nodes[node] = Agent(
             node, self.rdzv_port, 1, self.argv, log, nnodes="1:2", env=env, max_restarts=1000,
             rdzv_conf=f"{RDZV_CONF},is_host=false", rdzv_id=f"p{group}",
@@ -181,11 +186,12 @@ class ChaosSoak:
         """When pipeline ``group``'s first rank ended a step (any of its processes over time)."""
         return sorted(t for name, rows in history.items() if name.startswith(f"group{group}_rank0_") for _, t in rows)
 
-    def _pause(self, times: list[float], start: float, end: float) -> float:
-        """The longest time without a step end between ``start`` and ``end`` (the gap spanning ``start`` included)."""
+    def _pause(self, times: list[float], start: float, end: float, spanning: bool = True) -> float:
+        """The longest time without a step end between ``start`` and ``end`` (``spanning``: from the last step before
+        ``start``, else from ``start``)."""
         before = [t for t in times if t <= start]
         inside = [t for t in times if start < t <= end]
-        points = ([before[-1]] if before else [start]) + inside
+        points = ([before[-1]] if before and spanning else [start]) + inside
         gaps = [b - a for a, b in zip(points, points[1:])]
         tail = end - points[-1]
         return max([*gaps, tail]) if points else end - start
@@ -256,12 +262,12 @@ class ChaosSoak:
             )
             self.started = time.time()
             events: list[Event] = []
-            for _ in range(self.event_count):
-                kind, node = self._choose()
+            for i in range(self.event_count if self.script is None else len(self.script)):
+                kind, node = self._choose() if self.script is None else self.script[i][:2]
                 at = time.time()
                 done = self._apply(kind, node)
                 events.append(Event(kind, node, at - self.started, downtime=round(done - at, 2)))
-                time.sleep(self.rng.uniform(*self.gap))
+                time.sleep(self.rng.uniform(*self.gap) if self.script is None else self.script[i][2])
             back = sorted(self.down)  # every node back, then a few steps of every pipeline at depth 2
             for node in back:
                 self._start_node(node)
@@ -343,7 +349,7 @@ class ChaosSoak:
         for g in map(str, range(self.pipelines)):
             times = self._pipeline_times(history, g)
             for start, end in self._up_spans(events, g, ended):
-                pause = self._pause(times, start, end)
+                pause = self._pause(times, start, end, spanning=False)
                 if pause > HANG_S:
                     found.append(f"pipeline {g} went {pause:.0f} s without a step with a node up")
         return found

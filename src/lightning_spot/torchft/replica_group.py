@@ -159,6 +159,16 @@ class _StagePG:
         return getattr(self._inner, name)
 
 
+def lighthouse_restarted(last: tuple[int | None, tuple[str, ...]], now: tuple[int | None, tuple[str, ...]]) -> bool:
+    """Whether quorum ``now`` ((id, members)) comes from a lighthouse that restarted since quorum ``last``: a lower
+    id, or the same id with other members (a lighthouse keeps a quorum's id while its members stay, and numbers a
+    new one higher; a restarted one numbers from 1 again, so after a restart whose quorum kept its members until the
+    next restart, the ids are equal)."""
+    if last[0] is None or now[0] is None:
+        return False
+    return now[0] < last[0] or (now[0] == last[0] and now[1] != last[1])
+
+
 class StageModel(NamedTuple):
     """What this rank trains, for quorums of pipelines cut otherwise (set at attach): the module, the model's split,
     this pipeline's stage plan, its process group and the model's tied parameters."""
@@ -274,8 +284,8 @@ class ReplicaGroup:
         #: the rank of the peer torchft heals this rank from (``_heal_source``), set before its heal asks for it
         self._heal_from = group_rank
         _map_heal_ranks(lambda rank: self._heal_from if rank == self.manager_rank else rank)
-        #: the last quorum's id (a lower one next: the lighthouse restarted)
-        self._last_quorum_id: int | None = None
+        #: the last quorum's id and members (a lower id next, or the same with other members: the lighthouse restarted)
+        self._last_quorum: tuple[int | None, tuple[str, ...]] = (None, ())
         #: seconds of this rank's last schedule (``PipelineEngine.last_step_seconds``), set at attach: its speed
         self.pace: Callable[[], float] | None = None
         #: each pipeline's speed as the last stages summed it at the last commit, with the quorum it was measured in;
@@ -573,9 +583,10 @@ class ReplicaGroup:
                 f"coordinator` under a supervisor) and relaunch, and the pipelines resume from the durable checkpoints."
             ) from err
         quorum_id = self._quorum_id()
-        if quorum_id is not None and self._last_quorum_id is not None and quorum_id < self._last_quorum_id:
+        members = self._members()
+        if lighthouse_restarted(self._last_quorum, (quorum_id, members)):
             self._await_peers_after_restart(before)
-        self._last_quorum_id = self._quorum_id()
+        self._last_quorum = (self._quorum_id(), self._members())
         if self.healed_state is not None and not self._joining:
             self._fell_behind()
         rank = self.manager.participating_rank()
@@ -693,6 +704,11 @@ class ReplicaGroup:
             scale = self._early_scale(rows.stop - rows.start, microbatches) if early else None
             self.buckets.arm(microbatches, scale)
         return take_rows(batch, rows, size), size
+
+    def _members(self) -> tuple[str, ...]:
+        """The replica ids of the last quorum's pipelines."""
+        result = self._client.last if self._client is not None else None
+        return tuple(sorted(getattr(result, "replica_ids", None) or []))
 
     def _quorum_id(self) -> int | None:
         result = self._client.last if self._client is not None else None
