@@ -61,7 +61,7 @@ from lightning_spot.torchft.running_quorum import (
     read_running,
     replica_id,
 )
-from lightning_spot.utils.distributed import broadcast_object
+from lightning_spot.utils.distributed import all_gather_object, broadcast_object
 from lightning_spot.watchdog import PEER_LOST_EXIT_CODE, CoordinatorLostError
 
 log = logging.getLogger(__name__)
@@ -470,11 +470,7 @@ class ReplicaGroup:
             self._refuse_other_layouts()
             tries = max(1, int(self.settings.quorum_timeout / JOIN_RETRY_SECONDS))
             for _ in range(tries):
-                if (
-                    self.healed_state is not None
-                    or self.step >= latest_step
-                    or self._holders_gone(still_held, latest_step)
-                ):
+                if self._ranks_caught_up(latest_step) or self._holders_gone(still_held, latest_step):
                     break
                 log.warning(
                     "lightning-spot: pipeline %s got a quorum at step %d while live pipelines hold step %d: "
@@ -507,6 +503,26 @@ class ReplicaGroup:
             self.participants,
             self.manager.current_step(),
         )
+
+    def _ranks_caught_up(self, latest_step: int) -> bool:
+        """(Collective over the pipeline) whether every rank took a peer's state or holds ``latest_step``. Ranks heal
+        one by one: one whose source left mid-transfer has nothing while the others have their state, and a rank that
+        went on to train would wait in the pipeline's first collective for one that asks the lighthouse again, with
+        no timeout. So the ranks agree, and when they differ the pipeline leaves and rejoins whole."""
+        mine = self.healed_state is not None or self.step >= latest_step
+        if self.model is None:
+            return mine
+        every = all_gather_object(mine, group=self.model.group)
+        if all(every) or not any(every):
+            return bool(mine)
+        print(
+            f"lightning-spot: pipeline {self.settings.replica_group}: ranks {[r for r, ok in enumerate(every) if not ok]}"
+            f" took no peer's state while the others did (a peer left during the transfer); it leaves and rejoins",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._stop_manager()
+        os._exit(PREEMPTED_EXIT_CODE)
 
     def _holders_gone(self, still_held: Callable[[], bool] | None, latest_step: int) -> bool:
         """(Collective over the pipeline) whether the pipelines that held ``latest_step`` at the join stopped
