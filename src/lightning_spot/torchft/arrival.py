@@ -25,6 +25,8 @@ from typing import Any
 #: seconds between two looks at the members' keys, and between two reads of whether the quorum's pipelines live
 POLL_S = 0.005
 ALIVE_EVERY_S = 0.5
+#: seconds of one attempt to reach the quorum's store (attempts go on while the quorum lives)
+CONNECT_TRY_S = 0.5
 
 
 class GroupAbandoned(ConnectionError):
@@ -51,13 +53,10 @@ class Arrival:
         """Wait until all ``size`` members reached ``store_addr``; :class:`GroupAbandoned` when the quorum broke."""
         if size < 2:
             return
-        try:
-            store = store_client(store_addr, self.connect_timeout)
-            store.set(f"arrived/{rank}", "1")
-        except Exception as err:  # (the store's host, a member of the quorum, is gone)
-            raise GroupAbandoned(f"the quorum's store at {store_addr.partition('/')[0]} is gone: {err}") from err
-        keys = [f"arrived/{i}" for i in range(size)]
         started = time.monotonic()
+        store = self._reach(store_addr, started)
+        store.set(f"arrived/{rank}", "1")
+        keys = [f"arrived/{i}" for i in range(size)]
         looked = started
         while True:
             try:
@@ -80,9 +79,22 @@ class Arrival:
                     raise GroupAbandoned("a pipeline of the quorum stopped heartbeating (it left or broke)")
             time.sleep(POLL_S)
 
+    def _reach(self, store_addr: str, started: float) -> Any:
+        """A client of the quorum's store, tried in short attempts while the quorum lives: its host is a member of
+        the quorum, which may have died after the quorum formed (then its heartbeats stop, and this gives up)."""
+        attempt = min(CONNECT_TRY_S, self.connect_timeout)
+        while True:
+            try:
+                return store_client(store_addr, attempt)
+            except Exception as err:
+                if not self.alive() or time.monotonic() - started > self.connect_timeout:
+                    host = store_addr.partition("/")[0]
+                    raise GroupAbandoned(f"the quorum's store at {host} is gone ({err}".splitlines()[0] + ")") from err
+
     def abandon(self, store_addr: str, why: str) -> None:
-        """Tell the members meeting at ``store_addr`` that this one gave up (best effort: its host may be gone)."""
+        """Tell the members meeting at ``store_addr`` that this one gave up (best effort, one short attempt: its
+        host may be gone, and so are the others' waits then)."""
         try:
-            store_client(store_addr, self.connect_timeout).set("abandoned", why[:300])
-        except Exception:  # (nothing to tell: the store is gone, and so are the others' waits)
+            store_client(store_addr, min(CONNECT_TRY_S, self.connect_timeout)).set("abandoned", why[:300])
+        except Exception:
             pass

@@ -1,0 +1,115 @@
+"""Faults in sequence with three pipelines or more (issue 71), in one process: which ranks serve a joiner cut
+otherwise, members of a group that meet before it is configured and give up at once when the quorum broke, a
+lighthouse restart seen whatever the new quorum's id, a pipeline's first rank told within milliseconds that another
+rank exited, and a failure making the groups of a mixed quorum reported as the step's error."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from lightning_spot.torchft.arrival import Arrival, GroupAbandoned
+from lightning_spot.torchft.heal_across import serves_unassigned
+from lightning_spot.torchft.replica_group import lighthouse_restarted
+from tests.distributed import free_port
+
+
+def _result(**fields: Any) -> Any:
+    base = {"heal": False, "recover_dst_replica_ranks": [], "replica_world_size": 3, "max_world_size": 3}
+    return types.SimpleNamespace(**{**base, "max_replica_rank": 0, **fields})
+
+
+def test_every_rank_at_the_newest_step_serves_while_a_member_is_behind() -> None:
+    """torchft assigns a joiner one source per stage rank, round-robin from the stage's rank: with three pipelines
+    (two at step 20, a joiner at 0), stage 0's source is pipeline A and stage 1's is pipeline B. A joiner cut
+    otherwise fetches stage 1's state from A too, so A's rank 1 serves although torchft did not assign it."""
+    up_to_date_rank_1_not_assigned = _result(max_world_size=2, max_replica_rank=0)
+    assert serves_unassigned(up_to_date_rank_1_not_assigned)
+    assert not serves_unassigned(_result(max_world_size=2, recover_dst_replica_ranks=[2])), "torchft serves it"
+    assert not serves_unassigned(_result()), "nobody is behind"
+    assert not serves_unassigned(_result(max_world_size=2, max_replica_rank=None, heal=True)), "it heals itself"
+
+
+def test_a_restarted_lighthouse_is_seen_by_a_lower_id_or_the_same_id_with_other_members() -> None:
+    """A lighthouse keeps a quorum's id while its members stay: after a restart whose first quorum (id 1) kept its
+    three members until the next restart, that one's first quorum is id 1 again, with the pipeline that reached it
+    first alone in it."""
+    three, one = ("a", "b", "c"), ("b",)
+    assert lighthouse_restarted((7, three), (1, three))
+    assert lighthouse_restarted((1, three), (1, one))
+    assert not lighthouse_restarted((1, three), (1, three)), "the same quorum"
+    assert not lighthouse_restarted((1, three), (2, one)), "a pipeline left: a new quorum, numbered higher"
+    assert not lighthouse_restarted((None, ()), (1, one)), "the first quorum"
+
+
+class _Store:
+    """A TCPStore on a free port, for members meeting under prefixes of ``host:port/prefix``."""
+
+    def __init__(self) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        self.port = free_port()
+        self.server = TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=10))  # fmt: skip
+
+    def addr(self, prefix: str) -> str:
+        return f"127.0.0.1:{self.port}/{prefix}"
+
+
+def _meet_in_threads(arrival: Arrival, addr: str, ranks: list[int], size: int) -> dict[int, Any]:
+    """Each of ``ranks`` meets at ``addr`` in a thread; their outcomes (None: met) and how long each took."""
+    out: dict[int, Any] = {}
+
+    def member(rank: int) -> None:
+        started = time.monotonic()
+        try:
+            arrival.meet(addr, rank, size)
+            out[rank] = (None, time.monotonic() - started)
+        except GroupAbandoned as err:
+            out[rank] = (err, time.monotonic() - started)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def test_members_meet_and_one_that_gives_up_or_a_broken_quorum_ends_the_wait_at_once() -> None:
+    store = _Store()
+    arrival = Arrival(alive=lambda: True, timeout=20.0, connect_timeout=3.0)
+    met = _meet_in_threads(arrival, store.addr("q1/s5/0-2-4/meet"), [0, 1, 2], 3)
+    assert all(err is None for err, _ in met.values()), met
+    # one member gives up (its heal failed): the two waiting learn it within a poll, not at the 20 s timeout
+    addr = store.addr("q2/s5/0-2-4/meet")
+    threading.Timer(0.3, arrival.abandon, args=(addr, "pipeline 1 rank 0: its heal failed")).start()
+    waited = _meet_in_threads(arrival, addr, [0, 2], 3)
+    assert all(isinstance(err, GroupAbandoned) and "its heal failed" in str(err) for err, _ in waited.values())
+    assert max(took for _, took in waited.values()) < 5.0, waited
+    # a member that never comes while its pipeline stopped heartbeating: given up at the next look at the quorum
+    broken = Arrival(alive=lambda: False, timeout=20.0, connect_timeout=3.0)
+    waited = _meet_in_threads(broken, store.addr("q3/s5/0-2-4/meet"), [0, 1], 3)
+    assert all("stopped heartbeating" in str(err) for err, _ in waited.values())
+    assert max(took for _, took in waited.values()) < 5.0, waited
+    # nothing says so: the timeout bounds the wait, and names who did not come
+    short = Arrival(alive=lambda: True, timeout=0.5, connect_timeout=3.0)
+    ((err, _),) = _meet_in_threads(short, store.addr("q4/s5/0-2-4/meet"), [1], 3).values()
+    assert isinstance(err, GroupAbandoned) and "members ['0', '2'] of 3 did not come within 0 s" in str(err)
+
+
+def test_a_store_that_is_gone_abandons_the_group_within_the_connect_timeout() -> None:
+    arrival = Arrival(alive=lambda: True, timeout=20.0, connect_timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(GroupAbandoned, match="the quorum's store at 127.0.0.1:.* is gone"):
+        arrival.meet(f"127.0.0.1:{free_port()}/q1/meet", 0, 2)
+    assert time.monotonic() - started < 10.0
+    arrival.abandon(f"127.0.0.1:{free_port()}/q1/meet", "nothing to tell")  # (no store: no error)
