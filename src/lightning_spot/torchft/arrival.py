@@ -9,7 +9,7 @@ others', up to the group's timeout. A member that died after the quorum formed (
 broken), or that gave up (its heal failed), never comes, and the others would wait the whole timeout (30 s) before
 the step is run again. So the members first meet on keys of their own in that store, polled every few milliseconds,
 and give up as soon as one of them says it gave up (:meth:`abandon`), or a pipeline of the quorum stopped
-heartbeating to the lighthouse (``alive``: the lighthouse's page, read twice a second), or the timeout passed.
+heartbeating to the lighthouse (``alive``: the lighthouse's page, read four times a second), or the timeout passed.
 The caller reports that as the step's error (torchft's ``report_error``): the step does not commit and is run again
 with the next quorum, which leaves the broken pipeline out. Only once every member is there is the group configured.
 """
@@ -24,9 +24,9 @@ from typing import Any
 
 #: seconds between two looks at the members' keys, and between two reads of whether the quorum's pipelines live
 POLL_S = 0.005
-ALIVE_EVERY_S = 0.5
+ALIVE_EVERY_S = 0.25
 #: seconds of one attempt to reach the quorum's store (attempts go on while the quorum lives)
-CONNECT_TRY_S = 0.5
+CONNECT_TRY_S = 0.25
 
 
 class GroupAbandoned(ConnectionError):

@@ -113,3 +113,18 @@ def test_a_store_that_is_gone_abandons_the_group_within_the_connect_timeout() ->
         arrival.meet(f"127.0.0.1:{free_port()}/q1/meet", 0, 2)
     assert time.monotonic() - started < 10.0
     arrival.abandon(f"127.0.0.1:{free_port()}/q1/meet", "nothing to tell")  # (no store: no error)
+
+
+def test_a_pipeline_whose_beats_stopped_is_seen_on_the_lighthouse_page() -> None:
+    """Half a second without a beat (five missed) is a pipeline gone; one the page does not list is not known to be
+    gone (a lighthouse that restarted has not heard from it yet)."""
+    from lightning_spot.torchft.running_quorum import parse_status
+    from tests.unit.torchft.test_running_quorum import PAGE
+
+    live, gone = (
+        "s2c2_pipeline_0:71db80fc-0a04-4e4b-9940-67fe8c98181c",
+        "s2c2_pipeline_1:0a3c0000-0a04-4e4b-9940-67fe8c98181c",
+    )
+    running = parse_status(PAGE)
+    assert running.stopped([live, gone, "s1c_pipeline_2:new"]) == [gone]
+    assert parse_status(PAGE.replace("seen 82.5ms ago", "seen 612ms ago")).stopped([live]) == [live]
