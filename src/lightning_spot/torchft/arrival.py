@@ -16,6 +16,7 @@ with the next quorum, which leaves the broken pipeline out. Only once every memb
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,15 @@ CONNECT_TRY_S = 0.25
 
 class GroupAbandoned(ConnectionError):
     """A group between pipelines was not configured: the quorum it was made for broke (the step is run again)."""
+
+
+def _refused(store_addr: str) -> None:
+    """Raise ``ConnectionRefusedError`` at once when nothing listens at the store's port: the quorum's store lives in
+    a member's torchft manager, which served it when the quorum formed; refused now, that member is gone (a TCPStore
+    client would retry until its timeout)."""
+    host, _, port = store_addr.partition("/")[0].rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TRY_S):
+        pass
 
 
 def store_client(store_addr: str, timeout: float) -> Any:
@@ -85,9 +95,14 @@ class Arrival:
         attempt = min(CONNECT_TRY_S, self.connect_timeout)
         while True:
             try:
+                _refused(store_addr)
                 return store_client(store_addr, attempt)
             except Exception as err:
-                if not self.alive() or time.monotonic() - started > self.connect_timeout:
+                if (
+                    isinstance(err, ConnectionRefusedError)
+                    or not self.alive()
+                    or (time.monotonic() - started > self.connect_timeout)
+                ):
                     host = store_addr.partition("/")[0]
                     raise GroupAbandoned(f"the quorum's store at {host} is gone ({err}".splitlines()[0] + ")") from err
 
@@ -95,6 +110,7 @@ class Arrival:
         """Tell the members meeting at ``store_addr`` that this one gave up (best effort, one short attempt: its
         host may be gone, and so are the others' waits then)."""
         try:
+            _refused(store_addr)
             store_client(store_addr, min(CONNECT_TRY_S, self.connect_timeout)).set("abandoned", why[:300])
         except Exception:
             pass

@@ -610,7 +610,7 @@ class ReplicaGroup:
         self.participant_rank = rank if rank is not None else 0
         if self.model is not None:
             self._use_mixed()
-            if self._joining and self.manager.errored() is not None and self._mixed is not None:
+            if self._joining and self._mixed is not None and self.manager.errored() is not None:
                 # (its heal failed: it does not train this step; the others' all-reduce with it fails now, not at
                 # their timeout, and they ask for the next quorum, in which it heals again)
                 self._mixed.abort()

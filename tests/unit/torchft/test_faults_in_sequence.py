@@ -128,3 +128,67 @@ def test_a_pipeline_whose_beats_stopped_is_seen_on_the_lighthouse_page() -> None
     running = parse_status(PAGE)
     assert running.stopped([live, gone, "s1c_pipeline_2:new"]) == [gone]
     assert parse_status(PAGE.replace("seen 82.5ms ago", "seen 612ms ago")).stopped([live]) == [live]
+
+
+def test_a_joiner_whose_ranks_did_not_all_take_a_peers_state_leaves_whole(
+    fake_torchft: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 took a peer's state, rank 0's source left mid-transfer (D2): rank 1 would go on into the pipeline's
+    first collective while rank 0 asked the lighthouse again, both waiting with no timeout. The ranks agree first,
+    and leave together (exit 75: their agent starts them again, and they rejoin whole)."""
+    from lightning_spot.torchft import replica_group
+    from lightning_spot.torchft.replica_group import StageModel
+    from tests.unit.torchft.conftest import make_group
+
+    group = make_group([(["s2c2_pipeline_0:x"], 8, True)], fake_torchft)
+    group.model = StageModel(module=None, split=None, plan=None, group=object())
+    monkeypatch.setattr(replica_group, "all_gather_object", lambda mine, group: [False, mine])
+    exits: list[int] = []
+
+    def leave(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(replica_group.os, "_exit", leave)
+    try:
+        with pytest.raises(SystemExit):
+            group.join(latest_step=8)
+        assert exits == [75] and group.manager.stopped, "it left the quorum and exited for its agent to restart it"
+    finally:
+        group.shutdown()
+
+
+def test_groups_a_mixed_quorum_could_not_make_are_the_steps_error_not_a_crash(
+    fake_torchft: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member of a quorum of mixed cuts gone while the groups are made (D3: a notice on another pipeline crashed a
+    healthy one with DistNetworkError from the configure): the error is reported to torchft (the step does not
+    commit, and is run again with the next quorum), and every reduction of that quorum fails with it."""
+    from lightning_spot.torchft import replica_group
+    from lightning_spot.torchft.mixed_quorum import BrokenReduce
+    from lightning_spot.torchft.replica_group import StageModel
+    from tests.unit.torchft.conftest import make_group
+
+    group = make_group([([], 0, False)], fake_torchft)
+    group.manager_rank = 0  # (the pipeline's first rank hands the quorum's store to the others)
+    reported: list[BaseException] = []
+    group.manager.report_error = reported.append  # type: ignore[attr-defined]
+    group.model = StageModel(module=None, split=None, plan=None, group=None)
+    group.buckets = types.SimpleNamespace(params=[])  # type: ignore[assignment]
+    group._client.last = types.SimpleNamespace(  # type: ignore[union-attr]
+        replica_ids=["s2c2_pipeline_1:me", "s1c_pipeline_0:x"], store_address="127.0.0.1:1", quorum_id=4, max_step=9
+    )
+    monkeypatch.setattr(replica_group, "quorum_plans", lambda ids, split: ["plan", "plan"])
+
+    def groups_fail(*args: Any, pg: Any, **kwargs: Any) -> Any:
+        return pg("0-1", 0, 2)  # (the first group's members meet: the quorum's store is gone)
+
+    monkeypatch.setattr(replica_group, "HolderReduce", groups_fail)
+    try:
+        group._use_mixed()
+        assert isinstance(group._mixed, BrokenReduce) and len(reported) == 1, reported
+        assert isinstance(reported[0], GroupAbandoned) and "store at 127.0.0.1:1 is gone" in str(reported[0])
+        with pytest.raises(GroupAbandoned):
+            group._mixed.reduce(1.0)
+    finally:
+        group.shutdown()

@@ -15,7 +15,7 @@ from lightning_spot.runtime.loss_weights import LossWeights
 from lightning_spot.torchft import TorchFT
 from lightning_spot.torchft.process_groups import cross_pipeline_group
 from lightning_spot.torchft.replica_group import ReplicaGroup
-from tests.unit.torchft.test_running_quorum import _Manager
+from tests.unit.torchft.conftest import FakeManager
 
 
 def test_nccl_on_cuda_gloo_elsewhere() -> None:
@@ -32,7 +32,7 @@ def test_a_replica_group_on_a_gpu_sends_from_the_gpu(monkeypatch: pytest.MonkeyP
 
     handed: dict[str, Any] = {}
 
-    class Manager(_Manager):
+    class Manager(FakeManager):
         def __init__(self, pg: Any, **kwargs: Any) -> None:
             handed["pg"] = pg
             super().__init__(**kwargs)

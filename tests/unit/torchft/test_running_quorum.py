@@ -3,16 +3,12 @@ another layout is refused, and a quorum of its own behind live pipelines is aske
 
 from __future__ import annotations
 
-import types
-from typing import Any, ClassVar
-
 import pytest
 
 pytest.importorskip("torchft")
 
 from lightning_spot.layout import LayoutError
-from lightning_spot.torchft import TorchFT, replica_group
-from lightning_spot.torchft.replica_group import QuorumError, ReplicaGroup
+from lightning_spot.torchft.replica_group import QuorumError
 from lightning_spot.torchft.running_quorum import (
     describe_layout,
     layout_tag,
@@ -22,6 +18,7 @@ from lightning_spot.torchft.running_quorum import (
     parse_tag,
     replica_id,
 )
+from tests.unit.torchft.conftest import FakeManager, make_group
 
 #: the lighthouse's /status page (torchft 0.2.0) while pipeline 0 (two stages) trains and pipeline 1 is long gone
 PAGE = """
@@ -102,68 +99,12 @@ def test_a_looped_layout_says_how_many_processes_run_its_stages() -> None:
     assert layout_tag(1, [], 1) == "s1c" and parse_tag("s2x") is None
 
 
-class _Manager:
-    """torchft's Manager as ReplicaGroup uses it; each quorum is the next of ``quorums`` (replica ids, the step it
-    sets, whether it heals this pipeline)."""
-
-    quorums: ClassVar[list[tuple[list[str], int, bool]]] = []
-
-    def __init__(self, load_state_dict: Any, replica_id: str, **kwargs: Any) -> None:
-        self.load_state_dict_fn, self.replica_id, self.step, self.asked, self.stopped = (
-            load_state_dict,
-            replica_id,
-            0,
-            0,
-            False,
-        )
-        self._client = types.SimpleNamespace(_quorum=self._answer)
-
-    def _answer(self, **kwargs: Any) -> Any:
-        ids, step, heal = self.quorums[min(self.asked, len(self.quorums) - 1)]
-        self.asked += 1
-        self.step = step
-        if heal:
-            self.load_state_dict_fn({"from": "a peer"})
-        return types.SimpleNamespace(replica_ids=[f"{self.replica_id}:me", *ids])
-
-    def start_quorum(self) -> None:
-        self._client._quorum()  # (the recorded client ReplicaGroup installed)
-
-    def current_step(self) -> int:
-        return self.step
-
-    def participating_rank(self) -> int:
-        return 0
-
-    def num_participants(self) -> int:
-        return 1
-
-    def shutdown(self, wait: bool = True) -> None:
-        self.stopped = True
-
-
-@pytest.fixture
-def fake_torchft(monkeypatch: pytest.MonkeyPatch) -> type[_Manager]:
-    import torchft
-
-    monkeypatch.setattr(torchft, "Manager", _Manager)
-    monkeypatch.setattr(torchft, "ProcessGroupGloo", lambda **kwargs: None)
-    monkeypatch.setattr(replica_group, "JOIN_RETRY_SECONDS", 0.01)
-    return _Manager
-
-
-def _group(quorums: list[tuple[list[str], int, bool]], fake: type[_Manager], timeout: float = 5.0) -> ReplicaGroup:
-    fake.quorums = quorums
-    settings = TorchFT(lighthouse="http://127.0.0.1:1", replica_group="1", quorum_timeout=timeout)
-    return ReplicaGroup(settings, group_rank=1, group_size=2, state_dict=dict, layout="s2c2")  # (rank 1: no dial)
-
-
 def test_a_quorum_of_its_own_behind_live_pipelines_is_asked_for_again_until_it_takes_their_state(
-    fake_torchft: type[_Manager],
+    fake_torchft: type[FakeManager],
 ) -> None:
     """The lighthouse formed a quorum of the joiner alone (pipeline 0 was still inside the step that lost a peer):
     it asks again rather than train from step 0, and takes pipeline 0's state when it is in the next quorum."""
-    group = _group([([], 0, False), ([], 0, False), (["s2c2_pipeline_0:x"], 8, True)], fake_torchft)
+    group = make_group([([], 0, False), ([], 0, False), (["s2c2_pipeline_0:x"], 8, True)], fake_torchft)
     try:
         group.join(latest_step=8)
         assert group.manager.asked == 3 and group.healed_state == {"from": "a peer"} and group.step == 8
@@ -172,9 +113,9 @@ def test_a_quorum_of_its_own_behind_live_pipelines_is_asked_for_again_until_it_t
 
 
 def test_a_quorum_that_never_holds_the_live_pipelines_ends_the_join_with_the_reason(
-    fake_torchft: type[_Manager],
+    fake_torchft: type[FakeManager],
 ) -> None:
-    group = _group([([], 0, False)], fake_torchft, timeout=0.05)
+    group = make_group([([], 0, False)], fake_torchft, timeout=0.05)
     try:
         with pytest.raises(QuorumError, match="no quorum with the pipelines that held step 8.*does not start the run"):
             group.join(latest_step=8)
@@ -183,17 +124,17 @@ def test_a_quorum_that_never_holds_the_live_pipelines_ends_the_join_with_the_rea
         group.shutdown()
 
 
-def test_a_quorum_holding_a_pipeline_of_another_layout_is_refused_at_the_join(fake_torchft: type[_Manager]) -> None:
+def test_a_quorum_holding_a_pipeline_of_another_layout_is_refused_at_the_join(fake_torchft: type[FakeManager]) -> None:
     """What the status page could not tell (read before another pipeline joined): the quorum's own replica ids. A
     pipeline that would take the state of a peer of other cuts is refused; pipelines of other cuts that start
     together (step 0, nothing to take) train together."""
-    group = _group([(["s1c_pipeline_0:x"], 0, False)], fake_torchft)
+    group = make_group([(["s1c_pipeline_0:x"], 0, False)], fake_torchft)
     try:
         group.join()
         assert not group.manager.stopped and group.participants == 1
     finally:
         group.shutdown()
-    group = _group([(["s1c_pipeline_0:x"], 8, True)], fake_torchft)
+    group = make_group([(["s1c_pipeline_0:x"], 8, True)], fake_torchft)
     try:
         with pytest.raises(LayoutError, match=r"pipeline 1 would train 2 stage\(s\) cut at layers \[2\].*pipeline 0\)"):
             group.join()
