@@ -55,7 +55,11 @@ class Event:
 
     @property
     def goal(self) -> float:
-        return COORDINATOR_PAUSE_GOAL_S if self.kind == "coordinator" else NODE_PAUSE_GOAL_S
+        """A coordinator restart's goal; a node event's, per pipeline it restarts (nodes of several pipelines back at
+        once restart each: every one that leaves costs the others up to a lighthouse heartbeat timeout, 1 s)."""
+        if self.kind == "coordinator":
+            return COORDINATOR_PAUSE_GOAL_S
+        return NODE_PAUSE_GOAL_S * max(1, len({n[:-1] for n in self.node.split("+") if n}))
 
     def longest(self) -> float:
         return max(self.pauses.values(), default=0.0)
@@ -234,9 +238,9 @@ class ChaosSoak:
             self._notice(node)
         elif kind == "return":
             self._start_node(node)
-        else:
+        else:  # (a scripted restart may say how long the coordinator stays down: ("coordinator", "2.0", wait))
             self._kill_coordinator()
-            time.sleep(self.rng.uniform(0.5, 3.0))
+            time.sleep(float(node) if node else self.rng.uniform(0.5, 3.0))
             self._start_coordinator()
         return time.time()
 
@@ -266,12 +270,14 @@ class ChaosSoak:
                 kind, node = self._choose() if self.script is None else self.script[i][:2]
                 at = time.time()
                 done = self._apply(kind, node)
-                events.append(Event(kind, node, at - self.started, downtime=round(done - at, 2)))
+                shown = "" if kind == "coordinator" else node
+                events.append(Event(kind, shown, at - self.started, downtime=round(done - at, 2)))
                 time.sleep(self.rng.uniform(*self.gap) if self.script is None else self.script[i][2])
             back = sorted(self.down)  # every node back, then a few steps of every pipeline at depth 2
             for node in back:
                 self._start_node(node)
-            events.append(Event("return", "+".join(back), time.time() - self.started))
+            if back:
+                events.append(Event("return", "+".join(back), time.time() - self.started))
             self._wait("every pipeline whole again", self._all_whole, 180)
             time.sleep(3.0)
             ended = time.time()
