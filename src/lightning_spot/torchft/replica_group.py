@@ -515,14 +515,12 @@ class ReplicaGroup:
         every = all_gather_object(mine, group=self.model.group)
         if all(every) or not any(every):
             return bool(mine)
-        print(
-            f"lightning-spot: pipeline {self.settings.replica_group}: ranks {[r for r, ok in enumerate(every) if not ok]}"
-            f" took no peer's state while the others did (a peer left during the transfer); it leaves and rejoins",
-            file=sys.stderr,
-            flush=True,
+        self._leave_now(
+            f"pipeline {self.settings.replica_group}: ranks {[r for r, ok in enumerate(every) if not ok]} took no "
+            f"peer's state while the others did (a peer left during the transfer); it leaves and rejoins",
+            PREEMPTED_EXIT_CODE,
         )
-        self._stop_manager()
-        os._exit(PREEMPTED_EXIT_CODE)
+        return False
 
     def _holders_gone(self, still_held: Callable[[], bool] | None, latest_step: int) -> bool:
         """(Collective over the pipeline) whether the pipelines that held ``latest_step`` at the join stopped
@@ -897,14 +895,18 @@ class ReplicaGroup:
         """The others committed a step this pipeline did not (it was still waiting for a peer that had left): its
         weights could be caught up, but not Lightning's loop position, so it leaves and rejoins at setup, where a
         peer's state is restored with the loop (its torchrun restarts it; the others go on)."""
-        print(
-            f"lightning-spot: pipeline {self.settings.replica_group} fell behind the others (step "
-            f"{self.manager.current_step()}); it leaves and rejoins",
-            file=sys.stderr,
-            flush=True,
+        self._leave_now(
+            f"pipeline {self.settings.replica_group} fell behind the others (step {self.manager.current_step()}); it "
+            f"leaves and rejoins",
+            PREEMPTED_EXIT_CODE,
         )
+
+    def _leave_now(self, line: str, code: int) -> None:
+        """Say ``line``, stop heartbeating (the others' quorum does not wait for this pipeline) and exit with
+        ``code`` at once, whatever the main thread waits for (the agent starts the pipeline again)."""
+        print(f"lightning-spot: {line}", file=sys.stderr, flush=True)
         self._stop_manager()
-        os._exit(PREEMPTED_EXIT_CODE)
+        os._exit(code)
 
     @property
     def step(self) -> int:
@@ -922,14 +924,11 @@ class ReplicaGroup:
         """(``PeerExits``' thread, on the first rank) rank ``peer`` of this pipeline exited: stop heartbeating now, so
         that the other pipelines' next quorum does not wait for this one, and exit as for a lost peer (its agent
         starts the pipeline again on the nodes it has)."""
-        print(
-            f"lightning-spot: pipeline {self.settings.replica_group}: rank {peer} exited ({why}); this pipeline leaves "
-            f"the quorum at once and its agent starts it again",
-            file=sys.stderr,
-            flush=True,
+        self._leave_now(
+            f"pipeline {self.settings.replica_group}: rank {peer} exited ({why}); this pipeline leaves the quorum at "
+            f"once and its agent starts it again",
+            PEER_LOST_EXIT_CODE,
         )
-        self._stop_manager()
-        os._exit(PEER_LOST_EXIT_CODE)
 
     def shutdown(self) -> None:
         """Stop heartbeating (a pipeline that leaves must not hold up the others' quorum); from the main thread."""
