@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 #: how long a posted receive waits before it is posted again (gloo's receives time out with their group)
 _WAIT = timedelta(days=1)
-#: what a rank sends the first rank when it ends cleanly
+#: what a rank sends the first rank when it ends cleanly, and how long it waits for it to be taken
 _GOODBYE = 1.0
+_GOODBYE_WAIT = timedelta(seconds=5)
 
 
 class PeerExits:
@@ -77,7 +78,9 @@ class PeerExits:
         self._closing.set()
         if self.rank == 0 or sys.exc_info()[0] is not None:
             return
-        try:
-            dist.send(torch.full((1,), _GOODBYE), dst=0, group=self.group)  # type: ignore[arg-type]
+        try:  # (bounded: a first rank that is alive but not receiving must not hold this one's end)
+            work = dist.isend(torch.full((1,), _GOODBYE), dst=0, group=self.group)  # type: ignore[arg-type]
+            if work is not None:
+                work.wait(timeout=_GOODBYE_WAIT)
         except Exception as err:  # (the first rank is gone already)
             log.debug("lightning-spot: no goodbye to rank 0: %s", err)

@@ -590,10 +590,15 @@ class ReplicaGroup:
                     self._boundary.clear()
                     self._next_quorum = None
         except Exception as err:  # the lighthouse is gone or unreachable: no pipeline can agree on a step
+            through = (
+                ""
+                if self.manager_rank == 0
+                else " through this pipeline's first rank, whose torchft manager asks it (that rank may be the one gone)"
+            )
             raise LighthouseLostError(
                 f"no quorum from the torchft lighthouse at {self.settings.lighthouse} within "
-                f"{self.settings.quorum_timeout:.0f} s ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
-                f"Every rank exits with code {PEER_LOST_EXIT_CODE}: restart the lighthouse (`lightning-spot "
+                f"{self.settings.quorum_timeout:.0f} s{through} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200] if str(err) else ''}). Every rank exits with code {PEER_LOST_EXIT_CODE}: restart the lighthouse (`lightning-spot "
                 f"coordinator` under a supervisor) and relaunch, and the pipelines resume from the durable checkpoints."
             ) from err
         quorum_id = self._quorum_id()
